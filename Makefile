@@ -1,0 +1,34 @@
+# One command sets everything up and runs the demo (`make demo`);
+# one sets up and runs the tests (`make test`).  CI runs `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test bench bench-quick clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned to exactly 2.13.0 (a CPU build lies on the build machines'
+# disk; an unpinned torch would pull a multi-GB CUDA build).  Never add
+# torchvision or timm: PyPI's torchvision fails to import beside torch 2.13.0.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(PY) -m ckptc.demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) -m bench.run
+
+bench-quick: setup
+	$(PY) -m bench.run --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,34 @@
+"""ckptc: automatic activation checkpointing for PyTorch training.
+
+Capture a training step as a joint forward+backward graph, price every node,
+solve which activations to keep under a byte budget, and rewrite the graph so
+backward recomputes the rest just before it is needed.
+
+    >>> import ckptc                                        # doctest: +SKIP
+    >>> fast = ckptc.optimize(model, budget_gb=40)
+    >>> fast(batch).loss.backward()
+    >>> fast.plan                                           # what is kept / recomputed
+"""
+
+import logging
+
+from ckptc.api import OptimizedModule, optimize, plan
+from ckptc.errors import CkptcError, CorruptPlanError, PlanMismatchError, UntraceableModelError
+from ckptc.plans import ModelPlan, load_plan
+from solvers import InfeasibleBudgetError
+
+__version__ = "0.1.0"
+logging.getLogger("ckptc").addHandler(logging.NullHandler())
+
+__all__ = [
+    "optimize",
+    "plan",
+    "load_plan",
+    "OptimizedModule",
+    "ModelPlan",
+    "CkptcError",
+    "CorruptPlanError",
+    "PlanMismatchError",
+    "UntraceableModelError",
+    "InfeasibleBudgetError",
+]

@@ -1,0 +1,255 @@
+"""The ``torch.compile`` backend: capture, price, solve and rewrite each graph.
+
+Dynamo captures the model (graph breaks split it into several graphs), and
+AOTAutograd traces each graph's joint forward+backward graph at aten level
+with fake tensors, then calls our partitioner.  The partitioner prices the
+joint graph (:mod:`ckptc.costs`), turns it into a solver problem
+(:mod:`ckptc.problem`), asks a strategy (:mod:`ckptc.policies`) for a plan,
+and rewrites the graph into forward and backward modules that follow the
+plan's schedule (:mod:`ckptc.rewriter`).  AOTAutograd's runtime then runs
+them inside an ``autograd.Function``, handling input mutations (BatchNorm
+statistics are updated once per step) and aliasing.
+
+One budget covers the whole step: graphs captured later see the memory that
+earlier graphs keep for their backward as part of their baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+import solvers
+from ckptc import _torch_internals as internals
+from ckptc.costs import annotate_costs, measure_runtimes
+from ckptc.meter import resident_bytes
+from ckptc.policies import STRATEGIES, policies_from_patterns
+from ckptc.problem import JointProblem, joint_to_problem
+from ckptc.rewriter import rewrite
+from ckptc.rng import insert_rng_state_nodes
+
+log = logging.getLogger("ckptc.compiler")
+
+
+@dataclass
+class GraphRecord:
+    """What ckptc decided for one captured graph."""
+
+    index: int
+    joint_problem: JointProblem = field(repr=False)
+    plan: solvers.Plan
+    result: solvers.SimResult = field(repr=False)
+    baseline_bytes: int
+    unoptimized_peak_bytes: int
+    min_feasible_bytes: int
+    solve_seconds: float
+    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
+
+    @property
+    def problem(self) -> solvers.Problem:
+        return self.joint_problem.problem
+
+
+PlanSource = Callable[[int, JointProblem], solvers.Plan]
+
+
+class CheckpointCompiler:
+    """A ``torch.compile`` backend that makes each captured graph fit a budget.
+
+    Args:
+        budget_bytes: peak memory allowed for one forward+backward step, or
+            None for no limit (``strategy="none"`` behaviour for ``"auto"``).
+        strategy: a name in :data:`ckptc.policies.STRATEGIES`.
+        solver: solver method for ``strategy="auto"`` (see ``solvers.METHODS``).
+        model: the model being compiled, if known; its parameters, buffers and
+            gradients outside a graph count in that graph's baseline.
+        compiler: ``"eager"`` runs the rewritten graphs op by op; ``"inductor"``
+            compiles them with Inductor.
+        must_save / must_recompute: patterns over stable node names.
+        plan_source: replaces the strategy; given the graph index and problem,
+            returns a plan (used to apply plan files).
+        measure_time: price recomputation by measured seconds instead of FLOPs.
+        progress: ``(fraction, message)`` callback for long solves.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        *,
+        strategy: str = "auto",
+        solver: str = "auto",
+        model: torch.nn.Module | None = None,
+        compiler: str = "eager",
+        must_save: Sequence[str] = (),
+        must_recompute: Sequence[str] = (),
+        plan_source: PlanSource | None = None,
+        measure_time: bool = False,
+        time_limit: float | None = None,
+        progress: Callable[[float, str], None] | None = None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+        if solver not in solvers.METHODS and solver != "auto":
+            raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(solvers.METHODS)}")
+        if compiler not in ("eager", "inductor"):
+            raise ValueError(f"compiler must be 'eager' or 'inductor', not {compiler!r}")
+        self.budget_bytes = budget_bytes
+        self.strategy = strategy
+        self.solver = solver
+        self.model = model
+        self.compiler = compiler
+        self.must_save = tuple(must_save)
+        self.must_recompute = tuple(must_recompute)
+        self.plan_source = plan_source
+        self.measure_time = measure_time
+        self.time_limit = time_limit
+        self.progress = progress
+        self.records: list[GraphRecord] = []
+        # Graphs whose forward ran in the current step, in order.
+        self.active: list[GraphRecord] = []
+        self._just_planned: GraphRecord | None = None
+
+    def __repr__(self) -> str:
+        budget = "none" if self.budget_bytes is None else solvers.format_bytes(self.budget_bytes)
+        return (
+            f"CheckpointCompiler(budget={budget}, strategy={self.strategy!r}, "
+            f"solver={self.solver!r}, compiler={self.compiler!r}, graphs={len(self.records)})"
+        )
+
+    def reset(self) -> None:
+        """Forget the graphs planned so far (new input shapes plan again)."""
+        self.records.clear()
+        self.active.clear()
+
+    # -- torch.compile backend entry point ---------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
+            outside, input_ids = self._bytes_outside_graph(example_inputs)
+            return self.partition(joint, outside=outside, input_ids=input_ids, **kw)
+
+        backend = internals.aot_backend(
+            fw_compiler=self._compile_forward,
+            bw_compiler=self._compile_graph,
+            partition_fn=partition,
+        )
+        return backend(gm, example_inputs)
+
+    def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        compiled = self._compile_graph(gm, example_inputs)
+        record = self._just_planned
+        self._just_planned = None
+        if record is None:  # an inference graph: nothing planned
+            return compiled
+
+        def forward(args: list[Any]) -> Any:
+            # Track which graphs run in this step, in order: graphs planned later
+            # count what these keep for backward in their baseline.
+            if record in self.active:
+                self.active.clear()
+            self.active.append(record)
+            return compiled(args)
+
+        forward._boxed_call = True  # type: ignore[attr-defined]
+        return forward
+
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if self.compiler == "inductor":
+            return internals.inductor_compile(gm, example_inputs)
+        return internals.boxed(gm)
+
+    def _bytes_outside_graph(self, example_inputs: Sequence[Any]) -> tuple[int, frozenset[int]]:
+        """Model state this graph does not take as input, and gradients that exist
+        while its backward runs: those of trainable parameters that no graph run
+        so far in this step (this one included) uses, since graphs run backward in
+        reverse order.  Also returns the ids of this graph's trainable parameters.
+        """
+        graph_tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        graph_ids = frozenset(id(t) for t in graph_tensors)
+        if self.model is None:
+            return 0, graph_ids
+        params = {id(p): p for p in self.model.parameters()}
+        state_ids = set(params) | {id(b) for b in self.model.buffers()}
+        state = resident_bytes(*params.values(), *self.model.buffers())
+        in_graph = resident_bytes(*[t for t in graph_tensors if id(t) in state_ids])
+        seen = set(graph_ids).union(*(r.input_ids for r in self.active))
+        later_grads = sum(
+            p.numel() * p.element_size() for i, p in params.items() if p.requires_grad and i not in seen
+        )
+        return max(0, state - in_graph) + later_grads, graph_ids
+
+    # -- the partitioner --------------------------------------------------
+    def partition(
+        self,
+        joint: fx.GraphModule,
+        *,
+        outside: int = 0,
+        input_ids: frozenset[int] = frozenset(),
+        num_fwd_outputs: int,
+        **_: Any,
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """AOTAutograd ``partition_fn``: plan this joint graph and rewrite it."""
+        start = time.perf_counter()
+        insert_rng_state_nodes(joint.graph)
+        joint.recompile()
+        annotate_costs(joint)
+        if self.measure_time:
+            measure_runtimes(joint)
+        earlier = sum(r.result.kept_bytes for r in self.active)
+        policies = policies_from_patterns(
+            {n.name: n for n in joint.graph.nodes}, self.must_save, self.must_recompute
+        )
+        jp = joint_to_problem(
+            joint, num_fwd_outputs, baseline_bytes=outside + earlier, policies=policies
+        )
+        index = len(self.records)
+        plan = self._decide(index, jp)
+        result = solvers.simulate(jp.problem, plan)
+        unoptimized = solvers.simulate(jp.problem, STRATEGIES["none"](jp)).peak_bytes
+        record = GraphRecord(
+            index=index,
+            joint_problem=jp,
+            plan=plan,
+            result=result,
+            baseline_bytes=jp.problem.baseline_bytes,
+            unoptimized_peak_bytes=unoptimized,
+            min_feasible_bytes=solvers.min_feasible_budget(jp.problem),
+            solve_seconds=time.perf_counter() - start,
+            input_ids=input_ids,
+        )
+        self.records.append(record)
+        self._just_planned = record
+        log.info(
+            "graph %d: %d nodes, kept %d forward values, predicted peak %s (unoptimized %s), "
+            "recompute cost %.3g",
+            index,
+            len(jp.problem),
+            len(plan.kept),
+            solvers.format_bytes(result.peak_bytes),
+            solvers.format_bytes(unoptimized),
+            result.recompute_cost,
+        )
+        steps = solvers.schedule(jp.problem, plan)
+        return rewrite(joint, steps, plan.kept, num_fwd_outputs)
+
+    def _decide(self, index: int, jp: JointProblem) -> solvers.Plan:
+        if self.plan_source is not None:
+            return self.plan_source(index, jp)
+        options: dict[str, Any] = {}
+        if self.strategy == "auto":
+            options["solver"] = self.solver
+            options["progress"] = self.progress
+            if self.time_limit is not None:
+                options["time_limit"] = self.time_limit
+        return STRATEGIES[self.strategy](jp, self.budget_bytes, **options)
+
+
+def _is_model_state(tensor: torch.Tensor, model: torch.nn.Module) -> bool:
+    ids = getattr(model, "_ckptc_state_ids", None)
+    if ids is None:
+        ids = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    return id(tensor) in ids

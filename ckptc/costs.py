@@ -1,0 +1,287 @@
+"""Cost model: price every node of a joint forward+backward graph.
+
+One pass, :func:`annotate_costs`, walks the aten-level joint graph in order and
+writes a :class:`NodeCost` into ``node.meta["ckptc"]``: which phase the node
+belongs to, the bytes of storage it allocates (views and aliases share their
+base's storage and are counted once), the FLOPs to recompute it, the source
+module it came from and a stable readable name.  :func:`measure_runtimes` can
+replace FLOPs by measured seconds.  Nothing here allocates real tensors except
+the optional runtime measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from ckptc._torch_internals import is_primal, is_tangent
+
+log = logging.getLogger("ckptc.costs")
+
+INPUT, FORWARD, BACKWARD = "input", "forward", "backward"
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one joint-graph node costs.
+
+    Attributes:
+        kind: ``"input"`` (parameters, buffers, user inputs), ``"forward"`` or
+            ``"backward"`` (tangents count as backward: autograd creates them
+            when backward starts).
+        bytes: storage bytes the node allocates; 0 for a view or alias.
+        flops: floating-point operations to (re)compute it.  Pointwise ops and
+            reductions are counted by elements touched.
+        alias_of: name of the node whose storage this one views, if any.
+        part_of: for a ``getitem`` of a multi-output op, that op's node: the
+            op allocates all outputs (its ``bytes`` is their sum) and this node
+            takes over its own output's ``bytes`` from it.
+        module: dotted path of the ``nn.Module`` it came from ("" if unknown).
+        stable_name: ``module.op`` with an ordinal, e.g. ``layers.3.attn.mm_1``;
+            stable across runs of the same model, used in plan files and reports.
+        random: it draws from a random number generator (dropout, rand, ...).
+        seconds: measured run time, if :func:`measure_runtimes` ran.
+    """
+
+    kind: str
+    bytes: int
+    flops: int
+    alias_of: str | None
+    module: str
+    stable_name: str
+    part_of: str | None = None
+    random: bool = False
+    seconds: float | None = None
+
+    @property
+    def cost(self) -> float:
+        """Recompute cost: measured seconds when available, else FLOPs."""
+        return self.seconds if self.seconds is not None else float(self.flops)
+
+
+def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
+    """Write a :class:`NodeCost` into ``node.meta["ckptc"]`` for every node.
+
+    Requires fake-tensor metadata (``node.meta["val"]``), which AOTAutograd and
+    ``make_fx`` graphs carry.  Returns the same mapping for convenience.
+    """
+    tangent_dependent: set[fx.Node] = set()
+    storage_owner: dict[StorageWeakRef, str] = {}
+    root_of: dict[str, str] = {}
+    name_counts: Counter[str] = Counter()
+    costs: dict[fx.Node, NodeCost] = {}
+    for node in joint.graph.nodes:
+        if node.op == "output":
+            continue
+        inputs = node.all_input_nodes
+        if is_tangent(node) or any(n in tangent_dependent for n in inputs):
+            tangent_dependent.add(node)
+        if node.op in ("placeholder", "get_attr"):
+            kind = BACKWARD if is_tangent(node) else INPUT
+        else:
+            kind = BACKWARD if node in tangent_dependent else FORWARD
+
+        new_bytes, alias_root = _storage_bytes(node, storage_owner)
+        part_of = _part_of(node)
+        alias_of = None
+        if alias_root is not None:
+            # Name the argument this node views (the simulator follows the chain).
+            alias_of = next(
+                (n.name for n in inputs if root_of.get(n.name) == alias_root), None
+            )
+        root_of[node.name] = root_of.get(alias_of, alias_of) if alias_of else node.name
+        module = _module_path(node)
+        op_name = _op_name(node)
+        base = f"{module}.{op_name}" if module else op_name
+        if node.op == "placeholder":
+            base = f"input.{node.target}"
+        ordinal = name_counts[base]
+        name_counts[base] += 1
+        cost = NodeCost(
+            kind=kind,
+            bytes=new_bytes,
+            flops=0 if node.op != "call_function" else count_flops(node),
+            alias_of=alias_of,
+            part_of=part_of,
+            module=module,
+            stable_name=base if ordinal == 0 else f"{base}_{ordinal}",
+            random=is_random(node),
+        )
+        node.meta["ckptc"] = cost
+        costs[node] = cost
+    return costs
+
+
+def is_random(node: fx.Node) -> bool:
+    """True for ops that draw from a random number generator."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in target.tags
+    )
+
+
+def _storage_bytes(
+    node: fx.Node, storage_owner: dict[StorageWeakRef, str]
+) -> tuple[int, str | None]:
+    """Bytes of storage first allocated by ``node``, and the node it aliases.
+
+    Storage identity of the fake tensors decides aliasing, so every view op is
+    recognised without an op list.  A multi-output op allocates all its
+    outputs; each ``getitem`` then takes over the storage it extracts (see
+    ``part_of`` in :class:`NodeCost`), so outputs die one by one.
+    """
+    val = node.meta.get("val")
+    tensors = [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
+    multi_output = isinstance(val, (tuple, list))
+    new_bytes = 0
+    aliased: str | None = None
+    for t in tensors:
+        try:
+            ref = StorageWeakRef(t.untyped_storage())
+            nbytes = t.untyped_storage().nbytes()
+        except (NotImplementedError, RuntimeError):  # e.g. sparse or nested tensors
+            new_bytes += t.numel() * t.element_size()
+            continue
+        owner = storage_owner.get(ref)
+        if owner is None:
+            if not multi_output:
+                storage_owner[ref] = node.name
+            new_bytes += nbytes
+        elif aliased is None:
+            aliased = owner
+    if new_bytes:
+        # A node that allocates anything owns its storage; partial aliasing of an
+        # input (rare: ops returning one view and one new tensor) is ignored.
+        return new_bytes, None
+    return 0, aliased
+
+
+def _part_of(node: fx.Node) -> str | None:
+    """The multi-output node whose output this ``getitem`` extracts, if any."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        if isinstance(node.args[0].meta.get("val"), (tuple, list)):
+            return node.args[0].name
+    return None
+
+
+_PATH_PART = re.compile(r"\['([^']*)'\]|\[(\d+)\]")
+
+
+def _module_path(node: fx.Node) -> str:
+    """Dotted path of the innermost module that produced ``node``."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return normalize_module_path(path)
+
+
+def normalize_module_path(path: str) -> str:
+    """``L['self'].h[0].attn`` / ``L__self___h_0_attn``-style paths to ``h.0.attn``."""
+    path = re.sub(r"^L\['[^']*'\]", "", path)
+    path = _PATH_PART.sub(lambda m: "." + (m.group(1) or m.group(2)), path)
+    path = re.sub(r"\._modules\.|\._parameters\.|\._buffers\.", ".", path)
+    return path.strip(".").replace("..", ".")
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return str(node.target)
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    return getattr(target, "__name__", str(target))
+
+
+def _vals(args: Any) -> Any:
+    return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
+
+
+def count_flops(node: fx.Node) -> int:
+    """FLOPs of one aten node from its fake-tensor metadata.
+
+    Matmuls, convolutions and attention use ``torch.utils.flop_counter``'s
+    formulas; every other op is priced by the elements it reads and writes, so
+    pointwise ops and reductions are cheap but never free.  Views cost 0.
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    out = node.meta.get("val")
+    formula = flop_registry.get(target.overloadpacket)
+    args, kwargs = _vals(node.args), _vals(node.kwargs)
+    if formula is not None:
+        try:
+            return int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not fit this overload's arguments
+            log.debug("flop formula failed for %s", target, exc_info=True)
+    if "scaled_dot_product" in target._opname:
+        return _attention_flops(target._opname, args)
+    if target.is_view or target._schema.name in ("aten::alias",):
+        return 0
+    touched = 0
+    for t in tree_flatten((args, kwargs, out))[0]:
+        if isinstance(t, torch.Tensor):
+            touched += t.numel()
+    return touched
+
+
+def _attention_flops(opname: str, args: Iterable[Any]) -> int:
+    """FLOPs of fused attention kernels the flop counter does not know (CPU ones)."""
+    q, k = list(args)[:2]
+    *batch, lq, d = q.shape
+    lk = k.shape[-2]
+    b = 1
+    for s in batch:
+        b *= s
+    forward = 4 * b * lq * lk * d
+    return forward * 2 if "backward" in opname else forward
+
+
+def measure_runtimes(joint: fx.GraphModule, repeats: int = 3) -> None:
+    """Time each forward node on real random tensors and store it in the meta.
+
+    An optional estimator: recompute cost becomes measured seconds instead of
+    FLOPs (the minimum over ``repeats`` runs).  Needs :func:`annotate_costs` first.
+    """
+    real: dict[fx.Node, Any] = {}
+
+    def materialize(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if v.dtype.is_floating_point or v.dtype.is_complex:
+                return torch.randn(v.shape, dtype=v.dtype, device=v.device)
+            if v.dtype == torch.bool:
+                return torch.ones(v.shape, dtype=v.dtype, device=v.device)
+            return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        return v
+
+    for node in joint.graph.nodes:
+        cost: NodeCost | None = node.meta.get("ckptc")
+        if cost is None or node.op == "output":
+            continue
+        if node.op != "call_function" or cost.kind != FORWARD:
+            real[node] = torch.utils._pytree.tree_map(materialize, node.meta.get("val"))
+            continue
+        args = torch.fx.node.map_arg(node.args, lambda n: real[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: real[n])
+        best = float("inf")
+        result = None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = node.target(*args, **kwargs)
+            best = min(best, time.perf_counter() - start)
+        real[node] = result
+        node.meta["ckptc"] = replace(cost, seconds=best)

@@ -1,0 +1,161 @@
+"""An exact memory meter for one training step, independent of any plan.
+
+On CPU it reads the allocator's own events from ``torch.profiler``
+(``profile_memory=True``): every allocation and free in order, including
+scratch memory inside ops (oneDNN convolutions, matmul packing).  On CUDA and
+other accelerators it reads the caching allocator's peak counters.  Memory
+that was already allocated when the step began (parameters, buffers, inputs)
+is not seen by the allocator events, so the caller passes it in as
+``baseline_bytes``; :func:`resident_bytes` computes it from the tensors.
+
+Warm up one step before measuring: the first call of a compiled model also
+compiles and plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+log = logging.getLogger("ckptc.meter")
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """Peak memory of one measured call.
+
+    Attributes:
+        peak_bytes: ``baseline_bytes`` plus the highest allocation level reached.
+        baseline_bytes: memory resident when the call began.
+        end_bytes: ``baseline_bytes`` plus what was still allocated at the end.
+        timeline: allocation level after each allocator event (CPU only).
+    """
+
+    peak_bytes: int
+    baseline_bytes: int
+    end_bytes: int
+    timeline: tuple[int, ...] = field(default=(), repr=False)
+
+
+def resident_bytes(*objects: Any) -> int:
+    """Bytes of the distinct storages behind tensors, modules' parameters and buffers.
+
+    Tensors sharing a storage (tied weights, views) are counted once; gradients
+    already present on parameters are included.
+    """
+    seen: set[StorageWeakRef] = set()
+    total = 0
+    for tensor in _tensors(objects):
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        ref = StorageWeakRef(storage)
+        if ref not in seen:
+            seen.add(ref)
+            total += storage.nbytes()
+    return total
+
+
+def _tensors(objects: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+            yield from obj.buffers()
+        elif isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            yield from _tensors(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            yield from _tensors(obj)
+
+
+def measure_peak(
+    fn: Callable[[], Any], *, baseline_bytes: int = 0, device: torch.device | str = "cpu"
+) -> tuple[Any, MemoryMeasurement]:
+    """Run ``fn()`` once and measure the peak memory on ``device``.
+
+    Returns ``fn``'s result and the measurement.  The result is kept alive
+    until the end of the measurement, as a training step keeps its loss.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _measure_cpu(fn, baseline_bytes)
+    return _measure_accelerator(fn, baseline_bytes, device)
+
+
+def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, MemoryMeasurement]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    ]
+    events.sort(key=lambda e: e.start_ns())
+    level = peak = 0
+    timeline = []
+    for event in events:
+        level += event.nbytes()
+        peak = max(peak, level)
+        timeline.append(level)
+    return result, MemoryMeasurement(
+        peak_bytes=baseline_bytes + peak,
+        baseline_bytes=baseline_bytes,
+        end_bytes=baseline_bytes + level,
+        timeline=tuple(timeline),
+    )
+
+
+def _measure_accelerator(
+    fn: Callable[[], Any], baseline_bytes: int, device: torch.device
+) -> tuple[Any, MemoryMeasurement]:
+    module = torch.get_device_module(device.type)
+    module.synchronize(device)
+    module.reset_peak_memory_stats(device)
+    start = module.memory_allocated(device)
+    result = fn()
+    module.synchronize(device)
+    peak = module.max_memory_allocated(device) - start
+    end = module.memory_allocated(device) - start
+    return result, MemoryMeasurement(baseline_bytes + peak, baseline_bytes, baseline_bytes + end)
+
+
+@contextlib.contextmanager
+def _quiet_profiler():
+    """Kineto prints start/stop lines on stderr; keep them out of users' output."""
+    try:
+        stderr_fd = os.dup(2)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(stderr_fd, 2)
+            os.close(stderr_fd)
+
+
+def training_step(model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], *args: Any, **kwargs: Any) -> Callable[[], torch.Tensor]:
+    """A closure running one forward+backward step from zeroed (``None``) gradients."""
+
+    def step() -> torch.Tensor:
+        loss = loss_fn(model(*args, **kwargs))
+        loss.backward()
+        return loss.detach()
+
+    return step
+

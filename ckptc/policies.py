@@ -1,0 +1,154 @@
+"""Strategies: small named functions that decide what to keep.
+
+A strategy takes a :class:`~ckptc.problem.JointProblem` and a budget in bytes
+(or None) and returns a :class:`solvers.Plan`.  The mechanism that applies a
+plan (:mod:`ckptc.rewriter`) is separate from these decisions, and every plan
+is scored by the one simulator, :func:`solvers.simulate`.
+
+``"auto"`` hands the problem to a solver under the budget; the presets
+reproduce what users compare against, planned and measured by the same
+machinery.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from typing import Callable, Iterable
+
+import solvers
+from ckptc.problem import JointProblem
+
+log = logging.getLogger("ckptc.policies")
+
+Strategy = Callable[..., solvers.Plan]
+
+
+def keep_everything(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
+    """No checkpointing: keep every forward value that backward reads."""
+    problem = jp.problem
+    kept = {
+        pred
+        for name in problem.backward_nodes
+        for pred in problem[name].preds
+        if problem[pred].kind == solvers.FORWARD and problem[pred].policy != solvers.RECOMPUTE
+    }
+    return _finish(jp, solvers.Plan(kept=kept, method="none", budget_bytes=budget_bytes))
+
+
+def solve_under_budget(
+    jp: JointProblem,
+    budget_bytes: int | None,
+    *,
+    solver: str = "auto",
+    progress: Callable[[float, str], None] | None = None,
+    **options: object,
+) -> solvers.Plan:
+    """The solver's cheapest plan whose simulated peak fits ``budget_bytes``."""
+    if budget_bytes is None:
+        return keep_everything(jp)
+    return solvers.solve(jp.problem, budget_bytes, method=solver, progress=progress, **options)
+
+
+def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, *, depth: int | None = None, **_: object) -> solvers.Plan:
+    """Per-block checkpointing, as Hugging Face's ``gradient_checkpointing_enable``.
+
+    Blocks are the modules at the repeated level of the hierarchy (e.g.
+    ``transformer.h.3``): the first level whose path ends in an integer index.
+    Only the values that enter a block from outside are kept, plus values
+    produced outside every block; everything inside a block is recomputed.
+    """
+    problem = jp.problem
+    block_of = {name: _block(jp.nodes[name].meta["ckptc"].module) for name in problem.forward_nodes}
+    kept = set()
+    for name in problem.forward_nodes:
+        block = block_of[name]
+        consumers = problem.consumers[name]
+        leaves_block = any(block_of.get(c, None) != block for c in consumers)
+        if block is None or leaves_block:
+            kept.add(name)
+    return _finish(jp, solvers.Plan(kept=_backward_read_closure(jp, kept), method="layer", budget_bytes=budget_bytes))
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def _block(module: str) -> str | None:
+    match = _BLOCK.match(module)
+    return match.group(1) if match else None
+
+
+_CHEAP_TO_RECOMPUTE = ("softmax", "dropout", "gelu", "relu", "silu", "tanh", "sigmoid", "mul", "add", "div", "sub", "exp", "where", "masked_fill", "pow", "rsqrt", "mean", "neg", "clone", "_to_copy", "native_layer_norm", "native_dropout", "baddbmm", "bmm", "scaled_dot_product")
+
+
+def selective(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
+    """Megatron-style selective recompute: keep matmul outputs, recompute the rest.
+
+    Matrix multiplies of weights (``mm``/``addmm``/convolutions) are kept;
+    attention internals (batched matmuls, softmax, dropout) and pointwise ops are
+    recomputed from them.
+    """
+    problem = jp.problem
+    kept = set()
+    for name in problem.forward_nodes:
+        node = jp.nodes[name]
+        op = str(getattr(node.target, "_opname", node.target))
+        if op in ("mm", "addmm", "convolution", "linear", "embedding") or not op.startswith(_CHEAP_TO_RECOMPUTE):
+            kept.add(name)
+    return _finish(jp, solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective", budget_bytes=budget_bytes))
+
+
+def chen_segments(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
+    """Chen et al.'s sqrt(n) segments (the solver ``chen_sqrt``), without a budget check."""
+    return solvers.solve(jp.problem, budget_bytes if budget_bytes is not None else 2**62, method="chen_sqrt")
+
+
+def _backward_read_closure(jp: JointProblem, kept: Iterable[str]) -> set[str]:
+    """Respect policies: save what must be saved, drop what must be recomputed."""
+    problem = jp.problem
+    kept = {k for k in kept if problem[k].policy != solvers.RECOMPUTE}
+    for name in problem.forward_nodes:
+        if problem[name].policy == solvers.SAVE:
+            kept.add(name)
+    return kept
+
+
+def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
+    result = solvers.simulate(jp.problem, plan)
+    info = dict(plan.info, predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
+    return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "none": keep_everything,
+    "auto": solve_under_budget,
+    "layer": keep_module_inputs,
+    "segment": chen_segments,
+    "selective": selective,
+}
+
+
+def policies_from_patterns(
+    jp_nodes: dict, must_save: Iterable[str] = (), must_recompute: Iterable[str] = ()
+) -> dict[str, str]:
+    """Map user patterns (``"layers.*.attn.*"``, ``"*.softmax*"``) to node policies.
+
+    A pattern matches a node's stable name (``module.op_ordinal``).  A node
+    matched by both lists is an error.
+    """
+    policies: dict[str, str] = {}
+    for patterns, policy in ((must_save, "save"), (must_recompute, "recompute")):
+        for pattern in patterns:
+            for name, node in jp_nodes.items():
+                cost = node.meta.get("ckptc")
+                if cost is None or cost.kind != "forward":
+                    continue
+                if fnmatch.fnmatchcase(cost.stable_name, pattern):
+                    if policies.get(name, policy) != policy:
+                        raise ValueError(
+                            f"{cost.stable_name} is matched by both must_save and must_recompute "
+                            f"(pattern {pattern!r}); remove it from one of them"
+                        )
+                    policies[name] = policy
+    return policies

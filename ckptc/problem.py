@@ -1,0 +1,136 @@
+"""Turn a priced joint graph into a :class:`solvers.Problem`.
+
+The solvers never see torch: this module is the bridge.  Node names in the
+problem are the FX node names of the joint graph; ``JointProblem`` keeps the
+mapping back to nodes and the stable, readable names used in plan files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+import solvers
+from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
+
+# Ops whose recomputation would read state that the forward pass has already
+# mutated are saved instead.  BatchNorm in training mode reads its running
+# statistics only to produce their new values, so its output may be recomputed.
+_READS_MUTATED_STATE_SAFELY = {
+    "aten::_native_batch_norm_legit_functional",
+}
+
+
+@dataclass
+class JointProblem:
+    """A solver problem plus what is needed to map its plan back to the graph."""
+
+    problem: solvers.Problem
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    nodes: dict[str, fx.Node] = field(repr=False)
+    stable_names: dict[str, str] = field(repr=False)
+
+    def node_cost(self, name: str) -> NodeCost:
+        return self.nodes[name].meta["ckptc"]
+
+
+def joint_to_problem(
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    *,
+    baseline_bytes: int = 0,
+    mutated_inputs: frozenset[str] = frozenset(),
+    policies: dict[str, str] | None = None,
+) -> JointProblem:
+    """Build the solver problem of an annotated joint graph.
+
+    Order: inputs, then forward nodes, then tangents and backward nodes, each in
+    graph order (the joint graph interleaves a few tangent-independent nodes,
+    such as transposes of weights, with backward; they count as forward).
+
+    Args:
+        joint: graph annotated by :func:`ckptc.costs.annotate_costs`.
+        num_fwd_outputs: how many leading graph outputs belong to forward.
+        baseline_bytes: memory held outside this graph for the whole step.
+        mutated_inputs: placeholder names that forward mutates; forward nodes
+            reading them are saved, since recomputing them would read new values.
+        policies: extra ``node name -> "save" | "recompute"`` constraints.
+    """
+    policies = dict(policies or {})
+    output_node = next(iter(joint.graph.find_nodes(op="output")))
+    outputs = [a for a in torch.utils._pytree.tree_leaves(output_node.args) if isinstance(a, fx.Node)]
+    output_names = {n.name for n in outputs}
+
+    mutated_inputs = frozenset(mutated_inputs) | _inputs_mutated_in_graph(joint)
+    for node in joint.graph.nodes:
+        state = node.meta.get("ckptc_rng_state")
+        if state is not None:
+            # Recomputing the state capture would capture a later state: save it.
+            policies[state.name] = "save"
+    graph = nx.DiGraph()
+    inputs, forward, backward = [], [], []
+    nodes: dict[str, fx.Node] = {}
+    for node in joint.graph.nodes:
+        if node.op == "output":
+            continue
+        cost: NodeCost = node.meta["ckptc"]
+        nodes[node.name] = node
+        preds = list(dict.fromkeys(n.name for n in node.all_input_nodes))
+        state = node.meta.get("ckptc_rng_state")
+        if state is not None:
+            preds.append(state.name)
+        policy = policies.get(node.name)
+        if cost.kind == FORWARD and policy is None and _reads_mutated_input(node, mutated_inputs):
+            policy = "save"
+        graph.add_node(
+            node.name,
+            bytes=cost.bytes,
+            cost=cost.cost,
+            kind=cost.kind,
+            # Mutations (copy_ into a buffer) must run; "output" makes them run once, in forward.
+            output=node.name in output_names or _is_mutating(node),
+            alias_of=cost.alias_of,
+            policy=policy,
+        )
+        for p in preds:
+            graph.add_edge(p, node.name)
+        {INPUT: inputs, FORWARD: forward, BACKWARD: backward}[cost.kind].append(node.name)
+
+    # Tangents are backward nodes without predecessors: put them first in backward.
+    backward.sort(key=lambda name: nodes[name].op != "placeholder")
+    problem = solvers.Problem.from_networkx(
+        graph, inputs + forward + backward, baseline_bytes=baseline_bytes
+    )
+    return JointProblem(
+        problem=problem,
+        joint=joint,
+        num_fwd_outputs=num_fwd_outputs,
+        nodes=nodes,
+        stable_names={name: n.meta["ckptc"].stable_name for name, n in nodes.items()},
+    )
+
+
+def _reads_mutated_input(node: fx.Node, mutated_inputs: frozenset[str]) -> bool:
+    if not mutated_inputs:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in _READS_MUTATED_STATE_SAFELY:
+        return False
+    return any(n.name in mutated_inputs for n in node.all_input_nodes)
+
+
+def _inputs_mutated_in_graph(joint: fx.GraphModule) -> frozenset[str]:
+    """Placeholders that a mutating op (``copy_`` of new BatchNorm statistics) writes to."""
+    return frozenset(
+        node.args[0].name
+        for node in joint.graph.nodes
+        if _is_mutating(node) and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+    )
+
+
+def _is_mutating(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable

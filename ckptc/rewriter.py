@@ -1,0 +1,141 @@
+"""Rewriter: apply a schedule to a joint graph, producing forward and backward graphs.
+
+The rewriter does not know which solver chose the plan.  It executes the
+schedule from :func:`solvers.schedule` literally: forward-phase steps become the
+forward graph, backward-phase steps the backward graph in exactly the
+scheduled order, where a forward node met in the backward phase is a
+recomputation placed just before its first use.  FX code generation frees
+every value right after its last use, and the boxed calling convention frees
+each saved activation after its last use in backward, so the memory the
+simulator predicts is the memory the graphs use.
+
+Random ops recomputed in backward replay the generator state captured in
+forward (see :mod:`ckptc.rng`), so they reproduce the same masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+import solvers
+from ckptc._torch_internals import split_joint_graph
+from ckptc.costs import FORWARD
+from ckptc.rng import replay_with_rng_state
+
+log = logging.getLogger("ckptc.rewriter")
+
+
+def rewrite(
+    joint: fx.GraphModule,
+    steps: Sequence[solvers.Step],
+    kept: frozenset[str],
+    num_fwd_outputs: int,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Build AOTAutograd's forward and backward modules that follow ``steps``.
+
+    Args:
+        joint: the annotated joint graph (``node.meta["ckptc"]`` set).
+        steps: the schedule, as returned by :func:`solvers.schedule`.
+        kept: forward nodes the plan keeps for backward.
+        num_fwd_outputs: how many leading outputs of ``joint`` belong to forward.
+    """
+    by_name = {n.name: n for n in joint.graph.nodes}
+    new = fx.Graph()
+    latest: dict[fx.Node, fx.Node] = {}
+    created_in_forward: set[fx.Node] = set()
+    forward_instance: dict[fx.Node, fx.Node] = {}
+
+    for node in joint.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            latest[node] = new.node_copy(node)
+            created_in_forward.add(latest[node])
+
+    def current(n: fx.Node) -> fx.Node:
+        try:
+            return latest[n]
+        except KeyError:
+            raise RuntimeError(
+                f"schedule reads {n.name} before computing it; the plan is invalid "
+                "(solvers.simulate should have rejected it)"
+            ) from None
+
+    for step in steps:
+        node = by_name[step.node]
+        if node.op != "call_function":
+            continue  # tangents are placeholders, already copied
+        is_recompute = step.phase == "backward" and node.meta["ckptc"].kind == FORWARD
+        state = node.meta.get("ckptc_rng_state")
+        if is_recompute and state is not None:
+            copy = _replay_node(new, node, current(state), current)
+        else:
+            copy = new.node_copy(node, current)
+        if is_recompute:
+            copy.meta["ckptc_recompute_of"] = node.name
+        latest[node] = copy
+        if step.phase == "forward":
+            created_in_forward.add(copy)
+            forward_instance[node] = copy
+
+    # Forward outputs are the forward-phase instances, even if a schedule later
+    # recomputes the same node in backward.
+    old_output = next(iter(joint.graph.find_nodes(op="output")))
+    old_results = list(old_output.args[0])
+    results = [
+        fx.node.map_arg(r, (lambda n: forward_instance.get(n) or current(n)) if i < num_fwd_outputs else current)
+        for i, r in enumerate(old_results)
+    ]
+    new_output = new.output(type(old_output.args[0])(results))
+    new_output.meta = dict(old_output.meta)
+
+    saved_values, saved_sym_nodes = _saved_for_backward(new, created_in_forward)
+    new_joint = fx.GraphModule(joint, new)
+    fw, bw = split_joint_graph(new_joint, saved_values, saved_sym_nodes, num_fwd_outputs)
+    log.debug(
+        "rewrote joint graph: %d saved values, %d recomputations",
+        len(saved_values),
+        sum(1 for n in bw.graph.nodes if "ckptc_recompute_of" in n.meta),
+    )
+    return fw, bw
+
+
+def _replay_node(graph: fx.Graph, node: fx.Node, state: fx.Node, current) -> fx.Node:
+    device = _device_of(node)
+    args = fx.node.map_arg(node.args, current)
+    kwargs = fx.node.map_arg(node.kwargs, current)
+    replay = graph.call_function(
+        replay_with_rng_state, (state, device, node.target, *args), kwargs
+    )
+    replay.meta = dict(node.meta)
+    return replay
+
+
+def _device_of(node: fx.Node) -> torch.device:
+    val = node.meta.get("val")
+    example = val[0] if isinstance(val, (tuple, list)) else val
+    return example.device
+
+
+def _is_sym(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _saved_for_backward(
+    graph: fx.Graph, created_in_forward: set[fx.Node]
+) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Forward values (and primals) that backward-phase nodes read."""
+    saved: dict[fx.Node, None] = {}
+    for node in graph.nodes:
+        if node in created_in_forward or node.op == "output":
+            continue
+        for arg in node.all_input_nodes:
+            if arg in created_in_forward and not (
+                arg.op == "placeholder" and "tangents" in str(arg.target)
+            ):
+                saved[arg] = None
+    values = [n for n in saved if not _is_sym(n)]
+    syms = [n for n in saved if _is_sym(n)]
+    return values, syms
