@@ -84,6 +84,9 @@ def joint_to_problem(
         if state is not None:
             preds.append(state.name)
         policy = policies.get(node.name)
+        if cost.kind == FORWARD and isinstance(node.meta.get("val"), (tuple, list)):
+            # A tuple cannot be saved for backward; its getitems can.
+            policy = "recompute"
         if cost.kind == FORWARD and policy is None and _reads_mutated_input(node, mutated_inputs):
             policy = "save"
         graph.add_node(

@@ -1,0 +1,69 @@
+"""Shared helpers for tests that train real models: run a step, compare with eager, measure."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import ckptc
+from bench.models import ModelCase, get_case
+from ckptc.meter import MemoryMeasurement, measure_peak, resident_bytes
+
+
+def step(case: ModelCase, model: Any, seed: int = 1234) -> torch.Tensor:
+    """One forward+backward from zeroed gradients, with a fixed RNG seed (dropout)."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = case.loss(model(*case.example_inputs, **case.example_kwargs))
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_training(case: ModelCase, reference: torch.nn.Module, loss: torch.Tensor, ref_loss: torch.Tensor,
+                         rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Loss, every gradient and every buffer of ``case.model`` equal ``reference``'s."""
+    assert torch.allclose(loss, ref_loss, rtol=rtol, atol=atol), (loss, ref_loss)
+    ours = dict(case.model.named_parameters())
+    for name, ref in reference.named_parameters():
+        mine = ours[name]
+        assert (mine.grad is None) == (ref.grad is None), f"{name}: grad presence differs"
+        if ref.grad is not None:
+            assert torch.allclose(mine.grad, ref.grad, rtol=rtol, atol=atol), (
+                f"{name}: max abs diff {(mine.grad - ref.grad).abs().max().item():.3g}"
+            )
+    our_buffers = dict(case.model.named_buffers())
+    for name, ref in reference.named_buffers():
+        assert torch.equal(our_buffers[name], ref) or torch.allclose(our_buffers[name].float(), ref.float(), rtol=rtol, atol=atol), name
+
+
+@dataclass
+class Bounds:
+    unoptimized: int
+    floor: int
+
+    def at(self, fraction: float) -> int:
+        return int(self.floor + fraction * (self.unoptimized - self.floor))
+
+
+def budget_bounds(case: ModelCase) -> Bounds:
+    """Unoptimized peak and smallest feasible budget, planned on a copy of the model."""
+    plan = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
+                      strategy="none", loss_fn=case.loss)
+    return Bounds(plan.unoptimized_peak_bytes, plan.min_feasible_bytes)
+
+
+def measure(case: ModelCase, model: Any) -> MemoryMeasurement:
+    """Peak of one step after a warm-up step, from zeroed gradients."""
+    step(case, model)
+    for p in case.model.parameters():
+        p.grad = None
+    baseline = resident_bytes(case.model, case.example_inputs, case.example_kwargs)
+    _, measurement = measure_peak(lambda: step(case, model), baseline_bytes=baseline)
+    return measurement
+
+
+__all__ = ["step", "assert_same_training", "budget_bounds", "measure", "get_case", "Bounds"]

@@ -1,0 +1,189 @@
+"""Issue 6: eager-equal training in the setups users have, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ckptc
+from tests.helpers import assert_same_training, budget_bounds, get_case, step
+
+
+def _tight(case) -> int:
+    """A budget that forces recomputation: a quarter of the way from the floor to the unoptimized peak."""
+    return budget_bounds(case).at(0.25)
+
+
+# -- bad inputs --------------------------------------------------------------
+@pytest.mark.parametrize("budget", [0, -1, -0.5, math.nan, math.inf, -math.inf])
+def test_budget_must_be_positive_and_finite(budget: float) -> None:
+    model = nn.Linear(4, 4)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="budget_gb must be"):
+        ckptc.optimize(model, budget_gb=budget)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_budget_must_be_a_number() -> None:
+    with pytest.raises(TypeError, match="budget_bytes must be a number"):
+        ckptc.optimize(nn.Linear(2, 2), budget_bytes="1GB")
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        ckptc.optimize(lambda x: x, budget_gb=1)
+
+
+def test_no_trainable_parameters() -> None:
+    model = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ckptc.optimize(model, budget_gb=1)
+
+
+def test_budget_below_the_floor_names_the_smallest_feasible_budget() -> None:
+    case = get_case("mlp")
+    floor = budget_bounds(case).floor
+    before = copy.deepcopy(case.model.state_dict())
+    optimized = ckptc.optimize(case.model, budget_bytes=floor // 2)
+    with pytest.raises(ckptc.InfeasibleBudgetError) as info:
+        step(case, optimized)
+    assert info.value.min_feasible_bytes is not None and info.value.min_feasible_bytes > floor // 2
+    assert str(info.value.min_feasible_bytes) in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in case.model.state_dict().items())
+    # the suggested budget works
+    optimized = ckptc.optimize(case.model, budget_bytes=info.value.min_feasible_bytes)
+    step(case, optimized)
+
+
+# -- training setups ---------------------------------------------------------
+def test_frozen_parameters_get_no_gradient() -> None:
+    case = get_case("gpt2")
+    for name, p in case.model.named_parameters():
+        if ".h.0." in name or "wte" in name:
+            p.requires_grad_(False)
+    reference = copy.deepcopy(case.model)
+    optimized = ckptc.optimize(case.model, budget_bytes=_tight(case))
+    assert_same_training(case, reference, step(case, optimized), step(case, reference))
+    assert all(p.grad is None for n, p in case.model.named_parameters() if ".h.0." in n)
+
+
+def test_batchnorm_statistics_update_once_per_step() -> None:
+    case = get_case("convnet")
+    reference = copy.deepcopy(case.model)
+    optimized = ckptc.optimize(case.model, budget_bytes=_tight(case))
+    loss, ref_loss = step(case, optimized), step(case, reference)
+    assert_same_training(case, reference, loss, ref_loss)
+    tracked = [b for n, b in case.model.named_buffers() if n.endswith("num_batches_tracked")]
+    assert tracked and all(int(t) == 1 for t in tracked)
+
+
+def test_autocast_bf16_matches_eager() -> None:
+    case = get_case("mlp")
+    reference = copy.deepcopy(case.model)
+    optimized = ckptc.optimize(case.model, budget_bytes=_tight(case))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = step(case, optimized)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = step(case, reference)
+    assert_same_training(case, reference, loss, ref_loss, rtol=1e-2, atol=1e-2)
+
+
+def test_gradient_accumulation_over_micro_batches() -> None:
+    case = get_case("gpt2")
+    reference = copy.deepcopy(case.model)
+    optimized = ckptc.optimize(case.model, budget_bytes=_tight(case))
+    for model in (optimized, reference):
+        params = case.model.parameters() if model is optimized else reference.parameters()
+        for p in params:
+            p.grad = None
+        torch.manual_seed(7)
+        for micro in range(3):
+            out = model(*case.example_inputs, **case.example_kwargs)
+            (case.loss(out) / 3).backward()
+    for (name, a), (_, b) in zip(case.model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5), name
+
+
+def test_in_place_ops_and_called_twice_in_one_step() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(32, 32)
+            self.b = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            h.add_(1.0)  # in place on a value autograd does not need
+            h = torch.relu(h) * 2
+            out = self.b(h)
+            out += h
+            return out.tanh()
+
+    torch.manual_seed(0)
+    model = Twice()
+    reference = copy.deepcopy(model)
+    x1, x2 = torch.randn(16, 32), torch.randn(16, 32)
+    optimized = ckptc.optimize(model, strategy="segment")
+    (optimized(x1).sum() + optimized(x2).pow(2).mean()).backward()
+    (reference(x1).sum() + reference(x2).pow(2).mean()).backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+@dataclasses.dataclass
+class Result:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    note: str
+
+
+def test_keyword_inputs_dict_dataclass_and_non_tensor_outputs() -> None:
+    class Fancy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+        def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> dict:
+            logits = self.body(x) * scale
+            return {"out": Result(loss=logits.square().mean(), logits=logits, note="ok"), "n": 3}
+
+    torch.manual_seed(0)
+    model = Fancy()
+    reference = copy.deepcopy(model)
+    x, scale = torch.randn(8, 16), torch.tensor(0.5)
+    optimized = ckptc.optimize(model, strategy="segment")
+    out = optimized(x, scale=scale)
+    assert out["n"] == 3 and out["out"].note == "ok"
+    out["out"].loss.backward()
+    reference(x, scale=scale)["out"].loss.backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_no_grad_and_eval_run_eagerly_without_planning() -> None:
+    case = get_case("mlp")
+    optimized = ckptc.optimize(case.model, budget_gb=1)
+    with torch.no_grad():
+        optimized(*case.example_inputs)
+    optimized.eval()
+    optimized(*case.example_inputs)
+    assert optimized.plan is None and not optimized.compiler.records
+    assert not case.model.training
+    optimized.train()
+    assert case.model.training
+
+
+def test_manual_seed_reproducibility_across_two_optimized_runs() -> None:
+    losses, grads = [], []
+    for _ in range(2):
+        case = get_case("gpt2")
+        optimized = ckptc.optimize(case.model, budget_bytes=_tight(case))
+        losses.append(step(case, optimized, seed=99))
+        grads.append([p.grad.clone() for p in case.model.parameters() if p.grad is not None])
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
