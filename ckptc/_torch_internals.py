@@ -30,6 +30,7 @@ __all__ = [
     "BackendCompilerFailed",
     "DynamoError",
     "compile_limits",
+    "outside_fake_mode",
 ]
 
 
@@ -120,3 +121,16 @@ def compile_limits():
     eager execution, which would also silently drop the plan.
     """
     return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
+
+
+def outside_fake_mode():
+    """Run real tensor code from inside a compiler pass (AOTAutograd's fake mode is active there)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(unset_fake_temporarily())
+    stack.enter_context(_disable_current_modes())
+    return stack

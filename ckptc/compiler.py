@@ -26,7 +26,7 @@ import torch.fx as fx
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc.costs import annotate_costs, measure_runtimes
+from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.meter import resident_bytes
 from ckptc.policies import STRATEGIES, policies_from_patterns
 from ckptc.problem import JointProblem, joint_to_problem
@@ -74,6 +74,8 @@ class CheckpointCompiler:
         plan_source: replaces the strategy; given the graph index and problem,
             returns a plan (used to apply plan files).
         measure_time: price recomputation by measured seconds instead of FLOPs.
+        measure_scratch: run each distinct op once on random data to measure the
+            temporary memory it allocates (on by default: the budget counts it).
         progress: ``(fraction, message)`` callback for long solves.
     """
 
@@ -89,6 +91,7 @@ class CheckpointCompiler:
         must_recompute: Sequence[str] = (),
         plan_source: PlanSource | None = None,
         measure_time: bool = False,
+        measure_scratch: bool = True,
         time_limit: float | None = None,
         progress: Callable[[float, str], None] | None = None,
     ) -> None:
@@ -107,6 +110,7 @@ class CheckpointCompiler:
         self.must_recompute = tuple(must_recompute)
         self.plan_source = plan_source
         self.measure_time = measure_time
+        self.measure_scratch = measure_scratch
         self.time_limit = time_limit
         self.progress = progress
         self.records: list[GraphRecord] = []
@@ -197,6 +201,8 @@ class CheckpointCompiler:
         insert_rng_state_nodes(joint.graph)
         joint.recompile()
         annotate_costs(joint)
+        if self.measure_scratch:
+            measure_scratch(joint)
         if self.measure_time:
             measure_runtimes(joint)
         earlier = sum(r.result.kept_bytes for r in self.active)

@@ -52,6 +52,9 @@ class NodeCost:
             stable across runs of the same model, used in plan files and reports.
         random: it draws from a random number generator (dropout, rand, ...).
         seconds: measured run time, if :func:`measure_runtimes` ran.
+        scratch_bytes: memory the op allocates while it runs and frees before
+            it returns (im2col buffers, oneDNN reorders), if
+            :func:`measure_scratch` ran.
     """
 
     kind: str
@@ -63,6 +66,7 @@ class NodeCost:
     part_of: str | None = None
     random: bool = False
     seconds: float | None = None
+    scratch_bytes: int = 0
 
     @property
     def cost(self) -> float:
@@ -257,17 +261,15 @@ def measure_runtimes(joint: fx.GraphModule, repeats: int = 3) -> None:
     An optional estimator: recompute cost becomes measured seconds instead of
     FLOPs (the minimum over ``repeats`` runs).  Needs :func:`annotate_costs` first.
     """
+    from ckptc._torch_internals import outside_fake_mode
+
+    with outside_fake_mode():
+        _measure_runtimes(joint, repeats)
+
+
+def _measure_runtimes(joint: fx.GraphModule, repeats: int) -> None:
     real: dict[fx.Node, Any] = {}
-
-    def materialize(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            if v.dtype.is_floating_point or v.dtype.is_complex:
-                return torch.randn(v.shape, dtype=v.dtype, device=v.device)
-            if v.dtype == torch.bool:
-                return torch.ones(v.shape, dtype=v.dtype, device=v.device)
-            return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-        return v
-
+    materialize = _materialize
     for node in joint.graph.nodes:
         cost: NodeCost | None = node.meta.get("ckptc")
         if cost is None or node.op == "output":
@@ -285,3 +287,94 @@ def measure_runtimes(joint: fx.GraphModule, repeats: int = 3) -> None:
             best = min(best, time.perf_counter() - start)
         real[node] = result
         node.meta["ckptc"] = replace(cost, seconds=best)
+
+
+def _materialize(v: Any) -> Any:
+    """A real tensor shaped like a fake one: random floats, zeros for integers (safe indices)."""
+    if isinstance(v, torch.Tensor):
+        if v.dtype.is_floating_point or v.dtype.is_complex:
+            return torch.randn(v.shape, dtype=v.dtype, device=v.device)
+        if v.dtype == torch.bool:
+            return torch.ones(v.shape, dtype=v.dtype, device=v.device)
+        return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    return v
+
+
+def _signature(node: fx.Node) -> tuple:
+    def describe(v: Any) -> Any:
+        if isinstance(v, fx.Node):
+            val = v.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return ("T", tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
+            return ("V", repr(val))
+        return repr(v)
+
+    return (node.target, tuple(describe(a) for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))))
+
+
+def measure_scratch(joint: fx.GraphModule) -> int:
+    """Measure the temporary memory each op allocates while it runs.
+
+    Kernels allocate workspace that their outputs do not show: CPU
+    convolutions' im2col buffers, oneDNN reorders, cuDNN workspaces.  The
+    budget counts it, so the simulator must too.  Each distinct op (target,
+    argument shapes and strides) runs once on random tensors, in isolation, and
+    the allocator's events give its peak above its start and end levels.  Ops
+    that cannot run on random data (data-dependent ones) are skipped (0 bytes).
+    Needs :func:`annotate_costs` first.  Returns the number of distinct ops run.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from ckptc._torch_internals import outside_fake_mode
+    from ckptc.meter import quiet_profiler
+
+    by_signature: dict[tuple, list[fx.Node]] = {}
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and "ckptc" in node.meta:
+            if node.target.is_view or is_random(node):
+                continue
+            by_signature.setdefault(_signature(node), []).append(node)
+    if not by_signature:
+        return 0
+    labels: dict[str, list[fx.Node]] = {}
+    with outside_fake_mode(), quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i, (sig, nodes) in enumerate(by_signature.items()):
+            node = nodes[0]
+            try:
+                args = torch.fx.node.map_arg(node.args, lambda n: _materialize(n.meta.get("val")))
+                kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: _materialize(n.meta.get("val")))
+            except Exception:  # a value without fake-tensor metadata
+                continue
+            label = f"ckptc_scratch_{i}"
+            try:
+                with record_function(label):
+                    out = node.target(*args, **kwargs)
+                del out
+            except Exception:
+                log.debug("could not run %s on random data to measure its scratch memory", node.target, exc_info=True)
+                continue
+            labels[label] = nodes
+            del args, kwargs
+    events = prof.profiler.kineto_results.events()
+    windows = sorted(
+        (e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels
+    )
+    memory = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
+    # Accelerator allocations are not in these events: ops there get 0 (see README).
+    j = 0
+    for start, end, label in windows:
+        while j < len(memory) and memory[j][0] < start:
+            j += 1
+        level = peak = 0
+        k = j
+        while k < len(memory) and memory[k][0] <= end:
+            level += memory[k][1]
+            peak = max(peak, level)
+            k += 1
+        scratch = max(0, peak - max(level, 0))
+        for node in labels[label]:
+            node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=scratch)
+    return len(labels)

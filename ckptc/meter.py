@@ -96,7 +96,7 @@ def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, Memor
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = [
         e
@@ -133,7 +133,7 @@ def _measure_accelerator(
 
 
 @contextlib.contextmanager
-def _quiet_profiler():
+def quiet_profiler():
     """Kineto prints start/stop lines on stderr; keep them out of users' output."""
     try:
         stderr_fd = os.dup(2)

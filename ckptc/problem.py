@@ -98,6 +98,8 @@ def joint_to_problem(
             output=node.name in output_names or _is_mutating(node),
             alias_of=cost.alias_of,
             policy=policy,
+            scratch=cost.scratch_bytes,
+            part_of=cost.part_of,
         )
         for p in preds:
             graph.add_edge(p, node.name)

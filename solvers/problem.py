@@ -1,0 +1,448 @@
+"""The checkpointing problem: one training step as an ordered graph of values.
+
+A :class:`Problem` lists every value of a training step (inputs, forward
+activations, backward gradients) in execution order, with how many bytes each
+one allocates, what it costs to compute, and which earlier values it reads.
+Solvers choose which forward values to keep for the backward phase; the
+simulator (:mod:`solvers.simulator`) says what that choice costs in memory.
+
+The class is a frozen, plain data object. Construction validates the order
+invariants once, in time linear in the number of nodes plus edges, and builds
+integer index arrays that the rest of the package uses for fast passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+from solvers.errors import human_bytes
+
+if TYPE_CHECKING:  # networkx is imported lazily: "import solvers" stays cheap.
+    import networkx as nx
+
+__all__ = ["Node", "Problem", "INPUT", "FORWARD", "BACKWARD", "SAVE", "RECOMPUTE"]
+
+INPUT = "input"
+FORWARD = "forward"
+BACKWARD = "backward"
+KINDS = (INPUT, FORWARD, BACKWARD)
+
+SAVE = "save"
+RECOMPUTE = "recompute"
+POLICIES = (None, SAVE, RECOMPUTE)
+_POLICY_CODE = {None: 0, SAVE: 1, RECOMPUTE: 2}
+
+# Integer codes of kinds, used by the index arrays.
+_KIND_CODE = {INPUT: 0, FORWARD: 1, BACKWARD: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One value of the training step.
+
+    Parameters
+    ----------
+    name : str
+        Unique name.
+    bytes : int
+        Bytes of the storage its output allocates; 0 for views/aliases and
+        for nodes producing no tensor.
+    cost : float
+        Cost to (re)compute it (FLOPs, seconds...; only forward costs matter).
+    kind : str
+        ``"input"`` (resident for the whole step, never computed),
+        ``"forward"`` (computed in forward; kept for backward or recomputed) or
+        ``"backward"`` (computed exactly once in backward).
+    preds : tuple of str
+        The values this node reads, in argument order; all earlier in the order.
+    output : bool
+        The value stays alive until the end of the step once computed.
+    alias_of : str or None
+        The node whose storage this node's output views. Must be one of
+        ``preds`` (a view reads its base). ``bytes`` must then be 0.
+    policy : str or None
+        None, ``"save"`` (must be kept if backward needs it; it is never
+        recomputed) or ``"recompute"`` (must not be kept). Only meaningful
+        for forward nodes; ignored on inputs and backward nodes.
+    """
+
+    name: str
+    bytes: int
+    cost: float
+    kind: str
+    preds: tuple[str, ...] = ()
+    output: bool = False
+    alias_of: str | None = None
+    policy: str | None = None
+    scratch: int = 0
+    part_of: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bytes": self.bytes,
+            "cost": self.cost,
+            "kind": self.kind,
+            "preds": list(self.preds),
+            "output": self.output,
+            "alias_of": self.alias_of,
+            "policy": self.policy,
+            "scratch": self.scratch,
+            "part_of": self.part_of,
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A training-step graph in execution order.
+
+    Parameters
+    ----------
+    nodes : sequence of Node
+        All values of the step in execution order (a topological order in
+        which every forward node precedes every backward node).
+    baseline_bytes : int
+        Memory held outside this graph for the whole step; added to every
+        point of the simulated timeline.
+
+    Raises
+    ------
+    ValueError
+        If a name is duplicated, a pred or alias is unknown or not earlier,
+        a forward node follows a backward node, an input has preds, or a field
+        has an invalid value. The message names the node.
+
+    Notes
+    -----
+    Besides the public fields, construction builds package-internal integer
+    arrays indexed by node position: ``_kind`` (0 input, 1 forward,
+    2 backward), ``_bytes``, ``_cost``, ``_preds``, ``_fwd_preds`` (forward
+    preds, deduplicated), ``_alias_of`` (-1 if none), ``_alias_root``,
+    ``_output`` (0/1), ``_policy`` (0 none, 1 save, 2 recompute). Solver
+    modules of this package read them for linear-time passes; they are not
+    part of the public API.
+
+    Examples
+    --------
+    >>> p = Problem.training_chain(3)
+    >>> p
+    Problem(7 nodes: 1 input, 3 forward, 3 backward; forward 3 B, resident 0 B, baseline 0 B)
+    >>> p.forward_nodes
+    ('f1', 'f2', 'f3')
+    """
+
+    nodes: tuple[Node, ...]
+    baseline_bytes: int = 0
+    # name -> position in `nodes`, for O(1) lookups.
+    index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+    # Solvers may memoise expensive derived results here (keyed by a string).
+    _cache: dict[str, Any] = field(
+        init=False, repr=False, compare=False, hash=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        nodes = tuple(self.nodes)
+        object.__setattr__(self, "nodes", nodes)
+        if not isinstance(self.baseline_bytes, int) or self.baseline_bytes < 0:
+            raise ValueError(f"baseline_bytes must be a non-negative int, got {self.baseline_bytes!r}")
+
+        index: dict[str, int] = {}
+        kind = bytearray(len(nodes))
+        nbytes: list[int] = [0] * len(nodes)
+        preds_idx: list[tuple[int, ...]] = [()] * len(nodes)
+        fwd_preds: list[tuple[int, ...]] = [()] * len(nodes)
+        alias_of = [-1] * len(nodes)
+        alias_root = list(range(len(nodes)))
+        output = bytearray(len(nodes))
+        policy = bytearray(len(nodes))
+        part_of = [-1] * len(nodes)
+        first_backward: str | None = None
+
+        for i, node in enumerate(nodes):
+            if not isinstance(node, Node):
+                raise ValueError(f"nodes[{i}] is a {type(node).__name__}, expected solvers.Node")
+            name = node.name
+            if name in index:
+                raise ValueError(f"duplicate node name {name!r} (positions {index[name]} and {i})")
+            if node.kind not in _KIND_CODE:
+                raise ValueError(f"node {name!r}: kind must be one of {KINDS}, got {node.kind!r}")
+            if not isinstance(node.bytes, int) or node.bytes < 0:
+                raise ValueError(f"node {name!r}: bytes must be a non-negative int, got {node.bytes!r}")
+            if not node.cost >= 0:  # also rejects NaN
+                raise ValueError(f"node {name!r}: cost must be >= 0, got {node.cost!r}")
+            if node.policy not in POLICIES:
+                raise ValueError(f"node {name!r}: policy must be None, 'save' or 'recompute', got {node.policy!r}")
+            code = _KIND_CODE[node.kind]
+            if node.kind == INPUT and node.preds:
+                raise ValueError(f"input node {name!r} must have no preds, got {node.preds!r}")
+            if node.kind == BACKWARD and first_backward is None:
+                first_backward = name
+            if node.kind == FORWARD and first_backward is not None:
+                raise ValueError(
+                    f"forward node {name!r} comes after backward node {first_backward!r}; "
+                    "every forward node must precede every backward node"
+                )
+            p_idx = []
+            for p in node.preds:
+                j = index.get(p)
+                if j is None:
+                    raise ValueError(
+                        f"node {name!r} reads {p!r}, which is not an earlier node "
+                        "(unknown name, or the order is not topological)"
+                    )
+                p_idx.append(j)
+            if node.alias_of is not None:
+                j = index.get(node.alias_of)
+                if j is None:
+                    raise ValueError(f"node {name!r} is an alias of {node.alias_of!r}, which is not an earlier node")
+                if node.bytes != 0:
+                    raise ValueError(f"alias node {name!r} must have bytes=0 (it views {node.alias_of!r}'s storage)")
+                if node.kind != INPUT and node.alias_of not in node.preds:
+                    raise ValueError(
+                        f"alias node {name!r} must read its base: alias_of {node.alias_of!r} is not in its preds"
+                    )
+                alias_of[i] = j
+                alias_root[i] = alias_root[j]
+            if not isinstance(node.scratch, int) or node.scratch < 0:
+                raise ValueError(f"node {name!r}: scratch must be a non-negative int, got {node.scratch!r}")
+            if node.part_of is not None and node.alias_of is None:
+                if node.part_of not in node.preds:
+                    raise ValueError(f"node {name!r}: part_of {node.part_of!r} is not in its preds")
+                part_of[i] = index[node.part_of]
+            index[name] = i
+            kind[i] = code
+            nbytes[i] = node.bytes
+            preds_idx[i] = tuple(p_idx)
+            # Forward preds without duplicates: what a recomputation must materialise.
+            fwd_preds[i] = tuple(dict.fromkeys(j for j in p_idx if kind[j] == 1))
+            output[i] = 1 if node.output else 0
+            # A policy only constrains forward nodes (inputs are never computed,
+            # backward nodes never kept); elsewhere it is accepted and ignored.
+            policy[i] = _POLICY_CODE[node.policy] if code == 1 else 0
+
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "_kind", bytes(kind))
+        object.__setattr__(self, "_bytes", nbytes)
+        object.__setattr__(self, "_preds", preds_idx)
+        object.__setattr__(self, "_fwd_preds", fwd_preds)
+        object.__setattr__(self, "_alias_of", alias_of)
+        object.__setattr__(self, "_alias_root", alias_root)
+        object.__setattr__(self, "_output", bytes(output))
+        object.__setattr__(self, "_policy", bytes(policy))
+        object.__setattr__(self, "_cost", [float(n.cost) for n in nodes])
+        object.__setattr__(self, "_scratch", [n.scratch for n in nodes])
+        object.__setattr__(self, "_part_of", part_of)
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def __getitem__(self, name: str) -> Node:
+        return self.nodes[self.index[name]]
+
+    def __repr__(self) -> str:
+        return (
+            f"Problem({len(self.nodes)} nodes: {len(self._input_idx)} input, "
+            f"{len(self._forward_idx)} forward, {len(self._backward_idx)} backward; "
+            f"forward {human_bytes(self.forward_bytes)}, resident {human_bytes(self.input_bytes)}, "
+            f"baseline {human_bytes(self.baseline_bytes)})"
+        )
+
+    # ---------------------------------------------------------- derived data
+    @cached_property
+    def _input_idx(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self._kind) if k == 0)
+
+    @cached_property
+    def _forward_idx(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self._kind) if k == 1)
+
+    @cached_property
+    def _backward_idx(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self._kind) if k == 2)
+
+    @cached_property
+    def input_nodes(self) -> tuple[str, ...]:
+        """Names of input nodes, in order."""
+        return tuple(self.nodes[i].name for i in self._input_idx)
+
+    @cached_property
+    def forward_nodes(self) -> tuple[str, ...]:
+        """Names of forward nodes, in order."""
+        return tuple(self.nodes[i].name for i in self._forward_idx)
+
+    @cached_property
+    def backward_nodes(self) -> tuple[str, ...]:
+        """Names of backward nodes, in order."""
+        return tuple(self.nodes[i].name for i in self._backward_idx)
+
+    @cached_property
+    def _consumers(self) -> tuple[tuple[int, ...], ...]:
+        cons: list[list[int]] = [[] for _ in self.nodes]
+        for i, preds in enumerate(self._preds):
+            for j in dict.fromkeys(preds):
+                cons[j].append(i)
+        return tuple(tuple(c) for c in cons)
+
+    @cached_property
+    def consumers(self) -> dict[str, tuple[str, ...]]:
+        """name -> names of the nodes that read it (each once, in order)."""
+        names = [n.name for n in self.nodes]
+        return {names[i]: tuple(names[j] for j in c) for i, c in enumerate(self._consumers)}
+
+    @cached_property
+    def total_forward_cost(self) -> float:
+        """Sum of the costs of all forward nodes (the cost of one forward pass)."""
+        return float(sum(self.nodes[i].cost for i in self._forward_idx))
+
+    @cached_property
+    def forward_bytes(self) -> int:
+        """Sum of the bytes of all forward nodes (everything kept, aliases shared)."""
+        return sum(self._bytes[i] for i in self._forward_idx)
+
+    @cached_property
+    def input_bytes(self) -> int:
+        """Bytes of the input nodes (resident for the whole step)."""
+        return sum(self._bytes[i] for i in self._input_idx)
+
+    @cached_property
+    def resident_bytes(self) -> int:
+        """Bytes alive at every point of the step: inputs plus baseline."""
+        return self.input_bytes + self.baseline_bytes
+
+    @cached_property
+    def _read_by_backward(self) -> bytes:
+        """Flag per node: some backward node reads it directly."""
+        flags = bytearray(len(self.nodes))
+        for b in self._backward_idx:
+            for j in self._preds[b]:
+                flags[j] = 1
+        return bytes(flags)
+
+    def alias_root(self, name: str) -> str:
+        """The node owning the storage that ``name`` views (itself if not an alias)."""
+        return self.nodes[self._alias_root[self.index[name]]].name
+
+    # ----------------------------------------------------------- conversions
+    @classmethod
+    def from_networkx(
+        cls, graph: "nx.DiGraph", order: Sequence[str], baseline_bytes: int = 0
+    ) -> "Problem":
+        """Build a Problem from a DiGraph whose edge ``u -> v`` means "v reads u".
+
+        Node attributes: ``bytes``, ``cost``, ``kind`` (required) and optional
+        ``output``, ``alias_of``, ``policy``, ``scratch``, ``part_of``. ``order`` lists every node once in
+        execution order. A node's preds are its in-neighbours sorted by their
+        position in ``order`` (DiGraph keeps no argument order or duplicates).
+        """
+        order = list(order)
+        if len(order) != graph.number_of_nodes() or set(order) != set(graph.nodes):
+            missing = set(graph.nodes) - set(order)
+            extra = set(order) - set(graph.nodes)
+            raise ValueError(
+                f"order must list every graph node exactly once (missing {sorted(missing)[:5]}, "
+                f"unknown {sorted(extra)[:5]}, {len(order)} entries for {graph.number_of_nodes()} nodes)"
+            )
+        position = {name: i for i, name in enumerate(order)}
+        nodes = []
+        for name in order:
+            attrs = graph.nodes[name]
+            try:
+                nbytes, cost, kind = attrs["bytes"], attrs["cost"], attrs["kind"]
+            except KeyError as e:
+                raise ValueError(f"node {name!r} lacks attribute {e.args[0]!r}") from None
+            preds = tuple(sorted(graph.predecessors(name), key=position.__getitem__))
+            nodes.append(
+                Node(
+                    name=name,
+                    bytes=nbytes,
+                    cost=cost,
+                    kind=kind,
+                    preds=preds,
+                    output=bool(attrs.get("output", False)),
+                    alias_of=attrs.get("alias_of"),
+                    policy=attrs.get("policy"),
+                    scratch=int(attrs.get("scratch", 0)),
+                    part_of=attrs.get("part_of"),
+                )
+            )
+        return cls(nodes=tuple(nodes), baseline_bytes=baseline_bytes)
+
+    def to_networkx(self) -> "nx.DiGraph":
+        """The graph as a DiGraph (edge ``u -> v``: v reads u), node attributes as in from_networkx."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for n in self.nodes:
+            g.add_node(n.name, bytes=n.bytes, cost=n.cost, kind=n.kind, output=n.output,
+                       alias_of=n.alias_of, policy=n.policy, scratch=n.scratch, part_of=n.part_of)
+        for n in self.nodes:
+            for p in n.preds:
+                g.add_edge(p, n.name)
+        return g
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data; ``Problem.from_dict(p.to_dict()) == p``."""
+        return {"baseline_bytes": self.baseline_bytes, "nodes": [n.to_dict() for n in self.nodes]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Problem":
+        nodes = tuple(
+            Node(
+                name=d["name"],
+                bytes=d["bytes"],
+                cost=d["cost"],
+                kind=d["kind"],
+                preds=tuple(d.get("preds", ())),
+                output=bool(d.get("output", False)),
+                alias_of=d.get("alias_of"),
+                policy=d.get("policy"),
+                scratch=int(d.get("scratch", 0)),
+                part_of=d.get("part_of"),
+            )
+            for d in data["nodes"]
+        )
+        return cls(nodes=nodes, baseline_bytes=int(data.get("baseline_bytes", 0)))
+
+    # --------------------------------------------------------------- helpers
+    @classmethod
+    def training_chain(
+        cls,
+        n: int,
+        *,
+        node_bytes: int | Iterable[int] = 1,
+        node_cost: float | Iterable[float] = 1.0,
+        input_bytes: int = 0,
+        grad_bytes: int | None = None,
+        baseline_bytes: int = 0,
+    ) -> "Problem":
+        """A chain ``x -> f1 -> ... -> fn`` with the backward pass autograd would build.
+
+        ``x`` is the input; ``fn`` is the loss (an output). Backward node
+        ``b{i}`` (for i = n..1) reads the incoming gradient (``b{i+1}``, or
+        ``fn`` for i = n) and the forward input of ``f{i}`` (``f{i-1}`` or
+        ``x``); ``b1`` (the gradient of x) is an output. Gradients allocate
+        ``grad_bytes`` (default: the bytes of the matching forward node).
+        """
+        sizes = [node_bytes] * n if isinstance(node_bytes, int) else list(node_bytes)
+        costs = [float(node_cost)] * n if isinstance(node_cost, (int, float)) else list(node_cost)
+        if len(sizes) != n or len(costs) != n:
+            raise ValueError("node_bytes and node_cost must have n entries")
+        nodes = [Node("x", input_bytes, 0.0, INPUT)]
+        prev = "x"
+        for i in range(1, n + 1):
+            nodes.append(Node(f"f{i}", sizes[i - 1], costs[i - 1], FORWARD, (prev,), output=(i == n)))
+            prev = f"f{i}"
+        grad = f"f{n}"
+        for i in range(n, 0, -1):
+            gb = sizes[i - 1] if grad_bytes is None else grad_bytes
+            inp = f"f{i - 1}" if i > 1 else "x"
+            nodes.append(Node(f"b{i}", gb, costs[i - 1], BACKWARD, (grad, inp), output=(i == 1)))
+            grad = f"b{i}"
+        return cls(nodes=tuple(nodes), baseline_bytes=baseline_bytes)
+

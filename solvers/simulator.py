@@ -1,0 +1,477 @@
+"""The one judge: execution order and memory of a plan.
+
+:func:`schedule` turns a :class:`~solvers.Plan` into the exact list of steps
+the rewriter in ``ckptc/`` emits, and :func:`simulate` replays that list and
+counts live bytes after every allocation. Every solver's answer is checked
+here, so this module is the product's prediction of real memory: it is kept
+exact and simple rather than clever.
+
+Memory model (see the package contract for the full text)
+-----------------------------------------------------------
+* Inputs and ``baseline_bytes`` are resident at every point.
+* A step allocates its node's bytes as a new *instance* of that value; the
+  peak is sampled right after the allocation, then every instance whose last
+  use was this step is freed.
+* A step reads the most recent instance of each pred. An instance dies after
+  the last step that reads it, except: ``output`` nodes never die; a kept
+  node's forward instance lives at least to the end of the forward phase; a
+  forward instance of a non-kept node cannot be read in backward (it must be
+  recomputed first).
+* An alias instance pins the storage of the alias-root instance it was made
+  from; a storage is counted while any instance referencing it is alive.
+
+Both functions run in O(len(schedule) + edges) time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from solvers.errors import InvalidPlanError
+from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, Step
+from solvers.problem import Problem
+
+__all__ = ["SimResult", "schedule", "simulate", "honour_policies"]
+
+log = logging.getLogger("solvers.simulator")
+
+_INPUT, _FORWARD, _BACKWARD = 0, 1, 2
+_SAVE, _RECOMPUTE = 1, 2
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` measured.
+
+    Attributes
+    ----------
+    peak_bytes : int
+        Maximum of ``timeline`` (resident bytes if the schedule is empty).
+    peak_step : int
+        Index into ``steps`` of the first step reaching the peak (-1 if empty).
+    recompute_cost : float
+        Sum of the costs of forward nodes executed in the backward phase.
+    forward_cost : float
+        Sum of the costs of the forward-phase steps.
+    timeline : tuple of int
+        Live bytes right after each step's allocation (resident included).
+    steps : tuple of Step
+        The schedule that was simulated.
+    forward_peak_bytes : int
+        Maximum of the timeline over the forward phase.
+    kept_bytes : int
+        Bytes of the storages held by kept values at the end of forward.
+    recompute_steps : int
+        Number of recomputations (forward nodes in the backward phase).
+    """
+
+    peak_bytes: int
+    peak_step: int
+    recompute_cost: float
+    forward_cost: float
+    timeline: tuple[int, ...] = field(repr=False)
+    steps: tuple[Step, ...] = field(repr=False)
+    forward_peak_bytes: int = 0
+    kept_bytes: int = 0
+    recompute_steps: int = 0
+
+    @property
+    def peak_node(self) -> str | None:
+        """Name of the node executed at the peak step."""
+        return self.steps[self.peak_step].node if self.peak_step >= 0 else None
+
+
+# --------------------------------------------------------------------------- public
+def schedule(problem: Problem, plan: Plan) -> tuple[Step, ...]:
+    """The execution order of ``plan``: its explicit schedule, or the derived one.
+
+    Derived schedule (``plan.schedule is None``):
+
+    * forward phase: in problem order, every forward node that is an
+      ancestor-or-self, through forward nodes, of an ``output`` forward node
+      or of a kept node;
+    * backward phase: for each backward node b in order, for each forward pred
+      p of b not materialised, recompute p after recursively (depth first,
+      preds in order) recomputing its own missing forward preds; then b.
+      Materialised means kept, ``output``, or already recomputed in this
+      backward phase, so each value is recomputed at most once.
+
+    An explicit schedule is validated exactly as :func:`simulate` does.
+
+    Raises
+    ------
+    InvalidPlanError
+        If the plan or its schedule breaks a rule of the memory model.
+
+    Examples
+    --------
+    >>> p = Problem.training_chain(3)
+    >>> [tuple(s) for s in schedule(p, Plan(kept={"f1"}))]  # doctest: +NORMALIZE_WHITESPACE
+    [('f1', 'forward'), ('f2', 'forward'), ('f3', 'forward'), ('f2', 'backward'),
+     ('b3', 'backward'), ('b2', 'backward'), ('b1', 'backward')]
+    """
+    nodes, n_fwd, kept = _resolve(problem, plan)
+    _run(problem, nodes, n_fwd, kept)  # validates; results unused
+    if plan.schedule is not None:
+        return plan.schedule
+    return _to_steps(problem, nodes, n_fwd)
+
+
+def simulate(problem: Problem, plan: Plan) -> SimResult:
+    """Replay ``schedule(problem, plan)`` and measure its memory and compute.
+
+    Complexity: O(len(schedule) + edges) time and memory.
+
+    Raises
+    ------
+    InvalidPlanError
+        Naming the step and the missing value or broken rule, if the schedule
+        reads a value that is not alive, computes a backward node twice or
+        never, computes a forward node twice in forward, keeps a node that is
+        not a forward node computed in forward, skips an output forward node,
+        or breaks a node's policy.
+
+    Examples
+    --------
+    >>> p = Problem.training_chain(3)   # f1, f2, f3 (loss) of 1 byte each
+    >>> simulate(p, Plan(kept={"f1", "f2"})).peak_bytes
+    4
+    """
+    nodes, n_fwd, kept = _resolve(problem, plan)
+    core = _run(problem, nodes, n_fwd, kept)
+    log.debug("simulate: %d steps (%d forward), peak %d bytes at step %d, recompute cost %g",
+              len(nodes), n_fwd, core.peak_bytes, core.peak_step, core.recompute_cost)
+    steps = plan.schedule if plan.schedule is not None else _to_steps(problem, nodes, n_fwd)
+    return SimResult(
+        peak_bytes=core.peak_bytes,
+        peak_step=core.peak_step,
+        recompute_cost=core.recompute_cost,
+        forward_cost=core.forward_cost,
+        timeline=tuple(core.timeline),
+        steps=steps,
+        forward_peak_bytes=core.forward_peak_bytes,
+        kept_bytes=core.kept_bytes,
+        recompute_steps=core.recompute_steps,
+    )
+
+
+def honour_policies(problem: Problem, kept: Iterable[str]) -> frozenset[str]:
+    """Adjust a kept set so that its derived schedule respects node policies.
+
+    Removes ``"recompute"`` nodes, adds ``"save"`` nodes that a backward node
+    reads, and adds the ``"save"`` nodes the derived schedule would otherwise
+    recompute (adding kept nodes only shrinks the set of recomputations, so
+    one extra pass settles it). O(nodes + edges).
+    """
+    mask = _kept_mask(problem, kept)
+    return _names(problem, honour_policies_mask(problem, mask))
+
+
+# ------------------------------------------------------------- package internals
+# Solver modules use these index-based variants to avoid building Step objects
+# and name sets in their inner loops.
+
+
+def honour_policies_mask(problem: Problem, mask: bytearray) -> bytearray:
+    """Index-based :func:`honour_policies`; returns a new mask."""
+    policy = problem._policy
+    mask = bytearray(mask)
+    read_by_backward = problem._read_by_backward
+    for v in problem._forward_idx:
+        if policy[v] == _RECOMPUTE:
+            mask[v] = 0
+        elif policy[v] == _SAVE and read_by_backward[v]:
+            mask[v] = 1
+    for _ in range(3):
+        nodes, n_fwd = _derive(problem, mask)
+        recomputed_saves = [v for v in nodes[n_fwd:] if policy[v] == _SAVE]
+        if not recomputed_saves:
+            break
+        for v in recomputed_saves:
+            mask[v] = 1
+    return mask
+
+
+def evaluate_mask(problem: Problem, mask: bytearray) -> "_Core":
+    """Simulate the derived schedule of a kept mask (bytearray over node positions)."""
+    nodes, n_fwd = _derive(problem, mask)
+    return _run(problem, nodes, n_fwd, mask)
+
+
+def mask_of(problem: Problem, kept: Iterable[str]) -> bytearray:
+    """Kept names -> mask over node positions (validated)."""
+    return _kept_mask(problem, kept)
+
+
+def names_of(problem: Problem, mask: bytearray) -> frozenset[str]:
+    """Mask over node positions -> frozenset of names."""
+    return _names(problem, mask)
+
+
+@dataclass
+class _Core:
+    peak_bytes: int
+    peak_step: int
+    recompute_cost: float
+    forward_cost: float
+    timeline: list[int]
+    forward_peak_bytes: int
+    kept_bytes: int
+    recompute_steps: int
+
+
+def _names(problem: Problem, mask: bytearray) -> frozenset[str]:
+    nodes = problem.nodes
+    return frozenset(nodes[i].name for i, flag in enumerate(mask) if flag)
+
+
+def _kept_mask(problem: Problem, kept: Iterable[str]) -> bytearray:
+    mask = bytearray(len(problem.nodes))
+    index, kind = problem.index, problem._kind
+    for name in kept:
+        i = index.get(name)
+        if i is None:
+            raise InvalidPlanError(f"kept names {name!r}, which is not a node of the problem")
+        if kind[i] != _FORWARD:
+            raise InvalidPlanError(
+                f"kept names {name!r}, a {problem.nodes[i].kind} node; only forward nodes can be kept"
+            )
+        mask[i] = 1
+    return mask
+
+
+def _resolve(problem: Problem, plan: Plan) -> tuple[list[int], int, bytearray]:
+    """Plan -> (node index per step, number of forward-phase steps, kept mask)."""
+    kept = _kept_mask(problem, plan.kept)
+    if plan.schedule is None:
+        nodes, n_fwd = _derive(problem, kept)
+        return nodes, n_fwd, kept
+    index = problem.index
+    nodes: list[int] = []
+    n_fwd = 0
+    in_backward = False
+    for i, step in enumerate(plan.schedule):
+        j = index.get(step.node)
+        if j is None:
+            raise InvalidPlanError(f"step {i} ({step.node!r}, {step.phase}): unknown node")
+        if step.phase == FORWARD_PHASE:
+            if in_backward:
+                raise InvalidPlanError(
+                    f"step {i} ({step.node!r}, forward) comes after a backward-phase step; "
+                    "all forward-phase steps must precede the backward phase"
+                )
+            n_fwd += 1
+        elif step.phase == BACKWARD_PHASE:
+            in_backward = True
+        else:
+            raise InvalidPlanError(
+                f"step {i} ({step.node!r}, {step.phase!r}): phase must be 'forward' or 'backward'"
+            )
+        nodes.append(j)
+    return nodes, n_fwd, kept
+
+
+def _derive(problem: Problem, kept: bytearray) -> tuple[list[int], int]:
+    """Derived schedule of a kept mask as (node indices, number of forward steps)."""
+    output, fwd_preds = problem._output, problem._fwd_preds
+    forward_idx = problem._forward_idx
+
+    # Forward phase: ancestors-or-self of kept and output forward nodes. Preds
+    # come earlier in the order, so one reverse sweep propagates the marks.
+    needed = bytearray(len(problem.nodes))
+    for v in reversed(forward_idx):
+        if needed[v] or kept[v] or output[v]:
+            needed[v] = 1
+            for q in fwd_preds[v]:
+                needed[q] = 1
+    nodes = [v for v in forward_idx if needed[v]]
+    n_fwd = len(nodes)
+
+    # Backward phase: materialise missing forward preds depth first. Iterative,
+    # because a chain with nothing kept recurses as deep as the chain is long.
+    materialised = bytearray(len(problem.nodes))
+    for v in forward_idx:
+        if kept[v] or output[v]:
+            materialised[v] = 1
+    for b in problem._backward_idx:
+        for p in fwd_preds[b]:
+            if materialised[p]:
+                continue
+            stack = [(p, 0)]
+            while stack:
+                v, k = stack[-1]
+                preds = fwd_preds[v]
+                while k < len(preds) and materialised[preds[k]]:
+                    k += 1
+                if k < len(preds):
+                    stack[-1] = (v, k + 1)
+                    stack.append((preds[k], 0))
+                else:
+                    stack.pop()
+                    materialised[v] = 1
+                    nodes.append(v)
+        nodes.append(b)
+    return nodes, n_fwd
+
+
+def _to_steps(problem: Problem, nodes: list[int], n_fwd: int) -> tuple[Step, ...]:
+    names = problem.nodes
+    return tuple(
+        Step(names[v].name, FORWARD_PHASE if i < n_fwd else BACKWARD_PHASE) for i, v in enumerate(nodes)
+    )
+
+
+def _step_label(problem: Problem, nodes: list[int], n_fwd: int, i: int) -> str:
+    phase = FORWARD_PHASE if i < n_fwd else BACKWARD_PHASE
+    return f"step {i} ({problem.nodes[nodes[i]].name!r}, {phase})"
+
+
+def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray) -> None:
+    """The rules that do not depend on liveness: who may run where, and how often."""
+    kind, policy, output = problem._kind, problem._policy, problem._output
+    names = problem.nodes
+    in_forward = bytearray(len(names))
+    in_backward = bytearray(len(names))
+    for i, v in enumerate(nodes):
+        k = kind[v]
+        problem_text = None
+        if k == _INPUT:
+            problem_text = "computes an input node; inputs are resident and never computed"
+        elif i < n_fwd:
+            if k == _BACKWARD:
+                problem_text = "computes a backward node in the forward phase"
+            elif in_forward[v]:
+                problem_text = f"computes {names[v].name!r} a second time in the forward phase"
+            in_forward[v] = 1
+        elif k == _BACKWARD:
+            if in_backward[v]:
+                problem_text = f"computes backward node {names[v].name!r} a second time"
+            in_backward[v] = 1
+        elif policy[v] == _SAVE:
+            problem_text = f"recomputes {names[v].name!r}, whose policy is 'save': it must be kept, not recomputed"
+        if problem_text is not None:
+            raise InvalidPlanError(f"{_step_label(problem, nodes, n_fwd, i)} {problem_text}")
+    for b in problem._backward_idx:
+        if not in_backward[b]:
+            raise InvalidPlanError(f"backward node {names[b].name!r} is never computed in the backward phase")
+    for v in problem._forward_idx:
+        if kept[v]:
+            if not in_forward[v]:
+                raise InvalidPlanError(f"kept node {names[v].name!r} is not computed in the forward phase")
+            if policy[v] == _RECOMPUTE:
+                raise InvalidPlanError(f"kept node {names[v].name!r} has policy 'recompute': it must not be kept")
+        if output[v] and not in_forward[v]:
+            raise InvalidPlanError(f"output node {names[v].name!r} is not computed in the forward phase")
+
+
+def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray) -> _Core:
+    """Validate and replay a schedule given as node indices; O(steps + edges)."""
+    _check_structure(problem, nodes, n_fwd, kept)
+    kind, preds_of, nbytes = problem._kind, problem._preds, problem._bytes
+    alias_of, output = problem._alias_of, problem._output
+    n_steps = len(nodes)
+
+    # Pass 1: which instance each read resolves to; remember each instance's
+    # last reader and the storage (root instance) it pins.
+    latest = [-1] * len(problem.nodes)  # node -> step index of its most recent instance
+    last_read = [-1] * n_steps
+    storage = [-1] * n_steps  # instance -> step index of the storage it pins, -1 if none
+    part_of = problem._part_of
+    taken = [0] * n_steps  # multi-output instance -> bytes its getitems took over
+    takes: list[tuple[int, int]] = []  # (step, bytes) moved from a multi-output storage
+    taken_by: dict[tuple[int, int], int] = {}  # (multi-output instance, getitem node) -> instance
+    whole_of: dict[int, int] = {}  # getitem instance -> the multi-output instance it took from
+    for i, v in enumerate(nodes):
+        for p in preds_of[v]:
+            if kind[p] == _INPUT:
+                continue
+            inst = latest[p]
+            if inst < 0:
+                raise InvalidPlanError(
+                    f"{_step_label(problem, nodes, n_fwd, i)} reads {problem.nodes[p].name!r}, "
+                    "which has not been computed before this step"
+                )
+            if i >= n_fwd and inst < n_fwd and not kept[p] and not output[p]:
+                hint = " (its policy is 'save', so it must be kept)" if problem._policy[p] == _SAVE else ""
+                raise InvalidPlanError(
+                    f"{_step_label(problem, nodes, n_fwd, i)} reads {problem.nodes[p].name!r}, which has no live "
+                    f"value: its forward value is not kept and it was not recomputed before this step{hint}"
+                )
+            last_read[inst] = i
+        a = alias_of[v]
+        if a >= 0:
+            base = latest[a]  # -1 when the base is an input: resident anyway
+            storage[i] = storage[base] if base >= 0 else -1
+        elif part_of[v] >= 0 and nbytes[v]:
+            whole = latest[part_of[v]]
+            earlier = taken_by.get((whole, v))
+            if earlier is not None:  # the same output extracted again: same storage
+                storage[i] = storage[earlier]
+            else:
+                taken_by[(whole, v)] = i
+                whole_of[i] = whole
+                taken[whole] += nbytes[v]
+                takes.append((i, nbytes[v]))
+                storage[i] = i
+        elif nbytes[v]:
+            storage[i] = i
+        latest[v] = i
+
+    # Pass 2: each storage lives until the last death of an instance pinning it.
+    last = n_steps - 1
+    storage_death = [-1] * n_steps
+    kept_storages = set()
+    for i, v in enumerate(nodes):
+        s = storage[i]
+        if s < 0:
+            continue
+        if output[v]:
+            death = last
+        elif i < n_fwd and kept[v]:
+            death = max(n_fwd - 1, last_read[i])
+            kept_storages.add(s)
+        else:
+            death = max(i, last_read[i])
+        if s == i and i in whole_of:
+            # The multi-output value (a tuple) references this output until it dies too.
+            death = max(death, storage_death[whole_of[i]])
+        if death > storage_death[s]:
+            storage_death[s] = death
+
+    # Pass 3: live bytes after each allocation, from +bytes/-bytes events.
+    # A getitem's bytes move out of its multi-output storage: net zero at its step;
+    # the output dies when both the getitem and the multi-output value are dead.
+    delta = [0] * (n_steps + 1)
+    for s, death in enumerate(storage_death):
+        if death >= 0:
+            b = nbytes[nodes[s]]
+            delta[s] += b
+            delta[death + 1] -= b - taken[s]
+    for i, b in takes:
+        delta[i] -= b
+    scratch = problem._scratch
+    timeline = []
+    live = problem.resident_bytes
+    for i in range(n_steps):
+        live += delta[i]
+        timeline.append(live + scratch[nodes[i]])
+
+    if timeline:
+        peak = max(timeline)
+        peak_step = timeline.index(peak)
+    else:
+        peak, peak_step = problem.resident_bytes, -1
+    cost = problem._cost
+    recomputed = [v for v in nodes[n_fwd:] if kind[v] == _FORWARD]
+    return _Core(
+        peak_bytes=peak,
+        peak_step=peak_step,
+        recompute_cost=float(sum(cost[v] for v in recomputed)),
+        forward_cost=float(sum(cost[v] for v in nodes[:n_fwd])),
+        timeline=timeline,
+        forward_peak_bytes=max(timeline[:n_fwd]) if n_fwd else problem.resident_bytes,
+        kept_bytes=sum(nbytes[nodes[s]] - taken[s] for s in kept_storages),
+        recompute_steps=len(recomputed),
+    )
