@@ -122,6 +122,7 @@ def optimize(
     must_recompute: Sequence[str] = (),
     compiler: str = "eager",
     measure_time: bool = False,
+    hold_outputs: bool = False,
     time_limit: float | None = None,
     progress: Callable[[float, str], None] | None = None,
 ) -> OptimizedModule:
@@ -140,6 +141,9 @@ def optimize(
         must_save / must_recompute: patterns over stable node names such as
             ``"transformer.h.*.attn.*"`` or ``"*.softmax*"``.
         compiler: ``"eager"`` (default) or ``"inductor"``.
+        hold_outputs: set it if you keep large forward results (logits) alive
+            through backward; by default they count only during forward, as in
+            ``loss = model(x).loss; loss.backward()``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -178,6 +182,7 @@ def optimize(
         must_recompute=must_recompute,
         plan_source=source,
         measure_time=measure_time,
+        hold_outputs=hold_outputs,
         time_limit=time_limit,
         progress=progress,
     )

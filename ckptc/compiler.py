@@ -76,6 +76,9 @@ class CheckpointCompiler:
         measure_time: price recomputation by measured seconds instead of FLOPs.
         measure_scratch: run each distinct op once on random data to measure the
             temporary memory it allocates (on by default: the budget counts it).
+        hold_outputs: count forward results other than what backward needs as
+            alive until backward ends (for callers that keep logits through
+            backward); by default they are released after forward.
         progress: ``(fraction, message)`` callback for long solves.
     """
 
@@ -92,6 +95,7 @@ class CheckpointCompiler:
         plan_source: PlanSource | None = None,
         measure_time: bool = False,
         measure_scratch: bool = True,
+        hold_outputs: bool = False,
         time_limit: float | None = None,
         progress: Callable[[float, str], None] | None = None,
     ) -> None:
@@ -111,6 +115,7 @@ class CheckpointCompiler:
         self.plan_source = plan_source
         self.measure_time = measure_time
         self.measure_scratch = measure_scratch
+        self.hold_outputs = hold_outputs
         self.time_limit = time_limit
         self.progress = progress
         self.records: list[GraphRecord] = []
@@ -210,7 +215,11 @@ class CheckpointCompiler:
             {n.name: n for n in joint.graph.nodes}, self.must_save, self.must_recompute
         )
         jp = joint_to_problem(
-            joint, num_fwd_outputs, baseline_bytes=outside + earlier, policies=policies
+            joint,
+            num_fwd_outputs,
+            baseline_bytes=outside + earlier,
+            policies=policies,
+            hold_outputs=self.hold_outputs,
         )
         index = len(self.records)
         plan = self._decide(index, jp)

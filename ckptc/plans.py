@@ -272,7 +272,7 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     plan = record.plan
     recomputed = {s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"}
     values = []
-    for name in problem.forward_nodes:
+    for name in jp.graph_nodes(problem.forward_nodes):
         cost = jp.node_cost(name)
         if name in plan.kept:
             decision = "kept"
@@ -289,9 +289,10 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
         budget_bytes=plan.budget_bytes,
         info=_json_safe(plan.info),
     )
-    forward_flops = sum(jp.node_cost(n).flops for n in problem.forward_nodes)
-    backward_flops = sum(jp.node_cost(n).flops for n in problem.backward_nodes)
-    recompute_flops = sum(jp.node_cost(s.node).flops for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward")
+    forward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.forward_nodes))
+    backward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.backward_nodes))
+    recomputed_steps = [s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"]
+    recompute_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(recomputed_steps))
     return GraphPlan(
         fingerprint=fingerprint(jp),
         inputs=_inputs(jp),

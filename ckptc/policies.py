@@ -60,9 +60,9 @@ def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, *, dep
     produced outside every block; everything inside a block is recomputed.
     """
     problem = jp.problem
-    block_of = {name: _block(jp.nodes[name].meta["ckptc"].module) for name in problem.forward_nodes}
+    block_of = {name: _block(jp.nodes[name].meta["ckptc"].module) for name in jp.graph_nodes(problem.forward_nodes)}
     kept = set()
-    for name in problem.forward_nodes:
+    for name in jp.graph_nodes(problem.forward_nodes):
         block = block_of[name]
         consumers = problem.consumers[name]
         leaves_block = any(block_of.get(c, None) != block for c in consumers)
@@ -91,7 +91,7 @@ def selective(jp: JointProblem, budget_bytes: int | None = None, **_: object) ->
     """
     problem = jp.problem
     kept = set()
-    for name in problem.forward_nodes:
+    for name in jp.graph_nodes(problem.forward_nodes):
         node = jp.nodes[name]
         op = str(getattr(node.target, "_opname", node.target))
         if op in ("mm", "addmm", "convolution", "linear", "embedding") or not op.startswith(_CHEAP_TO_RECOMPUTE):

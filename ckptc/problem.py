@@ -8,6 +8,7 @@ mapping back to nodes and the stable, readable names used in plan files.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import networkx as nx
 import torch
@@ -19,6 +20,8 @@ from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
 # Ops whose recomputation would read state that the forward pass has already
 # mutated are saved instead.  BatchNorm in training mode reads its running
 # statistics only to produce their new values, so its output may be recomputed.
+RETURN_PREFIX = "return:"
+
 _READS_MUTATED_STATE_SAFELY = {
     "aten::_native_batch_norm_legit_functional",
 }
@@ -37,6 +40,10 @@ class JointProblem:
     def node_cost(self, name: str) -> NodeCost:
         return self.nodes[name].meta["ckptc"]
 
+    def graph_nodes(self, names: Iterable[str]) -> list[str]:
+        """``names`` without the zero-byte markers that are not graph nodes."""
+        return [n for n in names if n in self.nodes]
+
 
 def joint_to_problem(
     joint: fx.GraphModule,
@@ -45,6 +52,7 @@ def joint_to_problem(
     baseline_bytes: int = 0,
     mutated_inputs: frozenset[str] = frozenset(),
     policies: dict[str, str] | None = None,
+    hold_outputs: bool = False,
 ) -> JointProblem:
     """Build the solver problem of an annotated joint graph.
 
@@ -59,11 +67,18 @@ def joint_to_problem(
         mutated_inputs: placeholder names that forward mutates; forward nodes
             reading them are saved, since recomputing them would read new values.
         policies: extra ``node name -> "save" | "recompute"`` constraints.
+        hold_outputs: count the forward results (logits, hidden states) as alive
+            until backward ends, for callers that keep them; by default they
+            die at the end of forward, as in ``loss = model(x).loss``.
     """
     policies = dict(policies or {})
     output_node = next(iter(joint.graph.find_nodes(op="output")))
     outputs = [a for a in torch.utils._pytree.tree_leaves(output_node.args) if isinstance(a, fx.Node)]
-    output_names = {n.name for n in outputs}
+    forward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
+    backward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
+    output_names = {n.name for n in backward_results}
+    if hold_outputs:
+        output_names |= {n.name for n in forward_results}
 
     mutated_inputs = frozenset(mutated_inputs) | _inputs_mutated_in_graph(joint)
     for node in joint.graph.nodes:
@@ -105,6 +120,18 @@ def joint_to_problem(
             graph.add_edge(p, node.name)
         {INPUT: inputs, FORWARD: forward, BACKWARD: backward}[cost.kind].append(node.name)
 
+    stable_names = {name: n.meta["ckptc"].stable_name for name, n in nodes.items()}
+    if not hold_outputs:
+        # The caller receives the forward results and (as in `loss = model(x).loss`)
+        # drops what it does not need before backward: a zero-byte marker at the
+        # end of forward keeps each result alive exactly through the forward phase.
+        for result in dict.fromkeys(forward_results):
+            marker = RETURN_PREFIX + result.name
+            graph.add_node(marker, bytes=0, cost=0.0, kind=FORWARD, output=True)
+            graph.add_edge(result.name, marker)
+            forward.append(marker)
+            stable_names[marker] = RETURN_PREFIX + stable_names[result.name]
+
     # Tangents are backward nodes without predecessors: put them first in backward.
     backward.sort(key=lambda name: nodes[name].op != "placeholder")
     problem = solvers.Problem.from_networkx(
@@ -115,7 +142,7 @@ def joint_to_problem(
         joint=joint,
         num_fwd_outputs=num_fwd_outputs,
         nodes=nodes,
-        stable_names={name: n.meta["ckptc"].stable_name for name, n in nodes.items()},
+        stable_names=stable_names,
     )
 
 

@@ -64,9 +64,9 @@ def rewrite(
             ) from None
 
     for step in steps:
-        node = by_name[step.node]
-        if node.op != "call_function":
-            continue  # tangents are placeholders, already copied
+        node = by_name.get(step.node)
+        if node is None or node.op != "call_function":  # a marker, or a tangent placeholder
+            continue
         is_recompute = step.phase == "backward" and node.meta["ckptc"].kind == FORWARD
         state = node.meta.get("ckptc_rng_state")
         if is_recompute and state is not None:

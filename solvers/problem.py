@@ -66,6 +66,13 @@ class Node:
         None, ``"save"`` (must be kept if backward needs it; it is never
         recomputed) or ``"recompute"`` (must not be kept). Only meaningful
         for forward nodes; ignored on inputs and backward nodes.
+    scratch : int
+        Transient bytes the op allocates while it runs and frees before it
+        returns; counted at its step only.
+    part_of : str or None
+        For a getitem of a multi-output op: that op (one of ``preds``). The
+        op's ``bytes`` is the sum of its outputs; this node takes its own
+        ``bytes`` over from the op's storage, so outputs die one by one.
     """
 
     name: str

@@ -19,6 +19,10 @@ Memory model (see the package contract for the full text)
   recomputed first).
 * An alias instance pins the storage of the alias-root instance it was made
   from; a storage is counted while any instance referencing it is alive.
+* A getitem (``part_of``) takes its bytes over from the multi-output
+  instance it reads (net zero at its step); the multi-output storage frees
+  what is left when it dies, the getitem's storage lives at least as long.
+* A node's ``scratch`` bytes count at its own step only.
 
 Both functions run in O(len(schedule) + edges) time.
 """

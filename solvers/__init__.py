@@ -1,0 +1,42 @@
+"""Activation-checkpointing planners for ckptc (pure Python, never imports torch).
+
+Model a training step as a :class:`Problem`, ask :func:`solve` for a
+:class:`Plan` that fits a memory budget, and check any plan with
+:func:`simulate`, the one judge of memory and recomputation cost.
+
+>>> import solvers
+>>> problem = solvers.Problem.training_chain(16)          # 16 forward nodes of 1 byte
+>>> plan = solvers.solve(problem, budget_bytes=12)
+>>> solvers.simulate(problem, plan).peak_bytes <= 12
+True
+"""
+
+# Order matters: solvers.api (and the optional solvers.dp / solvers.ilp it
+# registers) may import the core names from this package, so they come first.
+from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
+from solvers.plan import Plan, Step
+from solvers.problem import BACKWARD, FORWARD, INPUT, RECOMPUTE, SAVE, Node, Problem
+from solvers.simulator import SimResult, schedule, simulate
+from solvers.api import METHODS, min_feasible_budget, solve
+
+__all__ = [
+    "Node",
+    "Problem",
+    "Plan",
+    "Step",
+    "SimResult",
+    "simulate",
+    "schedule",
+    "solve",
+    "METHODS",
+    "min_feasible_budget",
+    "InfeasibleBudgetError",
+    "InvalidPlanError",
+    "SolverError",
+    "format_bytes",
+    "INPUT",
+    "FORWARD",
+    "BACKWARD",
+    "SAVE",
+    "RECOMPUTE",
+]

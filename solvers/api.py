@@ -1,0 +1,258 @@
+"""Entry point: ``solve(problem, budget_bytes, method)`` and the method registry.
+
+Every method is a function ``(problem, budget_bytes, **options) -> Plan``.
+:func:`solve` runs one, then re-judges the plan with :func:`solvers.simulate`
+(never trusting a method's own bookkeeping) and fills ``plan.info``.
+
+The "dp" and "ilp" methods live in :mod:`solvers.dp` and :mod:`solvers.ilp`;
+they are registered only when those modules exist, and imported on first use
+so that ``import solvers`` stays fast and never pulls in pulp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import time
+from typing import Any, Callable
+
+from solvers.chen import Progress, chen_greedy, chen_sqrt, lowest_peak_plan
+from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
+from solvers.plan import Plan
+from solvers.problem import Problem
+from solvers.simulator import simulate
+
+__all__ = ["solve", "METHODS", "min_feasible_budget", "auto"]
+
+log = logging.getLogger("solvers.api")
+
+Method = Callable[..., Plan]
+
+# auto's size rules: the MILP is exact but its size grows quadratically with
+# the graph, so it is only tried on small graphs and with a short time limit.
+AUTO_ILP_MAX_FORWARD_NODES = 60
+AUTO_ILP_MAX_NODES = 5000
+AUTO_ILP_TIME_LIMIT = 10.0
+# On graphs larger than this, auto runs dp at a coarser memory resolution
+# (dp's max_slots), which keeps real joint graphs (~35,000 nodes) within a
+# few seconds at a small cost in plan quality.
+AUTO_LARGE_NODES = 5000
+AUTO_DP_LARGE_MAX_SLOTS = 64
+
+
+def min_feasible_budget(problem: Problem) -> int:
+    """The smallest budget for which ``solve(method="chen_greedy")`` and ``"auto"`` succeed.
+
+    It is the simulated peak of the lowest-memory derived schedule in the
+    Chen family (keep-all, chen_sqrt, and every threshold chen_greedy's
+    memory search evaluates). It is an *upper bound* on the true minimum
+    peak over all schedules: dp and ilp may recompute values several times
+    and fit below it, and chen_sqrt may need more. Cached on the problem;
+    the first call costs about 20 linear-time simulations.
+
+    Examples
+    --------
+    >>> min_feasible_budget(Problem.training_chain(16)) < 17
+    True
+    """
+    return int(lowest_peak_plan(problem).info["predicted_peak_bytes"])
+
+
+def _lazy(module: str, function: str) -> Method:
+    """A registry entry that imports ``solvers.<module>`` on first call."""
+
+    def call(problem: Problem, budget_bytes: int, **options: Any) -> Plan:
+        fn = getattr(importlib.import_module(f"solvers.{module}"), function)
+        return fn(problem, budget_bytes, **options)
+
+    call.__name__ = call.__qualname__ = function
+    call.__doc__ = f"Lazy entry for solvers.{module}.{function} (see that module)."
+    return call
+
+
+def _optional_methods() -> dict[str, Method]:
+    # find_spec, not try/import: a module that exists but fails to import is
+    # a bug that must surface, not a silently missing method.
+    found = {}
+    for name in ("dp", "ilp"):
+        if importlib.util.find_spec(f"solvers.{name}") is not None:
+            found[name] = _lazy(name, name)
+    return found
+
+
+def _sub_progress(progress: Progress | None, start: float, end: float) -> Progress | None:
+    if progress is None:
+        return None
+    return lambda fraction, message: progress(start + (end - start) * fraction, message)
+
+
+def auto(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    time_limit: float = 60.0,
+    progress: Progress | None = None,
+    ilp_max_forward_nodes: int = AUTO_ILP_MAX_FORWARD_NODES,
+    ilp_time_limit: float = AUTO_ILP_TIME_LIMIT,
+) -> Plan:
+    """Try the methods suited to the graph and return the cheapest plan that fits.
+
+    Order: chen_greedy (fast, always; if it recomputes nothing it is optimal
+    and returned at once), then dp when available (with a coarser memory
+    resolution above 5,000 nodes), then ilp when available and the graph is
+    small (<= ``ilp_max_forward_nodes`` forward nodes and <= 5,000 nodes)
+    with ``min(time_limit, ilp_time_limit)`` seconds. Every
+    plan is judged by simulate(); the winner has the least recompute cost
+    among those with peak <= budget (ties: lower peak, earlier method).
+    If dp or ilp raises anything other than InfeasibleBudgetError (or returns
+    a plan simulate() rejects), the error is logged and recorded in
+    ``info["auto"]["tried"]`` and auto goes on.
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        If no method found a fitting plan; min_feasible_bytes is the lowest
+        of :func:`min_feasible_budget` and what the methods reported.
+    """
+    runs: list[tuple[str, dict[str, Any]]] = [("chen_greedy", {})]
+    if "dp" in METHODS:
+        runs.append(("dp", {"max_slots": AUTO_DP_LARGE_MAX_SLOTS} if len(problem) > AUTO_LARGE_NODES else {}))
+    small = len(problem._forward_idx) <= ilp_max_forward_nodes and len(problem) <= AUTO_ILP_MAX_NODES
+    if "ilp" in METHODS and small:
+        runs.append(("ilp", {"time_limit": min(time_limit, ilp_time_limit)}))
+
+    fitting: list[tuple[float, int, int, Plan]] = []
+    tried: dict[str, Any] = {}
+    lowest_reported: list[int] = []
+    for k, (name, extra) in enumerate(runs):
+        options = {"time_limit": time_limit, **extra,
+                   "progress": _sub_progress(progress, k / len(runs), (k + 1) / len(runs))}
+        started = time.perf_counter()
+        try:
+            plan = METHODS[name](problem, budget_bytes, **options)
+            result = simulate(problem, plan)
+        except InfeasibleBudgetError as e:
+            tried[name] = {"status": "infeasible", "seconds": time.perf_counter() - started}
+            if e.min_feasible_bytes is not None:
+                lowest_reported.append(e.min_feasible_bytes)
+            log.info("auto: %s found no plan within %s", name, format_bytes(budget_bytes))
+            continue
+        except Exception as e:
+            # chen_greedy always runs first and its errors propagate; a failure of
+            # an optional method (a model too large, an invalid plan, a bug) must
+            # not cost the user the plans of the others. Calling it directly raises.
+            if name == "chen_greedy":
+                raise
+            tried[name] = {"status": "error", "error": f"{type(e).__name__}: {e}",
+                           "seconds": time.perf_counter() - started}
+            if isinstance(e, SolverError) and not isinstance(e, InvalidPlanError):
+                log.warning("auto: method %s gave up (%s); continuing without it", name, e)
+            else:
+                log.error("auto: method %s failed; continuing without it", name, exc_info=True)
+            continue
+        tried[name] = {"peak_bytes": result.peak_bytes, "recompute_cost": result.recompute_cost,
+                       "seconds": time.perf_counter() - started}
+        if result.peak_bytes > budget_bytes:
+            tried[name]["status"] = "over_budget"
+            log.warning("auto: %s returned a plan peaking at %d bytes, over the budget %d; ignored",
+                        name, result.peak_bytes, budget_bytes)
+            continue
+        tried[name]["status"] = "fits"
+        fitting.append((result.recompute_cost, result.peak_bytes, k, plan))
+        if name == "chen_greedy" and result.recompute_cost == 0:
+            break  # nothing recomputed: no other method can be cheaper
+    if progress is not None:
+        progress(1.0, "auto: done")
+    if not fitting:
+        lowest = min([min_feasible_budget(problem), *lowest_reported])
+        raise InfeasibleBudgetError(budget_bytes, lowest)
+    *_, best = min(fitting, key=lambda t: t[:3])
+    info = {**best.info, "auto": {"chosen": best.method, "tried": tried}}
+    return dataclasses.replace(best, info=info)
+
+
+METHODS: dict[str, Method] = {
+    "chen_sqrt": chen_sqrt,
+    "chen_greedy": chen_greedy,
+    **_optional_methods(),
+    "auto": auto,
+}
+
+
+def solve(
+    problem: Problem,
+    budget_bytes: int,
+    method: str = "auto",
+    *,
+    time_limit: float = 60.0,
+    progress: Progress | None = None,
+    **options: Any,
+) -> Plan:
+    """Find a plan whose simulated peak memory is at most ``budget_bytes``.
+
+    Problem: choose which forward values to keep (and, for some methods, an
+    explicit recomputation schedule) so that the step's peak memory fits in
+    the budget while recomputing as little as possible.
+
+    Parameters
+    ----------
+    problem : Problem
+    budget_bytes : int
+        Peak-memory budget, counting inputs and ``problem.baseline_bytes``.
+    method : str
+        A key of :data:`METHODS`: "chen_sqrt", "chen_greedy", "dp", "ilp"
+        (when installed) or "auto".
+    time_limit : float
+        Seconds the method may spend (honoured by ilp and auto).
+    progress : callable(fraction, message) or None
+        Called now and then by long solves.
+    **options :
+        Passed to the method.
+
+    Returns
+    -------
+    Plan
+        With ``budget_bytes`` set and ``info`` holding predicted_peak_bytes
+        and recompute_cost (from simulate) and solve_seconds (wall time of
+        this call), plus whatever the method added.
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        If the method finds no plan within the budget.
+    SolverError
+        If a method returns a plan that simulate() finds over budget (a bug).
+    ValueError
+        For an unknown method or a negative budget.
+
+    Examples
+    --------
+    >>> plan = solve(Problem.training_chain(16), 12)
+    >>> plan.info["predicted_peak_bytes"] <= 12
+    True
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
+    function = METHODS.get(method)
+    if function is None:
+        raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
+    started = time.perf_counter()
+    plan = function(problem, budget_bytes, time_limit=time_limit, progress=progress, **options)
+    result = simulate(problem, plan)
+    if result.peak_bytes > budget_bytes:
+        raise SolverError(
+            f"method {method!r} returned a plan peaking at {result.peak_bytes} bytes, over the budget "
+            f"{budget_bytes} bytes; this is a bug in that method"
+        )
+    info = {
+        **plan.info,
+        "predicted_peak_bytes": result.peak_bytes,
+        "recompute_cost": result.recompute_cost,
+        "solve_seconds": time.perf_counter() - started,
+    }
+    log.info("solve(%s): peak %s within %s, recompute cost %g, %.3f s", method,
+             format_bytes(result.peak_bytes), format_bytes(budget_bytes), result.recompute_cost,
+             info["solve_seconds"])
+    return dataclasses.replace(plan, budget_bytes=budget_bytes, info=info)
