@@ -13,6 +13,7 @@ backward recomputes the rest just before it is needed.
 import logging
 
 from ckptc.api import OptimizedModule, optimize, plan
+from ckptc.backend import backend
 from ckptc.errors import CkptcError, CorruptPlanError, PlanMismatchError, UntraceableModelError
 from ckptc.plans import ModelPlan, load_plan
 from solvers import InfeasibleBudgetError
@@ -22,6 +23,7 @@ logging.getLogger("ckptc").addHandler(logging.NullHandler())
 
 __all__ = [
     "optimize",
+    "backend",
     "plan",
     "load_plan",
     "OptimizedModule",

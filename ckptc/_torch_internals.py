@@ -38,6 +38,8 @@ def aot_backend(
     fw_compiler: Callable[[fx.GraphModule, Sequence[Any]], Callable],
     bw_compiler: Callable[[fx.GraphModule, Sequence[Any]], Callable],
     partition_fn: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
+    *,
+    for_inductor: bool = False,
 ) -> Callable:
     """A ``torch.compile`` backend built on AOTAutograd with our partitioner.
 
@@ -45,13 +47,39 @@ def aot_backend(
     the aten-level joint forward+backward graph (fake-tensor metadata in
     ``node.meta["val"]``) and returns the forward and backward graph modules.
     """
-    return _aot_autograd(
+    extra: dict[str, Any] = {}
+    if for_inductor:
+        # Inductor lowers only graphs traced with its own decomposition table.
+        from torch._inductor.decomposition import select_decomp_table
+
+        # Random ops stay whole (and run eagerly, see inductor_compile) so they draw
+        # exactly the numbers eager PyTorch draws.
+        extra["decompositions"] = {
+            op: fn
+            for op, fn in select_decomp_table().items()
+            if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags)
+        }
+    backend = _aot_autograd(
         fw_compiler=fw_compiler,
         bw_compiler=bw_compiler,
         inference_compiler=fw_compiler,
         partition_fn=partition_fn,
         keep_inference_input_mutations=True,
+        **extra,
     )
+
+    def compile_without_caches(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        # AOTAutograd's and Inductor's caches key on the graph, not on our plan:
+        # a hit would skip the partitioner and silently drop the plan.
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+
+        with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
+            fx_graph_cache=False, fx_graph_remote_cache=False
+        ):
+            return backend(gm, example_inputs)
+
+    return compile_without_caches
 
 
 def boxed(gm: fx.GraphModule) -> Callable:
@@ -104,9 +132,12 @@ def dynamo_explain(fn: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """Inductor kernels for one graph; random ops fall back to eager so they match eager."""
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    return compile_fx_inner(gm, example_inputs)
+    with config.patch(fallback_random=True):
+        return compile_fx_inner(gm, example_inputs)
 
 
 from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402

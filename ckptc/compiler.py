@@ -35,6 +35,11 @@ from ckptc.rng import insert_rng_state_nodes
 
 log = logging.getLogger("ckptc.compiler")
 
+# After a graph break, later graphs return results that the caller holds while
+# earlier graphs run backward (the loss, a few scalars); those graphs are not
+# known yet when earlier graphs are planned, so every graph reserves this much.
+HELD_RESULTS_RESERVE_BYTES = 1024
+
 
 @dataclass
 class GraphRecord:
@@ -145,6 +150,7 @@ class CheckpointCompiler:
             fw_compiler=self._compile_forward,
             bw_compiler=self._compile_graph,
             partition_fn=partition,
+            for_inductor=self.compiler == "inductor",
         )
         return backend(gm, example_inputs)
 
@@ -203,8 +209,11 @@ class CheckpointCompiler:
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         """AOTAutograd ``partition_fn``: plan this joint graph and rewrite it."""
         start = time.perf_counter()
-        insert_rng_state_nodes(joint.graph)
-        joint.recompile()
+        if self.compiler == "eager":
+            # Inductor cannot lower the Python calls that replay generator state,
+            # so under Inductor random ops keep their outputs instead.
+            insert_rng_state_nodes(joint.graph)
+            joint.recompile()
         annotate_costs(joint)
         if self.measure_scratch:
             measure_scratch(joint)
@@ -217,7 +226,7 @@ class CheckpointCompiler:
         jp = joint_to_problem(
             joint,
             num_fwd_outputs,
-            baseline_bytes=outside + earlier,
+            baseline_bytes=outside + earlier + HELD_RESULTS_RESERVE_BYTES,
             policies=policies,
             hold_outputs=self.hold_outputs,
         )

@@ -100,6 +100,10 @@ class ModelPlan:
         budget_bytes: the budget planned for (None: no limit).
         strategy / solver: how the plans were chosen.
         torch_version / ckptc_version: versions that made the plan.
+        parameter_bytes / gradient_bytes: the model's parameters and the
+            gradients of its trainable ones (None if the model was not known,
+            or the file predates these fields): reports cannot derive them
+            from the graphs, whose inputs mix parameters and data.
     """
 
     graphs: list[GraphPlan]
@@ -108,6 +112,8 @@ class ModelPlan:
     solver: str
     torch_version: str = torch.__version__
     ckptc_version: str = CKPTC_VERSION
+    parameter_bytes: int | None = None
+    gradient_bytes: int | None = None
 
     # -- summaries --------------------------------------------------------
     @property
@@ -164,6 +170,7 @@ class ModelPlan:
             budget_bytes=compiler.budget_bytes,
             strategy=compiler.strategy,
             solver=compiler.solver,
+            **_parameter_sizes(compiler.model),
         )
 
     # -- files --------------------------------------------------------------
@@ -179,6 +186,8 @@ class ModelPlan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "recompute_flops": self.recompute_flops,
             "graphs": [g.to_dict() for g in self.graphs],
+            "parameter_bytes": self.parameter_bytes,
+            "gradient_bytes": self.gradient_bytes,
         }
 
     def to_json(self) -> str:
@@ -206,9 +215,26 @@ class ModelPlan:
                 solver=str(data["solver"]),
                 torch_version=str(data["torch_version"]),
                 ckptc_version=str(data["ckptc_version"]),
+                parameter_bytes=_optional_int(data.get("parameter_bytes")),
+                gradient_bytes=_optional_int(data.get("gradient_bytes")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise CorruptPlanError(f"{source} is damaged: missing or invalid field {error}") from None
+
+
+def _parameter_sizes(model: torch.nn.Module | None) -> dict[str, int | None]:
+    """Bytes of the model's distinct parameters and of its trainable ones' gradients."""
+    if model is None:
+        return {"parameter_bytes": None, "gradient_bytes": None}
+    params = list(model.parameters())  # distinct: tied weights appear once
+    return {
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+    }
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def load_plan(path: str | os.PathLike[str]) -> ModelPlan:

@@ -12,6 +12,7 @@ machinery.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import re
@@ -19,6 +20,7 @@ from typing import Callable, Iterable
 
 import solvers
 from ckptc.problem import JointProblem
+from solvers.simulator import honour_policies
 
 log = logging.getLogger("ckptc.policies")
 
@@ -64,8 +66,8 @@ def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, *, dep
     kept = set()
     for name in jp.graph_nodes(problem.forward_nodes):
         block = block_of[name]
-        consumers = problem.consumers[name]
-        leaves_block = any(block_of.get(c, None) != block for c in consumers)
+        consumers = [c for c in problem.consumers[name] if c in block_of]
+        leaves_block = any(block_of[c] != block for c in consumers)
         if block is None or leaves_block:
             kept.add(name)
     return _finish(jp, solvers.Plan(kept=_backward_read_closure(jp, kept), method="layer", budget_bytes=budget_bytes))
@@ -115,6 +117,8 @@ def _backward_read_closure(jp: JointProblem, kept: Iterable[str]) -> set[str]:
 
 
 def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
+    if plan.schedule is None:
+        plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
     result = solvers.simulate(jp.problem, plan)
     info = dict(plan.info, predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
     return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info)

@@ -77,8 +77,8 @@ def joint_to_problem(
     forward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
     backward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
     output_names = {n.name for n in backward_results}
-    if hold_outputs:
-        output_names |= {n.name for n in forward_results}
+    # Scalars (the loss) stay alive: the caller holds the loss while calling backward on it.
+    output_names |= {n.name for n in forward_results if hold_outputs or _numel(n) <= 1}
 
     mutated_inputs = frozenset(mutated_inputs) | _inputs_mutated_in_graph(joint)
     for node in joint.graph.nodes:
@@ -102,6 +102,9 @@ def joint_to_problem(
         if cost.kind == FORWARD and isinstance(node.meta.get("val"), (tuple, list)):
             # A tuple cannot be saved for backward; its getitems can.
             policy = "recompute"
+        elif cost.kind == FORWARD and _random_without_replay(node):
+            # No captured generator state to replay it with: its output must be kept.
+            policy = "save"
         if cost.kind == FORWARD and policy is None and _reads_mutated_input(node, mutated_inputs):
             policy = "save"
         graph.add_node(
@@ -125,7 +128,7 @@ def joint_to_problem(
         # The caller receives the forward results and (as in `loss = model(x).loss`)
         # drops what it does not need before backward: a zero-byte marker at the
         # end of forward keeps each result alive exactly through the forward phase.
-        for result in dict.fromkeys(forward_results):
+        for result in dict.fromkeys(r for r in forward_results if r.name not in output_names):
             marker = RETURN_PREFIX + result.name
             graph.add_node(marker, bytes=0, cost=0.0, kind=FORWARD, output=True)
             graph.add_edge(result.name, marker)
@@ -144,6 +147,20 @@ def joint_to_problem(
         nodes=nodes,
         stable_names=stable_names,
     )
+
+
+def _random_without_replay(node: fx.Node) -> bool:
+    source = node.args[0] if cost_of(node).part_of and node.args else node
+    return isinstance(source, fx.Node) and cost_of(source).random and "ckptc_rng_state" not in source.meta
+
+
+def cost_of(node: fx.Node) -> NodeCost:
+    return node.meta["ckptc"]
+
+
+def _numel(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
 def _reads_mutated_input(node: fx.Node, mutated_inputs: frozenset[str]) -> bool:

@@ -1,0 +1,103 @@
+"""``torch.compile`` backend entry points.
+
+After ``pip install``, ``torch.compile(model, backend="ckptc", options={...})``
+works without importing ckptc first: the package declares
+:func:`ckptc_backend` in the ``torch_dynamo_backends`` entry-point group.
+``ckptc.backend(budget_gb=..., compiler=...)`` returns a configured backend
+object instead.
+
+Options (both ways): ``budget_gb`` or ``budget_bytes``, ``solver``,
+``strategy``, ``plan`` (a plan file or :class:`~ckptc.plans.ModelPlan`),
+``must_save``, ``must_recompute``, ``compiler`` (``"eager"`` or
+``"inductor"``), ``hold_outputs``, ``measure_time``, ``time_limit``.
+
+One budget covers all graphs of one ``torch.compile`` call (graph breaks
+included): Dynamo calls the backend once per graph with the same options, and
+the graphs of one call share one :class:`~ckptc.compiler.CheckpointCompiler`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from ckptc.api import budget_to_bytes
+from ckptc.compiler import CheckpointCompiler
+from ckptc.plans import ModelPlan, load_plan, plan_source_for
+
+_OPTION_NAMES = {
+    "budget_gb",
+    "budget_bytes",
+    "solver",
+    "strategy",
+    "plan",
+    "must_save",
+    "must_recompute",
+    "compiler",
+    "hold_outputs",
+    "measure_time",
+    "time_limit",
+}
+
+# One compiler per options dict: Dynamo passes the same dict for every graph of
+# one torch.compile call.  The dict is kept alive with its compiler so its id
+# is never reused while the entry exists.
+_compilers: dict[int, tuple[dict[str, Any], CheckpointCompiler]] = {}
+
+
+def backend(
+    budget_gb: float | None = None,
+    *,
+    budget_bytes: int | None = None,
+    solver: str = "auto",
+    strategy: str = "auto",
+    plan: str | ModelPlan | None = None,
+    must_save: Sequence[str] = (),
+    must_recompute: Sequence[str] = (),
+    compiler: str = "eager",
+    hold_outputs: bool = False,
+    measure_time: bool = False,
+    time_limit: float | None = None,
+) -> CheckpointCompiler:
+    """A configured ``torch.compile`` backend.
+
+    Example:
+        >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP
+    """
+    budget = budget_to_bytes(budget_gb, budget_bytes)
+    source = None
+    if plan is not None:
+        model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
+        source = plan_source_for(model_plan)
+        if budget is None:
+            budget = model_plan.budget_bytes
+    return CheckpointCompiler(
+        budget,
+        strategy=strategy,
+        solver=solver,
+        compiler=compiler,
+        must_save=must_save,
+        must_recompute=must_recompute,
+        plan_source=source,
+        hold_outputs=hold_outputs,
+        measure_time=measure_time,
+        time_limit=time_limit,
+    )
+
+
+def ckptc_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+) -> Callable:
+    """The ``backend="ckptc"`` entry point: plans each graph under ``options``."""
+    options = options or {}
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise ValueError(
+            f"unknown ckptc option(s) {sorted(unknown)}; valid options are {sorted(_OPTION_NAMES)}"
+        )
+    entry = _compilers.get(id(options))
+    if entry is None or entry[0] is not options:
+        entry = (options, backend(**options))
+        _compilers[id(options)] = entry
+    return entry[1](gm, example_inputs)
