@@ -297,10 +297,12 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     stable = jp.stable_names
     plan = record.plan
     recomputed = {s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"}
+    # A value whose storage stays alive through a kept view (a detach of it) is kept too.
+    kept_storages = {problem.alias_root(k) for k in plan.kept}
     values = []
     for name in jp.graph_nodes(problem.forward_nodes):
         cost = jp.node_cost(name)
-        if name in plan.kept:
+        if name in plan.kept or (cost.bytes and problem.alias_root(name) in kept_storages):
             decision = "kept"
         elif name in recomputed:
             decision = "recomputed"

@@ -71,7 +71,7 @@ def joint_to_problem(
             until backward ends, for callers that keep them; by default they
             die at the end of forward, as in ``loss = model(x).loss``.
     """
-    policies = dict(policies or {})
+    policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
     outputs = [a for a in torch.utils._pytree.tree_leaves(output_node.args) if isinstance(a, fx.Node)]
     forward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
@@ -147,6 +147,22 @@ def joint_to_problem(
         nodes=nodes,
         stable_names=stable_names,
     )
+
+
+def _spread_over_views(joint: fx.GraphModule, policies: dict[str, str]) -> dict[str, str]:
+    """"recompute" on a value applies to its views too: keeping a view keeps the storage."""
+    if "recompute" not in policies.values():
+        return policies
+    root: dict[str, str] = {}
+    for node in joint.graph.nodes:
+        cost = node.meta.get("ckptc")
+        if cost is not None:
+            root[node.name] = root.get(cost.alias_of, cost.alias_of) if cost.alias_of else node.name
+    doomed = {root[n] for n, p in policies.items() if p == "recompute" and n in root}
+    for name, r in root.items():
+        if r in doomed and policies.get(name) != "save":
+            policies[name] = "recompute"
+    return policies
 
 
 def _random_without_replay(node: fx.Node) -> bool:

@@ -210,7 +210,8 @@ def test_must_save_and_must_recompute_are_honoured() -> None:
     case, budget, model_plan = _gpt2_plan(0.6, must_save=["*.attn.*softmax*"], must_recompute=["*.mlp.*"])
     values = model_plan.values()
     softmax = [v for v in values if fnmatch.fnmatchcase(v.name, "*.attn.*softmax*")]
-    mlp = [v for v in values if fnmatch.fnmatchcase(v.name, "*.mlp.*") and v.bytes]
+    # generator states saved to replay dropout are not activations: they stay kept
+    mlp = [v for v in values if fnmatch.fnmatchcase(v.name, "*.mlp.*") and v.bytes and "rng_state" not in v.name]
     assert softmax and all(v.decision == "kept" for v in softmax)
     assert mlp and all(v.decision != "kept" for v in mlp)
 

@@ -1,0 +1,45 @@
+"""Factories for the CLI tests: ``ckptc plan tests/factories.py:gpt2`` and friends.
+
+Each function is called with no arguments by ``ckptc`` and returns a model and
+example inputs in one of the forms the CLI accepts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def gpt2():
+    """Hugging Face GPT-2 (tiny config, random weights) as a bench.models.ModelCase (object form)."""
+    from bench.models import get_case
+
+    case = get_case("gpt2")
+    return case
+
+
+def mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A tiny MLP as (model, example_inputs); the CLI sums the output for a loss."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model.train(), (torch.randn(16, 32, generator=generator),)
+
+
+def mlp_dict() -> dict:
+    """The same MLP in dict form, with an explicit loss."""
+    model, (x,) = mlp()
+    return {"model": model, "example_inputs": (x,), "loss": lambda out: out.pow(2).mean()}
+
+
+def not_a_model() -> tuple[str, tuple]:
+    """A broken factory: the "model" is a string."""
+    return "not a model", ()
+
+
+def wrong_shape() -> int:
+    """A broken factory: returns neither a tuple, a dict nor a case."""
+    return 42

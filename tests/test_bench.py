@@ -1,0 +1,63 @@
+"""Smoke test of the benchmark (bench.run): one tiny model, two budgets, files written.
+
+Nothing here is timed: the benchmark's numbers are not checked, only that
+every alternative ran (or said why not) and the outputs were written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench import run
+from bench.alternatives import count_flops, find_block_containers, wrap_blocks
+from bench.models import get_case
+
+
+def test_bench_run_writes_results_for_every_alternative(tmp_path):
+    out = tmp_path / "results"
+    code = run.main([
+        "--models", "mlp", "--size", "tiny", "--out", str(out),
+        "--budgets", "2", "--below", "0", "--solvers", "dp", "--strategies",
+        "--aot-budgets", "0.5", "--reps", "1",
+    ])
+    assert code == 0
+    data = json.loads((out / "mlp.json").read_text())
+    families = {p["family"] for p in data["points"]}
+    assert {"eager", "ckpt_every", "ckpt_every_other", "aot_eager", "ckptc"} <= families
+    ckptc_points = [p for p in data["points"] if p["family"] == "ckptc"]
+    assert len(ckptc_points) == 2
+    for p in data["points"]:
+        assert p["status"] in ("ok", "infeasible", "skipped", "error", "timeout"), p
+        if p["status"] == "ok":
+            assert p["peak_bytes"] > 0 and "recompute_pct" in p and "matches_eager" in p
+    by_family = {p["family"]: p for p in data["points"]}
+    assert by_family["eager"]["status"] == "ok" and by_family["eager"]["matches_eager"]
+    # the MLP is one nn.Sequential of Linear/GELU: no repeated blocks, so per-block checkpointing says why it is skipped
+    assert by_family["ckpt_every"]["status"] == "skipped" and by_family["ckpt_every"]["reason"]
+    assert by_family["aot_eager"]["status"] == "ok"
+    assert any(p["status"] == "ok" and p["matches_eager"] for p in ckptc_points)
+    table = (out / "mlp.md").read_text()
+    for label in ("eager", "ckpt every block", "ckpt every other block", "aot_eager budget=0.5", "ckptc dp"):
+        assert label in table
+    assert (out / "mlp_pareto.png").exists()
+    assert "mlp" in (out / "SUMMARY.md").read_text()
+    assert data["rockmate"]["note"]
+
+
+def test_block_helper_and_flop_counter_on_a_tiny_model():
+    case = get_case("gpt2", size="tiny")
+    containers, _ = find_block_containers(case.model)
+    assert [path for path, _ in containers] == ["transformer.h"]
+    assert find_block_containers(get_case("mlp", size="tiny").model)[0] == []
+    with count_flops() as eager:
+        case.forward_loss().backward()
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as reference:
+        case.forward_loss().backward()
+    assert eager.total == reference.get_total_flops() > 0
+    wrapped, _ = wrap_blocks(case.model, every=2)
+    assert wrapped == ["transformer.h.0"]
+    with count_flops() as checkpointed:
+        case.forward_loss().backward()
+    assert checkpointed.total > eager.total  # block 0's forward runs again in backward
