@@ -118,7 +118,7 @@ def auto(
     """
     runs: list[tuple[str, dict[str, Any]]] = [("chen_greedy", {})]
     if "dp" in METHODS:
-        runs.append(("dp", {"max_slots": AUTO_DP_LARGE_MAX_SLOTS} if len(problem) > AUTO_LARGE_NODES else {}))
+        runs.append(("dp", {}))
     small = len(problem._forward_idx) <= ilp_max_forward_nodes and len(problem) <= AUTO_ILP_MAX_NODES
     if "ilp" in METHODS and small:
         runs.append(("ilp", {"time_limit": min(time_limit, ilp_time_limit)}))

@@ -205,7 +205,11 @@ def _graph(problem: Problem) -> _Graph:
     storage = []
     for v in forward:
         r = alias_root[v]
-        storage.append(r if kind[r] == _FORWARD and nbytes[r] > 0 and not output[r] else -1)
+        if r in out_groups and v != r:
+            # A view or getitem of a resident storage allocates nothing new.
+            storage.append(-1)
+        else:
+            storage.append(r if kind[r] == _FORWARD and nbytes[r] > 0 and not output[r] else -1)
     return _Graph(forward, backward, pos, {pos[v] for v in forced if v in pos}, recomputable, keepable,
                   [], [last_stage.get(v, -1) for v in forward], fwd_consumers, reads, G, H, storage, view_holds,
                   [resident_value[v] for v in forward], out_groups)
@@ -444,7 +448,10 @@ class _Model:
         self.n_variables = len(lp.variables())
 
     def _estimate(self, max_variables: int) -> int:
-        g = self.g
+        return self._estimate_size(self.g, max_variables)
+
+    @staticmethod
+    def _estimate_size(g: _Graph, max_variables: int) -> int:
         B = len(g.backward)
         estimate = sum(2 * (last + 1) for last in g.last_stage if last >= 0)
         estimate += sum(len(c) for c in g.fwd_consumers) * max(B, 1)
@@ -823,6 +830,7 @@ def ilp(
     if not graph.backward:
         plan = _explicit(problem, keep_all)
         return _finish(problem, plan, budget_bytes, started, {"status": "optimal", "gap": 0.0, "bound": 0.0})
+    _Model._estimate_size(graph, max_variables)  # refuse huge graphs before any work
     start_plan = None
     if warm_start:
         try:
@@ -855,6 +863,12 @@ def ilp(
         log.debug("ilp: %s in %.2f s (objective %s, bound %s)", outcome.status, outcome.seconds,
                   outcome.objective, outcome.bound)
         if outcome.status == "infeasible":
+            if keep_all_core.peak_bytes <= budget_bytes:
+                # The model counts multi-output storages conservatively: keep-all can
+                # fit where the MILP sees no room. Never fail where keep-all fits.
+                log.info("ilp: the MILP found no schedule within the budget; keep-all fits, returning it")
+                return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
+                               {"status": "fallback", "gap": None, "bound": None, "candidate": "keep_all"})
             lowest = _min_feasible(problem, graph, max_variables, max(1.0, time_limit - (time.perf_counter() - started)),
                                    threads, keep_all_core.peak_bytes)
             raise InfeasibleBudgetError(
@@ -876,6 +890,10 @@ def ilp(
         plan = _to_plan(problem, graph, kept, rec, budget_bytes)
         result = simulate(problem, plan)
         if result.peak_bytes <= budget_bytes:
+            if keep_all_core.peak_bytes <= budget_bytes and keep_all_core.recompute_cost < result.recompute_cost:
+                log.info("ilp: keep-all is cheaper than the MILP's plan (conservative multi-output model)")
+                return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
+                               {"status": "fallback", "gap": None, "bound": outcome.bound, "candidate": "keep_all"})
             info = {"status": "optimal" if outcome.status == "optimal" else "time_limit",
                     "gap": outcome.gap, "bound": outcome.bound, "objective": outcome.objective,
                     "build_seconds": build_seconds, "milp_seconds": outcome.seconds,

@@ -49,11 +49,27 @@ class Bounds:
         return int(self.floor + fraction * (self.unoptimized - self.floor))
 
 
+_bounds_cache: dict[tuple, Bounds] = {}
+
+
 def budget_bounds(case: ModelCase) -> Bounds:
-    """Unoptimized peak and smallest feasible budget, planned on a copy of the model."""
-    plan = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
-                      strategy="none", loss_fn=case.loss)
-    return Bounds(plan.unoptimized_peak_bytes, plan.min_feasible_bytes)
+    """Unoptimized peak and smallest feasible budget, planned on a copy of the model.
+
+    Cases are built deterministically, so the bounds are cached per model,
+    input shapes, trainable parameters and autocast state (it saves a compile
+    per test).
+    """
+    key = (
+        case.name,
+        tuple(tuple(t.shape) for t in [*case.example_inputs, *case.example_kwargs.values()]),
+        tuple(p.requires_grad for p in case.model.parameters()),
+        torch.is_autocast_enabled("cpu"),
+    )
+    if key not in _bounds_cache:
+        plan = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
+                          strategy="none", loss_fn=case.loss)
+        _bounds_cache[key] = Bounds(plan.unoptimized_peak_bytes, plan.min_feasible_bytes)
+    return _bounds_cache[key]
 
 
 def measure(case: ModelCase, model: Any) -> MemoryMeasurement:
