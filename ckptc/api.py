@@ -10,37 +10,17 @@ original model eagerly: nothing to plan, nothing to recompute.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable, Sequence
 
 import torch
 
-import solvers
 from ckptc import _torch_internals as internals
+from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
-from ckptc.errors import CkptcError, UntraceableModelError
-from ckptc.plans import ModelPlan, load_plan, plan_source_for
+from ckptc.errors import UntraceableModelError
+from ckptc.plans import ModelPlan
 
 log = logging.getLogger("ckptc.api")
-
-GiB = 1024**3
-
-
-def budget_to_bytes(budget_gb: float | None, budget_bytes: int | None) -> int | None:
-    """Validate the two ways of giving a budget and return bytes (or None)."""
-    if budget_gb is not None and budget_bytes is not None:
-        raise ValueError("give either budget_gb or budget_bytes, not both")
-    value, unit = (budget_gb, "budget_gb") if budget_gb is not None else (budget_bytes, "budget_bytes")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{unit} must be a number, not {type(value).__name__}")
-    if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{unit} must be a finite number of {'GiB' if unit == 'budget_gb' else 'bytes'}, got {value}")
-    if value <= 0:
-        raise ValueError(f"{unit} must be positive, got {value}")
-    return int(value * GiB) if unit == "budget_gb" else int(value)
-
 
 class OptimizedModule(torch.nn.Module):
     """``model`` with activation checkpointing planned for a memory budget.
@@ -165,25 +145,19 @@ def optimize(
             f"{type(model).__name__} has no trainable parameters (none requires grad); "
             "there is nothing to checkpoint"
         )
-    budget = budget_to_bytes(budget_gb, budget_bytes)
-    source = None
-    if plan is not None:
-        model_plan = load_plan(plan) if not isinstance(plan, ModelPlan) else plan
-        source = plan_source_for(model_plan)
-        if budget is None:
-            budget = model_plan.budget_bytes
-    compiler_ = CheckpointCompiler(
-        budget,
-        strategy=strategy,
+    compiler_ = backend(
+        budget_gb,
+        budget_bytes=budget_bytes,
         solver=solver,
-        model=model,
-        compiler=compiler,
+        strategy=strategy,
+        plan=plan,
         must_save=must_save,
         must_recompute=must_recompute,
-        plan_source=source,
-        measure_time=measure_time,
+        compiler=compiler,
         hold_outputs=hold_outputs,
+        measure_time=measure_time,
         time_limit=time_limit,
+        model=model,
         progress=progress,
     )
     return OptimizedModule(model, compiler_)

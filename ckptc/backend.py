@@ -18,13 +18,33 @@ the graphs of one call share one :class:`~ckptc.compiler.CheckpointCompiler`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 
-from ckptc.api import budget_to_bytes
 from ckptc.compiler import CheckpointCompiler
 from ckptc.plans import ModelPlan, load_plan, plan_source_for
+
+GiB = 1024**3
+
+
+def budget_to_bytes(budget_gb: float | None, budget_bytes: int | None) -> int | None:
+    """Validate the two ways of giving a budget and return bytes (or None)."""
+    if budget_gb is not None and budget_bytes is not None:
+        raise ValueError("give either budget_gb or budget_bytes, not both")
+    value, unit = (budget_gb, "budget_gb") if budget_gb is not None else (budget_bytes, "budget_bytes")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{unit} must be a number, not {type(value).__name__}")
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{unit} must be a finite number of {'GiB' if unit == 'budget_gb' else 'bytes'}, got {value}")
+    if value <= 0:
+        raise ValueError(f"{unit} must be positive, got {value}")
+    return int(value * GiB) if unit == "budget_gb" else int(value)
+
 
 _OPTION_NAMES = {
     "budget_gb",
@@ -59,8 +79,13 @@ def backend(
     hold_outputs: bool = False,
     measure_time: bool = False,
     time_limit: float | None = None,
+    model: torch.nn.Module | None = None,
+    progress: Callable[[float, str], None] | None = None,
 ) -> CheckpointCompiler:
     """A configured ``torch.compile`` backend.
+
+    ``model``, when given, lets each graph count the parameters, buffers and
+    gradients that it does not see (after a graph break) in its baseline.
 
     Example:
         >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP
@@ -83,6 +108,8 @@ def backend(
         hold_outputs=hold_outputs,
         measure_time=measure_time,
         time_limit=time_limit,
+        model=model,
+        progress=progress,
     )
 
 

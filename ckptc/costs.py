@@ -290,13 +290,17 @@ def _measure_runtimes(joint: fx.GraphModule, repeats: int) -> None:
 
 
 def _materialize(v: Any) -> Any:
-    """A real tensor shaped like a fake one: random floats, zeros for integers (safe indices)."""
+    """A real tensor laid out like a fake one (same strides: kernels copy
+    non-contiguous inputs, and that copy is scratch memory too): random floats,
+    zeros for integers (safe indices), ones for booleans."""
     if isinstance(v, torch.Tensor):
+        try:
+            real = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+        except RuntimeError:  # layouts without strides (sparse, nested)
+            real = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
         if v.dtype.is_floating_point or v.dtype.is_complex:
-            return torch.randn(v.shape, dtype=v.dtype, device=v.device)
-        if v.dtype == torch.bool:
-            return torch.ones(v.shape, dtype=v.dtype, device=v.device)
-        return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+            return real.normal_()
+        return real.fill_(1 if v.dtype == torch.bool else 0)
     return v
 
 

@@ -35,11 +35,6 @@ Method = Callable[..., Plan]
 AUTO_ILP_MAX_FORWARD_NODES = 60
 AUTO_ILP_MAX_NODES = 5000
 AUTO_ILP_TIME_LIMIT = 10.0
-# On graphs larger than this, auto runs dp at a coarser memory resolution
-# (dp's max_slots), which keeps real joint graphs (~35,000 nodes) within a
-# few seconds at a small cost in plan quality.
-AUTO_LARGE_NODES = 5000
-AUTO_DP_LARGE_MAX_SLOTS = 64
 
 
 def min_feasible_budget(problem: Problem) -> int:
@@ -100,8 +95,7 @@ def auto(
     """Try the methods suited to the graph and return the cheapest plan that fits.
 
     Order: chen_greedy (fast, always; if it recomputes nothing it is optimal
-    and returned at once), then dp when available (with a coarser memory
-    resolution above 5,000 nodes), then ilp when available and the graph is
+    and returned at once), then dp when available, then ilp when available and the graph is
     small (<= ``ilp_max_forward_nodes`` forward nodes and <= 5,000 nodes)
     with ``min(time_limit, ilp_time_limit)`` seconds. Every
     plan is judged by simulate(); the winner has the least recompute cost
