@@ -22,6 +22,7 @@ from solvers.chen import Progress, chen_greedy, chen_sqrt, lowest_peak_plan
 from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
 from solvers.plan import Plan
 from solvers.problem import Problem
+from solvers.refine import fill_budget
 from solvers.simulator import simulate
 
 __all__ = ["solve", "METHODS", "min_feasible_budget", "auto"]
@@ -94,8 +95,9 @@ def auto(
 ) -> Plan:
     """Try the methods suited to the graph and return the cheapest plan that fits.
 
-    Order: chen_greedy (fast, always; if it recomputes nothing it is optimal
-    and returned at once), then dp when available, then ilp when available and the graph is
+    Order: chen_greedy (fast, always; its plan then keeps more where the
+    budget allows, see :func:`solvers.refine.fill_budget`; if it recomputes
+    nothing it is optimal and returned at once), then dp when available, then ilp when available and the graph is
     small (<= ``ilp_max_forward_nodes`` forward nodes and <= 5,000 nodes)
     with ``min(time_limit, ilp_time_limit)`` seconds. Every
     plan is judged by simulate(); the winner has the least recompute cost
@@ -126,6 +128,8 @@ def auto(
         started = time.perf_counter()
         try:
             plan = METHODS[name](problem, budget_bytes, **options)
+            if plan.schedule is None:
+                plan = fill_budget(problem, plan, budget_bytes)
             result = simulate(problem, plan)
         except InfeasibleBudgetError as e:
             tried[name] = {"status": "infeasible", "seconds": time.perf_counter() - started}

@@ -1,0 +1,294 @@
+"""The alternatives ckptc is compared against, and ckptc itself, as runnable configurations.
+
+Every alternative takes a fresh copy of the model (same weights) and returns a
+:class:`Runner`: a callable with the model's signature plus the module whose
+parameters receive gradients.  The benchmark (:mod:`bench.run`) drives all of
+them through the same training step, meter and FLOP counter.
+
+Families:
+
+* ``eager``: plain PyTorch, no checkpointing (the reference).
+* ``ckpt_every`` / ``ckpt_every_other``: per-block ``torch.utils.checkpoint``
+  (``use_reentrant=False``).  For Hugging Face models "every block" is the
+  library's own ``gradient_checkpointing_enable``; "every other block" (and
+  both for other models) wraps block ``forward`` methods with
+  :func:`wrap_blocks`.
+* ``library_ckpt``: a library's own checkpointing switch where one exists and
+  is not Hugging Face's (enformer-pytorch's ``use_checkpointing``, which
+  checkpoints each transformer block with ``checkpoint_sequential``).
+* ``aot_eager``: ``torch.compile(model, backend="aot_eager")`` with
+  ``torch._functorch.config.activation_memory_budget`` (min-cut partitioner).
+* ``ckptc``: ``ckptc.optimize`` with a solver at a byte budget, or a strategy.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils import flop_counter as _flop_counter
+from torch.utils.checkpoint import checkpoint
+
+import ckptc
+
+# --------------------------------------------------------------------------- #
+# Repeated blocks                                                              #
+# --------------------------------------------------------------------------- #
+
+
+def _same_class_blocks(container: nn.Module) -> bool:
+    children = list(container.children())
+    return (
+        len(children) >= 2
+        and len({type(c) for c in children}) == 1
+        and any(True for _ in children[0].parameters())  # blocks, not parameter-free activations
+    )
+
+
+def find_block_containers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The containers of repeated blocks to checkpoint, and how they were chosen.
+
+    The first ``nn.ModuleList`` whose children share a class (``transformer.h``,
+    ``model.layers``, ``blocks``...).  Models without one (Enformer, ResNets
+    built from ``nn.Sequential``) fall back to every outermost ``nn.Sequential``
+    whose children (with parameters) share a class; nested ones are skipped.
+    Returns ``([], reason)`` when there is none.
+    """
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and _same_class_blocks(module):
+            return [(path, module)], f"first nn.ModuleList of same-class blocks: {path}"
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if type(module) is nn.Sequential and _same_class_blocks(module):
+            if not any(path.startswith(p + ".") for p, _ in found):
+                found.append((path, module))
+    if found:
+        return found, "no nn.ModuleList of same-class blocks; outermost nn.Sequential of same-class blocks: " + ", ".join(
+            p for p, _ in found
+        )
+    return [], "no nn.ModuleList or nn.Sequential whose children are same-class blocks with parameters"
+
+
+def wrap_blocks(model: nn.Module, every: int = 1) -> tuple[list[str], str]:
+    """Checkpoint every ``every``-th repeated block (``use_reentrant=False``), in place.
+
+    Replaces the instance's ``forward`` with one that runs the original under
+    :func:`torch.utils.checkpoint.checkpoint`.  Returns the wrapped block paths
+    and how the containers were found; an empty list means nothing to wrap.
+    """
+    containers, how = find_block_containers(model)
+    wrapped = []
+    for path, container in containers:
+        for i, block in enumerate(container.children()):
+            if i % every != 0:
+                continue
+            original = block.forward
+
+            def forward(*args: Any, __original: Callable = original, **kwargs: Any) -> Any:
+                return checkpoint(__original, *args, use_reentrant=False, **kwargs)
+
+            block.forward = forward  # type: ignore[method-assign]
+            wrapped.append(f"{path}.{i}" if path else str(i))
+    return wrapped, how
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    return hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False)
+
+
+# --------------------------------------------------------------------------- #
+# FLOPs of one step, compiled graphs included                                  #
+# --------------------------------------------------------------------------- #
+
+
+class _Tally:
+    """Stands in for ``FlopCounterMode`` behind ``_FlopCounterMode``: the same
+    formulas (``torch.utils.flop_counter.flop_registry``) and the same
+    decomposition of ops without one, summed into ``total``."""
+
+    def __init__(self) -> None:
+        self.flop_registry = dict(_flop_counter.flop_registry)
+        self.flop_counts: dict[str, dict[Any, int]] = collections.defaultdict(lambda: collections.defaultdict(int))
+        self.total = 0
+
+    def _count_flops(self, packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        formula = self.flop_registry.get(packet)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+class _CompiledFlopMode(_flop_counter._FlopCounterMode):
+    # ``FlopCounterMode`` as is makes torch.compile'd code fall back to eager while it
+    # is active (a dispatch mode that does not ignore compile internals disables
+    # Dynamo), so it would count eager FLOPs for aot_eager and ckptc.  Ignoring
+    # compile internals keeps the compiled graphs running, and their aten ops,
+    # recomputation included, still pass through this mode.  FlopCounterMode's
+    # module tracker is left out on purpose: its hooks make Dynamo recompile.
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def count_flops() -> Iterator[_Tally]:
+    """``with count_flops() as tally: step()`` then ``tally.total``: FlopCounterMode's exact count."""
+    tally = _Tally()
+    with _CompiledFlopMode(tally):  # type: ignore[arg-type]
+        yield tally
+
+
+# --------------------------------------------------------------------------- #
+# Alternatives                                                                 #
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Runner:
+    """A configured model: call it like the model; ``module`` owns the parameters."""
+
+    call: Callable[..., Any]
+    module: nn.Module
+    info: dict[str, Any] = field(default_factory=dict)
+    # ckptc's OptimizedModule (to read its plan after the first step)
+    optimized: Any = None
+
+
+class Skip(Exception):
+    """This alternative does not apply to this model (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One point to measure: ``family`` and its settings."""
+
+    family: str  # eager | ckpt_every | ckpt_every_other | library_ckpt | aot_eager | ckptc | ckptc_strategy
+    label: str
+    solver: str | None = None
+    strategy: str | None = None
+    budget_bytes: int | None = None
+    budget_fraction: float | None = None  # aot_eager's activation_memory_budget, or ckptc's place in [floor, unopt]
+    budget_kind: str | None = None  # "below_floor", "range"
+    compiled: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+    def build(self, model: nn.Module, *, time_limit: float | None = None) -> Runner:
+        """Configure ``model`` (a fresh copy, modified in place) for this alternative."""
+        if self.family == "eager":
+            return Runner(model, model)
+        if self.family == "ckpt_every":
+            if is_hf_model(model):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                return Runner(model, model, {"how": "Hugging Face gradient_checkpointing_enable(use_reentrant=False)"})
+            wrapped, how = wrap_blocks(model, every=1)
+            if not wrapped:
+                raise Skip(how)
+            return Runner(model, model, {"how": how, "wrapped": wrapped})
+        if self.family == "ckpt_every_other":
+            wrapped, how = wrap_blocks(model, every=2)
+            if not wrapped:
+                raise Skip(how)
+            return Runner(model, model, {"how": how, "wrapped": wrapped})
+        if self.family == "library_ckpt":
+            if hasattr(model, "use_checkpointing") and hasattr(model, "trunk_checkpointed"):
+                model.use_checkpointing = True
+                return Runner(model, model, {"how": "enformer-pytorch use_checkpointing=True (checkpoint_sequential over transformer blocks)"})
+            raise Skip("the model's library has no checkpointing switch of its own (other than Hugging Face's)")
+        if self.family == "aot_eager":
+            compiled = torch.compile(model, backend="aot_eager")
+            budget = self.budget_fraction
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                # The partition happens at the first call; patching every call keeps
+                # a recompilation (new guards) under the same budget.
+                with torch._functorch.config.patch(activation_memory_budget=budget):
+                    return compiled(*args, **kwargs)
+
+            return Runner(call, model, {"activation_memory_budget": budget})
+        if self.family == "ckptc":
+            options: dict[str, Any] = {}
+            if time_limit is not None and self.solver in ("ilp", "auto"):
+                options["time_limit"] = time_limit
+            fast = ckptc.optimize(model, budget_bytes=self.budget_bytes, solver=self.solver or "auto", **options)
+            return Runner(fast, model, {}, optimized=fast)
+        if self.family == "ckptc_strategy":
+            fast = ckptc.optimize(model, budget_bytes=self.budget_bytes, strategy=self.strategy or "auto")
+            return Runner(fast, model, {}, optimized=fast)
+        raise ValueError(f"unknown family {self.family!r}")
+
+
+SOLVERS = ("chen_sqrt", "chen_greedy", "dp", "ilp", "auto")
+STRATEGIES = ("layer", "segment", "selective")
+AOT_BUDGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def fmt_mib(nbytes: int | float | None) -> str:
+    """MiB with three significant digits at least (tiny models have sub-MiB budgets)."""
+    if nbytes is None:
+        return "-"
+    value = nbytes / 2**20
+    return f"{value:.1f}" if value >= 100 else f"{value:.3g}"
+
+
+def ckptc_budgets(unopt: int, floor: int, fractions: tuple[float, ...], below: tuple[float, ...],
+                  lower: int | None = None) -> list[tuple[str, float, int]]:
+    """(kind, fraction, bytes): budgets in [floor, unopt] at ``fractions``, and
+    budgets under the floor at ``below`` fractions of the way from the floor down
+    to ``lower`` (``floor - f * (floor - lower)``), where dp and ilp may still
+    find plans: the floor is the Chen family's lowest peak, not the true minimum.
+    ``lower`` is a hard bound such as parameters + inputs + gradients
+    (default: half the floor)."""
+    span = max(unopt - floor, 1)
+    lower = floor // 2 if lower is None else min(lower, floor)
+    out = [("range", f, int(floor + f * span)) for f in fractions]
+    out += [("below_floor", -f, int(floor - f * (floor - lower))) for f in below]
+    return out
+
+
+def alternatives_for(
+    model: nn.Module,
+    unopt: int,
+    floor: int,
+    *,
+    solvers: tuple[str, ...] = SOLVERS,
+    fractions: tuple[float, ...] = (0.0, 1 / 3, 2 / 3, 1.0),
+    below: tuple[float, ...] = (0.5, 0.85),
+    aot_budgets: tuple[float, ...] = AOT_BUDGETS,
+    strategies: tuple[str, ...] = STRATEGIES,
+    lower: int | None = None,
+) -> list[Alternative]:
+    """Every alternative to run on ``model``, eager first."""
+    alts = [
+        Alternative("eager", "eager"),
+        Alternative("ckpt_every", "ckpt every block"),
+        Alternative("ckpt_every_other", "ckpt every other block"),
+    ]
+    if hasattr(model, "use_checkpointing") and hasattr(model, "trunk_checkpointed"):
+        alts.append(Alternative("library_ckpt", "enformer use_checkpointing"))
+    for b in aot_budgets:
+        alts.append(Alternative("aot_eager", f"aot_eager budget={b:g}", budget_fraction=b, compiled=True))
+    for kind, frac, nbytes in ckptc_budgets(unopt, floor, fractions, below, lower):
+        for s in solvers:
+            alts.append(Alternative("ckptc", f"ckptc {s} @{fmt_mib(nbytes)}MiB" + (" (floor)" if kind == "range" and frac == 0 else ""), solver=s, budget_bytes=nbytes,
+                                    budget_fraction=frac, budget_kind=kind, compiled=True))
+    for s in strategies:
+        alts.append(Alternative("ckptc_strategy", f"ckptc strategy={s}", strategy=s, compiled=True))
+    return alts
+
+
+def fresh_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+__all__ = [
+    "Alternative", "Runner", "Skip", "SOLVERS", "STRATEGIES", "AOT_BUDGETS", "alternatives_for",
+    "ckptc_budgets", "count_flops", "find_block_containers", "wrap_blocks", "is_hf_model", "fresh_copy", "fmt_mib",
+]
+
