@@ -189,3 +189,28 @@ def test_manual_seed_reproducibility_across_two_optimized_runs() -> None:
         grads.append([p.grad.clone() for p in case.model.parameters() if p.grad is not None])
     assert torch.equal(losses[0], losses[1])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_code_capture_cannot_handle_runs_eagerly_between_planned_graphs() -> None:
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+            self.b = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if h.sum().item() > 0:  # data-dependent control flow: Dynamo breaks the graph here
+                h = h * 2
+            return self.b(h).square().mean()
+
+    torch.manual_seed(0)
+    model = DataDependent()
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 32)
+    optimized = ckptc.optimize(model, strategy="segment")
+    optimized(x).backward()
+    reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+    assert len(optimized.plan.graphs) >= 2

@@ -13,6 +13,7 @@ Runtime: about a minute on 2 cores (hypothesis is derandomized).
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import time
 
@@ -441,3 +442,28 @@ def test_dp_handles_views_and_policies_validly():
                 assert e.min_feasible_bytes > budget
                 continue
             assert simulate(problem, plan).peak_bytes <= budget
+
+
+def test_chen_sqrt_keeps_about_sqrt_n_nodes_for_one_extra_forward():
+    from solvers.chen import chen_sqrt
+
+    for n in (16, 64, 256):
+        problem = Problem.training_chain(n)
+        plan = chen_sqrt(problem)
+        result = simulate(problem, plan)
+        assert len(plan.kept) <= 2 * math.isqrt(n) + 2, (n, len(plan.kept))
+        assert result.recompute_cost <= problem.total_forward_cost  # at most one extra forward
+
+
+def test_ilp_without_highs_falls_back_to_cbc(monkeypatch):
+    import sys
+
+    from solvers.ilp import ilp
+
+    problem = Problem.training_chain(6)
+    budget = (min_feasible_budget(problem) + simulate(problem, Plan(kept=set(problem.forward_nodes))).peak_bytes) // 2
+    with_highs = simulate(problem, ilp(problem, budget, time_limit=30)).recompute_cost
+    monkeypatch.setitem(sys.modules, "highspy", None)  # "import highspy" now raises ImportError
+    without = ilp(problem, budget, time_limit=30)
+    assert simulate(problem, without).peak_bytes <= budget
+    assert simulate(problem, without).recompute_cost == with_highs
