@@ -9,8 +9,9 @@ original model eagerly: nothing to plan, nothing to recompute.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -181,15 +182,26 @@ def plan(
     is left exactly as it was.
     """
     optimized = optimize(model, budget_gb, budget_bytes=budget_bytes, **options)
-    saved_grads = {p: p.grad for p in model.parameters()}
-    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = torch.random.get_rng_state()
-    try:
+    with training_state_restored(model):
         for p in model.parameters():
             p.grad = None
         output = optimized(*example_inputs, **(example_kwargs or {}))
         loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
         loss.backward()
+    result = optimized.plan
+    assert result is not None
+    return result
+
+
+@contextlib.contextmanager
+def training_state_restored(model: torch.nn.Module) -> Iterator[None]:
+    """Run trial steps on ``model`` and then put back its gradients, buffers
+    (BatchNorm statistics) and the global random state, so nothing is lost."""
+    saved_grads = {p: p.grad for p in model.parameters()}
+    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    try:
+        yield
     finally:
         with torch.no_grad():
             for p, g in saved_grads.items():
@@ -197,9 +209,6 @@ def plan(
             for name, b in model.named_buffers():
                 b.copy_(saved_buffers[name])
         torch.random.set_rng_state(rng)
-    result = optimized.plan
-    assert result is not None
-    return result
 
 
 def _default_loss(output: Any) -> torch.Tensor:

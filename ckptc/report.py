@@ -295,7 +295,7 @@ def memory_timelines(
     Raises:
         solvers.InfeasibleBudgetError: the budget is below the smallest feasible one.
     """
-    from ckptc.api import _default_loss, optimize
+    from ckptc.api import _default_loss, optimize, training_state_restored
     from ckptc.meter import measure_peak, resident_bytes
     from ckptc.policies import keep_everything
 
@@ -305,10 +305,7 @@ def memory_timelines(
     device = parameters[0].device if parameters else torch.device("cpu")
     optimized = optimize(model, budget_bytes=budget_bytes, **options)
 
-    saved_grads = {p: p.grad for p in parameters}
-    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = torch.random.get_rng_state()
-    try:
+    with training_state_restored(model):
         optimized_step = _training_step(optimized, example_inputs, example_kwargs, loss_fn)
         eager_step = _training_step(model, example_inputs, example_kwargs, loss_fn)
         _clear_gradients(parameters)
@@ -324,13 +321,6 @@ def memory_timelines(
         _, measured_plan = measure_peak(optimized_step, baseline_bytes=baseline, device=device)
         _clear_gradients(parameters)
         _, measured_eager = measure_peak(eager_step, baseline_bytes=baseline, device=device)
-    finally:
-        with torch.no_grad():
-            for p, grad in saved_grads.items():
-                p.grad = grad
-            for name, b in model.named_buffers():
-                b.copy_(saved_buffers[name])
-        torch.random.set_rng_state(rng)
 
     unoptimized_results = [solvers.simulate(r.problem, keep_everything(r.joint_problem)) for r in records]
     series = [

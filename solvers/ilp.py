@@ -65,6 +65,7 @@ Example
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -737,14 +738,10 @@ def _start_from_plan(problem: Problem, model: _Model, plan: Plan) -> dict[str, f
 
 
 def _keep_all(problem: Problem) -> tuple[Plan, Any]:
-    mask = bytearray(len(problem.nodes))
-    read = problem._read_by_backward
-    for v in problem._forward_idx:
-        if read[v]:
-            mask[v] = 1
-    if any(problem._policy):
-        mask = honour_policies_mask(problem, mask)
-    return Plan(kept=names_of(problem, mask), method="ilp"), evaluate_mask(problem, mask)
+    from solvers.dp import _keep_all_candidate
+
+    plan, core = _keep_all_candidate(problem)
+    return dataclasses.replace(plan, method="ilp"), core
 
 
 def _explicit(problem: Problem, plan: Plan) -> Plan:
