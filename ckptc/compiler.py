@@ -28,7 +28,7 @@ import solvers
 from ckptc import _torch_internals as internals
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.meter import resident_bytes
-from ckptc.policies import STRATEGIES, policies_from_patterns
+from ckptc.policies import STRATEGIES, lowest_known_peak, policies_from_patterns
 from ckptc.problem import JointProblem, joint_to_problem
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
@@ -39,6 +39,7 @@ log = logging.getLogger("ckptc.compiler")
 # earlier graphs run backward (the loss, a few scalars); those graphs are not
 # known yet when earlier graphs are planned, so every graph reserves this much.
 HELD_RESULTS_RESERVE_BYTES = 1024
+PLANNING_MARGIN_DIVISOR = 200  # plan for 99.5% of the budget, see planning_budget
 
 
 @dataclass
@@ -241,7 +242,7 @@ class CheckpointCompiler:
             result=result,
             baseline_bytes=jp.problem.baseline_bytes,
             unoptimized_peak_bytes=unoptimized,
-            min_feasible_bytes=solvers.min_feasible_budget(jp.problem),
+            min_feasible_bytes=budget_for_planning_floor(lowest_known_peak(jp)),
             solve_seconds=time.perf_counter() - start,
             input_ids=input_ids,
         )
@@ -269,7 +270,33 @@ class CheckpointCompiler:
             options["progress"] = self.progress
             if self.time_limit is not None:
                 options["time_limit"] = self.time_limit
-        return STRATEGIES[self.strategy](jp, self.budget_bytes, **options)
+        if self.budget_bytes is None:
+            return STRATEGIES[self.strategy](jp, None, **options)
+        try:
+            return STRATEGIES[self.strategy](jp, planning_budget(self.budget_bytes), **options)
+        except solvers.InfeasibleBudgetError as error:
+            floor = error.min_feasible_bytes
+            raise solvers.InfeasibleBudgetError(
+                self.budget_bytes, None if floor is None else budget_for_planning_floor(floor)
+            ) from None
+
+
+def planning_budget(budget_bytes: int) -> int:
+    """The budget solvers plan for: 0.5% below the user's.
+
+    Kernels' scratch memory varies a little between runs (measured once per
+    op, on random data); plans that fill the budget exactly would sometimes
+    exceed it by a few kilobytes.
+    """
+    return budget_bytes - budget_bytes // PLANNING_MARGIN_DIVISOR
+
+
+def budget_for_planning_floor(floor: int) -> int:
+    """The smallest user budget whose planning budget reaches ``floor``."""
+    budget = floor + floor // (PLANNING_MARGIN_DIVISOR - 1)
+    while planning_budget(budget) < floor:
+        budget += 1
+    return budget
 
 
 def _is_model_state(tensor: torch.Tensor, model: torch.nn.Module) -> bool:

@@ -336,13 +336,17 @@ def measure_scratch(joint: fx.GraphModule) -> int:
     by_signature: dict[tuple, list[fx.Node]] = {}
     for node in joint.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and "ckptc" in node.meta:
-            if node.target.is_view or is_random(node):
+            if node.target.is_view:
                 continue
             by_signature.setdefault(_signature(node), []).append(node)
     if not by_signature:
         return 0
     labels: dict[str, list[fx.Node]] = {}
-    with outside_fake_mode(), quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # Random ops (dropout allocates a temporary mask) run too; fork_rng keeps the
+    # program's random stream as it was.
+    with outside_fake_mode(), torch.random.fork_rng(devices=[]), quiet_profiler(), profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         for i, (sig, nodes) in enumerate(by_signature.items()):
             node = nodes[0]
             try:

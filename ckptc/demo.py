@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline_plan = ckptc.plan(copy.deepcopy(eager), example_kwargs=batch, strategy="none")
     unoptimized = baseline_plan.unoptimized_peak_bytes
     floor = baseline_plan.min_feasible_bytes
-    budget = int(floor + args.fraction * (unoptimized - floor))
+    budget = int(floor + args.fraction * max(0, unoptimized - floor))
     print(f"captured and priced the step in {time.perf_counter() - t0:.1f} s")
 
     model = copy.deepcopy(eager)

@@ -46,7 +46,9 @@ class Bounds:
     floor: int
 
     def at(self, fraction: float) -> int:
-        return int(self.floor + fraction * (self.unoptimized - self.floor))
+        # the floor is a budget (it includes ckptc's planning margin), so it can
+        # exceed the unoptimized *peak* when nothing can be saved
+        return int(self.floor + fraction * max(0, self.unoptimized - self.floor))
 
 
 _bounds_cache: dict[tuple, Bounds] = {}

@@ -98,7 +98,8 @@ def test_random_models_train_like_eager_within_budget(blocks, fraction: float, s
     x = torch.randn(8, TOKENS, WIDTH)
     reference = copy.deepcopy(model)
     bounds = ckptc.plan(copy.deepcopy(model), (x,), strategy="none")
-    budget = int(bounds.min_feasible_bytes + fraction * (bounds.unoptimized_peak_bytes - bounds.min_feasible_bytes))
+    floor = bounds.min_feasible_bytes
+    budget = int(floor + fraction * max(0, bounds.unoptimized_peak_bytes - floor))
     optimized = ckptc.optimize(model, budget_bytes=budget)
 
     def train(m: nn.Module, params) -> torch.Tensor:
