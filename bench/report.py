@@ -174,7 +174,7 @@ def pareto_plot(result: dict[str, Any], path: Path) -> bool:
     ax.set_title(f"{result['model']} ({result.get('size')}): peak memory vs recompute (lower-left is better; x = gradients differ)")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="best", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

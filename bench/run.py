@@ -209,15 +209,30 @@ class ModelBench:
 
     def __init__(self, name: str, size: str, out: Path, *, reps: int = 3, point_timeout: float | None = 900,
                  model_budget_s: float | None = None, ilp_time_limit: float = 30.0, dedupe: bool = True,
-                 alt_options: dict[str, Any] | None = None, seq_len: int | None = None, batch: int | None = None) -> None:
+                 alt_options: dict[str, Any] | None = None, seq_len: int | None = None, batch: int | None = None,
+                 resume: bool = False) -> None:
         self.name, self.out, self.reps = name, out, reps
         self.size = size_for(name, size)
         self.point_timeout, self.model_budget_s = point_timeout, model_budget_s
         self.ilp_time_limit, self.dedupe = ilp_time_limit, dedupe
         self.alt_options = alt_options or {}
         self.case_kwargs = {k: v for k, v in dict(seq_len=seq_len, batch=batch).items() if v is not None}
+        self.previous: dict[str, dict[str, Any]] = {}
+        if resume:
+            self.previous = self._load_previous()
         self.started = time.perf_counter()
         self.result: dict[str, Any] = {}
+
+    def _load_previous(self) -> dict[str, dict[str, Any]]:
+        """Points of an earlier run of the same model and shapes that need not run again."""
+        path = self.out / f"{self.name}.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        if data.get("size") != self.size or data.get("case_kwargs") != self.case_kwargs:
+            return {}
+        return {p["label"]: p for p in data.get("points", []) if p.get("status") not in ("skipped", "timeout")}
 
     # -- helpers ----------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -284,14 +299,15 @@ class ModelBench:
         alts = _order(alts)
         measured: dict[tuple[Any, ...], dict[str, Any]] = {}
         probe_failed = probe.get("status") == "error"
-        tried_ckptc = False
+        # If ckptc's probe step failed, one ckptc point (auto at the largest budget, where no
+        # budget error can hide the failure) records what happens; the rest would repeat it.
+        ckptc_alts = [a for a in alts if a.family == "ckptc" and a.solver == "auto"]
+        designated = max(ckptc_alts, key=lambda a: a.budget_bytes or 0) if ckptc_alts else None
         for alt in alts:
-            if probe_failed and alt.family in ("ckptc", "ckptc_strategy"):
-                if tried_ckptc:  # one ckptc point records the failure; the rest would repeat it
-                    self.add({**alt.to_dict(), "status": "skipped",
-                              "reason": f"ckptc's capture failed in the probe: {probe.get('error')}"})
-                    continue
-                tried_ckptc = True
+            if probe_failed and alt.family in ("ckptc", "ckptc_strategy") and alt is not designated:
+                self.add({**alt.to_dict(), "status": "skipped",
+                          "reason": f"ckptc's probe step (capture + first training step) failed: {probe.get('error')}"})
+                continue
             elapsed = time.perf_counter() - self.started
             if self.model_budget_s is not None and elapsed > self.model_budget_s:
                 self.add({**alt.to_dict(), "status": "skipped",
@@ -355,6 +371,10 @@ class ModelBench:
     def point(self, alt: Alternative, measured: dict[tuple[Any, ...], dict[str, Any]]) -> dict[str, Any]:
         point: dict[str, Any] = alt.to_dict()
         signature = None
+        earlier = self.previous.get(alt.label)
+        if earlier is not None and (alt.family not in ("ckptc", "ckptc_strategy") or not self.dedupe
+                                    or self.problems is None):
+            return {**earlier, "resumed": True}
         if self.dedupe and self.problems is not None and alt.family in ("ckptc", "ckptc_strategy"):
             try:
                 kind, value, seconds = self.offline_plan(alt)
@@ -364,6 +384,8 @@ class ModelBench:
             if kind == "infeasible":
                 return {**point, "status": "infeasible", "reason": error_text(value),
                         "min_feasible_bytes": getattr(value, "min_feasible_bytes", None)}
+            if earlier is not None and kind != "plan":
+                return {**earlier, "resumed": True}
             if kind == "error" and isinstance(value, solvers.SolverError):
                 # the same solver on the same problem would raise the same at the first step
                 return {**point, "status": "error", "error": error_text(value), "decided": "offline"}
@@ -371,6 +393,10 @@ class ModelBench:
                 sim = solvers.simulate(self.problems[0].problem, value)  # type: ignore[index]
                 point.update(offline_predicted_peak_bytes=sim.peak_bytes, offline_method=value.method)
                 signature = plan_signature(value)
+                if earlier is not None:  # measured in an earlier run: register it for dedupe, do not rerun
+                    if earlier.get("status") == "ok" and not earlier.get("same_plan_as"):
+                        measured.setdefault(signature, earlier)
+                    return {**earlier, "resumed": True}
                 if signature in measured:
                     first = measured[signature]
                     shared = {k: first[k] for k in ("peak_bytes", "baseline_bytes", "flops", "recompute_pct",
@@ -444,7 +470,7 @@ def _order(alts: list[Alternative]) -> list[Alternative]:
     With a model time budget, what is cut first is what matters least.
     """
     rank = {"eager": 0, "ckpt_every": 1, "ckpt_every_other": 2, "library_ckpt": 3}
-    solver_rank = {"auto": 0, "dp": 1, "ilp": 2, "chen_greedy": 3, "chen_sqrt": 4}
+    solver_rank = {"auto": 0, "dp": 2, "chen_greedy": 3, "chen_sqrt": 4, "ilp": 5}
 
     def key(a: Alternative) -> tuple[Any, ...]:
         if a.family in rank:
@@ -454,7 +480,7 @@ def _order(alts: list[Alternative]) -> list[Alternative]:
         if a.family == "ckptc":
             # the floor and the range first, then below the floor (often infeasible, decided offline)
             return (6, solver_rank.get(a.solver or "", 9), a.budget_kind != "range", abs(a.budget_fraction or 0))
-        return (7, a.strategy)
+        return (6, 1, a.strategy)  # ckptc's presets right after auto
 
     # aot_eager right after the baselines: it is the other compiler-based baseline
     return sorted(alts, key=key)
@@ -636,6 +662,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--point-timeout", type=float, default=900.0)
     p.add_argument("--ilp-time-limit", type=float, default=30.0)
     p.add_argument("--no-dedupe", action="store_true", help="run every ckptc point even if its plan was measured")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points of <out>/<model>.json (same shapes) and run only those skipped or missing")
     return p.parse_args(argv)
 
 
@@ -680,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         bench = ModelBench(name, size, out, reps=args.reps, point_timeout=args.point_timeout,
                            model_budget_s=None if args.model_minutes is None else args.model_minutes * 60,
                            ilp_time_limit=args.ilp_time_limit, dedupe=not args.no_dedupe, alt_options=alt_options,
-                           seq_len=shape["seq_len"], batch=shape["batch"])
+                           seq_len=shape["seq_len"], batch=shape["batch"], resume=args.resume)
         try:
             result = bench.run()
         except Exception as error:  # noqa: BLE001 - one model failing must not lose the others
