@@ -80,6 +80,26 @@ ROCKMATE_NOTE = (
 )
 
 
+def provenance() -> dict[str, Any]:
+    """Which code produced the results: the commit (``BENCH_SOURCE_COMMIT`` when run from a
+    snapshot of the tree, else ``git rev-parse HEAD``) and where ckptc was imported from."""
+    commit = os.environ.get("BENCH_SOURCE_COMMIT")
+    dirty = None
+    if not commit:
+        import subprocess
+
+        root = Path(__file__).resolve().parent.parent
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or None
+            status = subprocess.run(["git", "status", "--porcelain", "--", "ckptc", "solvers", "bench/*.py"],
+                                    cwd=root, capture_output=True, text=True, timeout=10).stdout
+            dirty = bool(status.strip())
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"commit": commit, "code_modified_since_commit": dirty, "ckptc_path": os.path.dirname(ckptc.__file__)}
+
+
 def rockmate_status() -> dict[str, Any]:
     """Whether Rockmate can be used here, checked at run time, with the known reason if not."""
     try:
@@ -259,7 +279,7 @@ class ModelBench:
             "settings": {"reps": self.reps, "rtol": RTOL, "atol": ATOL, "seed": SEED,
                          "ilp_time_limit_s": self.ilp_time_limit, "dedupe": self.dedupe, **{
                              k: list(v) if isinstance(v, tuple) else v for k, v in self.alt_options.items()}},
-            "rockmate": rockmate_status(),
+            "rockmate": rockmate_status(), "source": provenance(),
             "points": [], "notes": [],
         }
         self.log(f"size={self.size} {shapes} params={case.num_parameters() / 1e6:.2f}M")
@@ -605,6 +625,7 @@ def headline(out: Path, budget_gb: float = 1.0, time_budget_s: float = 900.0,
     budget = int(budget_gb * 2**30)
     started = time.perf_counter()
     result: dict[str, Any] = {"budget_bytes": budget, "time_budget_s": time_budget_s, "models": {},
+                              "source": provenance(),
                               "method_notes": {
                                   "none": "eager PyTorch, measured peak of the first step",
                                   "per_block": "torch.utils.checkpoint(use_reentrant=False) on every repeated block "
