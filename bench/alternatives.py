@@ -224,7 +224,7 @@ class Alternative:
         raise ValueError(f"unknown family {self.family!r}")
 
 
-SOLVERS = ("chen_sqrt", "chen_greedy", "dp", "ilp", "auto")
+SOLVERS = ("chen_sqrt", "chen_greedy", "hierarchical", "ilp", "auto")
 STRATEGIES = ("layer", "segment", "selective")
 AOT_BUDGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -241,7 +241,7 @@ def ckptc_budgets(unopt: int, floor: int, fractions: tuple[float, ...], below: t
                   lower: int | None = None) -> list[tuple[str, float, int]]:
     """(kind, fraction, bytes): budgets in [floor, unopt] at ``fractions``, and
     budgets under the floor at ``below`` fractions of the way from the floor down
-    to ``lower`` (``floor - f * (floor - lower)``), where dp and ilp may still
+    to ``lower`` (``floor - f * (floor - lower)``), where ilp may still
     find plans: the floor is the Chen family's lowest peak, not the true minimum.
     ``lower`` is a hard bound such as parameters + inputs + gradients
     (default: half the floor)."""

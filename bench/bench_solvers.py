@@ -141,7 +141,7 @@ def bench(sizes: list[int], shapes: list[str], ilp_time_limit: float, seed: int)
             record: dict[str, Any] = {"nodes": len(problem), "shape": shape, "forward": len(problem._forward_idx),
                                       "budget_bytes": budget, "min_feasible_bytes": lowest,
                                       "keep_all_bytes": highest, "methods": {}}
-            for method in ("chen_sqrt", "chen_greedy", "dp", "ilp", "auto"):
+            for method in ("chen_sqrt", "chen_greedy", "hierarchical", "ilp", "auto"):
                 if method not in METHODS:
                     continue
                 row = _run(problem, method, budget, ilp_time_limit)

@@ -21,8 +21,10 @@ interleaved repetitions, median; wall time of the first step (capture, solve,
 compile) and ckptc's solve time; whether loss and every gradient equal eager's
 (``torch.allclose``, rtol 1e-4, atol 1e-5, same seed before every step).
 
-ckptc points are first solved on the problem captured once per model (the
-same solvers on the same problem ckptc builds at its first step): a budget no
+ckptc points are first decided on the problem captured once per model, by
+ckptc's own decision code (``CheckpointCompiler._decide``, as at its first
+step; each measured point records whether its real plan's predicted peak
+equals the offline one, ``offline_matches_run``): a budget no
 plan fits is recorded as infeasible without running it, and a (solver, budget)
 whose plan is identical to one already measured shares that measurement
 (``same_plan_as``).  Models captured as several graphs run every point.
@@ -61,7 +63,7 @@ from bench import report
 from bench.alternatives import Alternative, Runner, Skip, alternatives_for, count_flops, fmt_mib, wrap_blocks
 from bench.models import MODEL_SIZES, ModelCase, get_case
 from ckptc.meter import measure_peak, resident_bytes
-from ckptc.policies import STRATEGIES as CKPTC_STRATEGIES
+from ckptc.compiler import CheckpointCompiler
 
 log = logging.getLogger("bench.run")
 
@@ -230,8 +232,9 @@ class ModelBench:
     def __init__(self, name: str, size: str, out: Path, *, reps: int = 3, point_timeout: float | None = 900,
                  model_budget_s: float | None = None, ilp_time_limit: float = 30.0, dedupe: bool = True,
                  alt_options: dict[str, Any] | None = None, seq_len: int | None = None, batch: int | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, file_suffix: str = "") -> None:
         self.name, self.out, self.reps = name, out, reps
+        self.key = name + file_suffix  # results file name (a suffix keeps other sizes apart)
         self.size = size_for(name, size)
         self.point_timeout, self.model_budget_s = point_timeout, model_budget_s
         self.ilp_time_limit, self.dedupe = ilp_time_limit, dedupe
@@ -245,7 +248,7 @@ class ModelBench:
 
     def _load_previous(self) -> dict[str, dict[str, Any]]:
         """Points of an earlier run of the same model and shapes that need not run again."""
-        path = self.out / f"{self.name}.json"
+        path = self.out / f"{self.key}.json"
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -260,7 +263,7 @@ class ModelBench:
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"{self.name}.json").write_text(json.dumps(self.result, indent=1, default=str) + "\n")
+        (self.out / f"{self.key}.json").write_text(json.dumps(self.result, indent=1, default=str) + "\n")
 
     def eager_step(self) -> Callable[[], torch.Tensor]:
         return make_step(self.case, self.case.model, self.case.model)
@@ -272,7 +275,7 @@ class ModelBench:
         shapes = {k: list(v.shape) for k, v in [(f"input{i}", t) for i, t in enumerate(case.example_inputs)]
                   + list(case.example_kwargs.items())}
         self.result = {
-            "model": self.name, "size": self.size, "case_kwargs": self.case_kwargs, "input_shapes": shapes,
+            "model": self.key, "case": self.name, "size": self.size, "case_kwargs": self.case_kwargs, "input_shapes": shapes,
             "parameters": case.num_parameters(), "torch": torch.__version__, "ckptc": ckptc.__version__,
             "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                         "cpus": os.cpu_count(), "load_avg_start": _loadavg()},
@@ -378,12 +381,15 @@ class ModelBench:
         """('plan', plan, seconds) or ('infeasible', error, seconds) from the probe's problem."""
         jp = self.problems[0]  # type: ignore[index]
         start = time.perf_counter()
+        # Decide exactly as ckptc's backend does at the first step (CheckpointCompiler._decide,
+        # configured as Alternative.build configures ckptc.optimize), on the problem it captured.
+        if alt.family == "ckptc":
+            compiler = CheckpointCompiler(alt.budget_bytes, strategy="auto", solver=alt.solver or "auto",
+                                          time_limit=self.ilp_time_limit if alt.solver in ("ilp", "auto") else None)
+        else:
+            compiler = CheckpointCompiler(alt.budget_bytes, strategy=alt.strategy or "auto")
         try:
-            if alt.family == "ckptc":
-                options = {"time_limit": self.ilp_time_limit} if alt.solver in ("ilp", "auto") else {}
-                plan = solvers.solve(jp.problem, alt.budget_bytes, method=alt.solver, **options)
-            else:
-                plan = CKPTC_STRATEGIES[alt.strategy](jp, None)
+            plan = compiler._decide(0, jp)
         except solvers.InfeasibleBudgetError as error:
             return "infeasible", error, time.perf_counter() - start
         return "plan", plan, time.perf_counter() - start
@@ -462,6 +468,11 @@ class ModelBench:
                 solve_s=sum(float(r.plan.info.get("solve_seconds", 0.0)) for r in records),
                 auto_choice=[(g.plan.info.get("auto") or {}).get("chosen") for g in plan.graphs] if alt.solver == "auto" else None,
             )
+            if "offline_predicted_peak_bytes" in point:
+                # Scratch memory is measured by running ops, so predictions may differ by a few KiB.
+                diff = plan.predicted_peak_bytes - point["offline_predicted_peak_bytes"]
+                point["offline_peak_diff_bytes"] = diff
+                point["offline_matches_run"] = abs(diff) <= max(64 * 1024, plan.predicted_peak_bytes // 1000)
         with count_flops() as tally:  # second warm-up step
             step()
         point["flops"] = tally.total
@@ -490,7 +501,7 @@ def _order(alts: list[Alternative]) -> list[Alternative]:
     With a model time budget, what is cut first is what matters least.
     """
     rank = {"eager": 0, "ckpt_every": 1, "ckpt_every_other": 2, "library_ckpt": 3}
-    solver_rank = {"auto": 0, "dp": 2, "chen_greedy": 3, "chen_sqrt": 4, "ilp": 5}
+    solver_rank = {"auto": 0, "hierarchical": 2, "chen_greedy": 3, "chen_sqrt": 4, "ilp": 5}
 
     def key(a: Alternative) -> tuple[Any, ...]:
         if a.family in rank:
@@ -575,9 +586,11 @@ def longest_fitting(name: str, method: str, budget: int, deadline_at: float, sta
                     max_len: int = 2**22) -> dict[str, Any]:
     """Doubling then bisection over sequence length (multiples of ``grain``) until peak <= budget is bracketed."""
     trials: list[dict[str, Any]] = []
+    stopped = []
 
     def fits(length: int) -> bool | None:
         if time.perf_counter() > deadline_at:
+            stopped.append(length)
             return None
         try:
             r = _headline_peak(name, method, length, budget)
@@ -617,7 +630,7 @@ def longest_fitting(name: str, method: str, budget: int, deadline_at: float, sta
             break
         lo, hi = (mid, hi) if ok else (lo, mid)
     return {"method": method, "longest_fitting": lo or None, "shortest_failing": hi, "trials": trials,
-            "complete": not (time.perf_counter() > deadline_at)}
+            "grain": grain, "complete": not stopped}
 
 
 def headline(out: Path, budget_gb: float = 1.0, time_budget_s: float = 900.0,
@@ -683,6 +696,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--point-timeout", type=float, default=900.0)
     p.add_argument("--ilp-time-limit", type=float, default=30.0)
     p.add_argument("--no-dedupe", action="store_true", help="run every ckptc point even if its plan was measured")
+    p.add_argument("--file-suffix", default="", help="append to result file names, e.g. _long")
     p.add_argument("--resume", action="store_true",
                    help="keep the points of <out>/<model>.json (same shapes) and run only those skipped or missing")
     return p.parse_args(argv)
@@ -729,11 +743,13 @@ def main(argv: list[str] | None = None) -> int:
         bench = ModelBench(name, size, out, reps=args.reps, point_timeout=args.point_timeout,
                            model_budget_s=None if args.model_minutes is None else args.model_minutes * 60,
                            ilp_time_limit=args.ilp_time_limit, dedupe=not args.no_dedupe, alt_options=alt_options,
-                           seq_len=shape["seq_len"], batch=shape["batch"], resume=args.resume)
+                           seq_len=shape["seq_len"], batch=shape["batch"], resume=args.resume, file_suffix=args.file_suffix)
         try:
             result = bench.run()
         except Exception as error:  # noqa: BLE001 - one model failing must not lose the others
             bench.log(f"FAILED: {error_text(error)}")
+            bench.result.setdefault("model", bench.key)
+            bench.result.setdefault("points", [])
             bench.result.update(status="error", error=error_text(error), traceback=traceback.format_exc(limit=-8))
             bench.save()
             result = bench.result

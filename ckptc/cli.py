@@ -3,7 +3,7 @@
     ckptc plan FILE.py:FACTORY --budget-gb 40 -o plan.json
     ckptc show plan.json
     ckptc report FILE.py:FACTORY --budget-gb 40 --plot memory.png
-    ckptc pareto FILE.py:FACTORY --plot pareto.png --solvers chen_greedy dp --points 6
+    ckptc pareto FILE.py:FACTORY --plot pareto.png --solvers chen_greedy hierarchical --points 6
 
 ``FILE.py:FACTORY`` names a function in the user's own Python file, called
 with no arguments.  It returns ``(model, example_inputs)``,

@@ -44,6 +44,7 @@ class NodeCost:
         flops: floating-point operations to (re)compute it.  Pointwise ops and
             reductions are counted by elements touched.
         alias_of: name of the node whose storage this one views, if any.
+        op: the operator's name (``mm``, ``add``, ``getitem``...).
         part_of: for a ``getitem`` of a multi-output op, that op's node: the
             op allocates all outputs (its ``bytes`` is their sum) and this node
             takes over its own output's ``bytes`` from it.
@@ -64,6 +65,7 @@ class NodeCost:
     module: str
     stable_name: str
     part_of: str | None = None
+    op: str = ""
     random: bool = False
     seconds: float | None = None
     scratch_bytes: int = 0
@@ -120,6 +122,7 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
             part_of=part_of,
             module=module,
             stable_name=base if ordinal == 0 else f"{base}_{ordinal}",
+            op=op_name,
             random=is_random(node),
         )
         node.meta["ckptc"] = cost

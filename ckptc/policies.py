@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
-import re
 from typing import Callable, Iterable
 
 import solvers
 from ckptc.problem import JointProblem
-from solvers.refine import fill_budget
+from solvers.hierarchical import per_block_plan
 from solvers.simulator import honour_policies
 
 log = logging.getLogger("ckptc.policies")
@@ -48,66 +47,26 @@ def solve_under_budget(
     progress: Callable[[float, str], None] | None = None,
     **options: object,
 ) -> solvers.Plan:
-    """The cheapest plan whose simulated peak fits ``budget_bytes``.
-
-    With ``solver="auto"`` the per-block plan (which knows module boundaries,
-    unlike the solvers) also competes, after spending leftover budget with
-    :func:`solvers.refine.fill_budget`: on transformer stacks it reaches lower
-    peaks than cut points found from the graph alone.
-    """
+    """The cheapest plan whose simulated peak fits ``budget_bytes`` (see :func:`solvers.solve`)."""
     if budget_bytes is None:
         return keep_everything(jp)
-    if solver != "auto":
-        return solvers.solve(jp.problem, budget_bytes, method=solver, progress=progress, **options)
-    candidates: list[tuple[float, int, solvers.Plan]] = []
-    error: solvers.InfeasibleBudgetError | None = None
-    try:
-        plan = solvers.solve(jp.problem, budget_bytes, method="auto", progress=progress, **options)
-        candidates.append((plan.info["recompute_cost"], plan.info["predicted_peak_bytes"], plan))
-    except solvers.InfeasibleBudgetError as e:
-        error = e
-    per_block = keep_module_inputs(jp, budget_bytes)
-    if per_block.info["predicted_peak_bytes"] <= budget_bytes:
-        per_block = _finish(jp, fill_budget(jp.problem, per_block, budget_bytes))
-        candidates.append((per_block.info["recompute_cost"], per_block.info["predicted_peak_bytes"], per_block))
-    if not candidates:
-        assert error is not None
-        floor = min(error.min_feasible_bytes or per_block.info["predicted_peak_bytes"], per_block.info["predicted_peak_bytes"])
-        raise solvers.InfeasibleBudgetError(budget_bytes, floor)
-    return min(candidates, key=lambda c: c[:2])[2]
+    return solvers.solve(jp.problem, budget_bytes, method=solver, progress=progress, **options)
 
 
 def lowest_known_peak(jp: JointProblem) -> int:
-    """The smallest peak any plan ckptc can build reaches: the solvers' floor or the per-block plan's."""
-    return min(solvers.min_feasible_budget(jp.problem), keep_module_inputs(jp).info["predicted_peak_bytes"])
+    """The smallest peak any plan ckptc can build reaches (:func:`solvers.min_feasible_budget`)."""
+    return solvers.min_feasible_budget(jp.problem)
 
 
-def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, *, depth: int | None = None, **_: object) -> solvers.Plan:
+def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
     """Per-block checkpointing, as Hugging Face's ``gradient_checkpointing_enable``.
 
-    Blocks are the modules at the repeated level of the hierarchy (e.g.
-    ``transformer.h.3``): the first level whose path ends in an integer index.
-    Only the values that enter a block from outside are kept, plus values
-    produced outside every block; everything inside a block is recomputed.
+    Blocks are those of :func:`solvers.blocks.find_blocks` (the modules at the
+    repeated level of the hierarchy, e.g. ``transformer.h.3``, and the parts
+    around them); only the values that cross blocks are kept.
     """
-    problem = jp.problem
-    block_of = {name: _block(jp.nodes[name].meta["ckptc"].module) for name in jp.graph_nodes(problem.forward_nodes)}
-    kept = set()
-    for name in jp.graph_nodes(problem.forward_nodes):
-        block = block_of[name]
-        consumers = [c for c in problem.consumers[name] if c in block_of]
-        leaves_block = any(block_of[c] != block for c in consumers)
-        if block is None or leaves_block:
-            kept.add(name)
-    return _finish(jp, solvers.Plan(kept=_backward_read_closure(jp, kept), method="layer", budget_bytes=budget_bytes))
-
-
-_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
-
-
-def _block(module: str) -> str | None:
-    match = _BLOCK.match(module)
-    return match.group(1) if match else None
+    plan = per_block_plan(jp.problem)
+    return _finish(jp, dataclasses.replace(plan, method="layer", budget_bytes=budget_bytes))
 
 
 _CHEAP_TO_RECOMPUTE = ("softmax", "dropout", "gelu", "relu", "silu", "tanh", "sigmoid", "mul", "add", "div", "sub", "exp", "where", "masked_fill", "pow", "rsqrt", "mean", "neg", "clone", "_to_copy", "native_layer_norm", "native_dropout", "baddbmm", "bmm", "scaled_dot_product")

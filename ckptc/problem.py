@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 import solvers
+from ckptc._torch_internals import is_tangent
 from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
 
 # Ops whose recomputation would read state that the forward pass has already
@@ -86,6 +87,7 @@ def joint_to_problem(
         if state is not None:
             # Recomputing the state capture would capture a later state: save it.
             policies[state.name] = "save"
+    differentiable = _differentiable_nodes(joint, output_node, num_fwd_outputs)
     graph = nx.DiGraph()
     inputs, forward, backward = [], [], []
     nodes: dict[str, fx.Node] = {}
@@ -118,6 +120,9 @@ def joint_to_problem(
             policy=policy,
             scratch=cost.scratch_bytes,
             part_of=cost.part_of,
+            module=cost.module,
+            op=cost.op,
+            differentiable=node in differentiable,
         )
         for p in preds:
             graph.add_edge(p, node.name)
@@ -147,6 +152,24 @@ def joint_to_problem(
         nodes=nodes,
         stable_names=stable_names,
     )
+
+
+def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_outputs: int) -> set[fx.Node]:
+    """Nodes a gradient flows through: primals that receive a gradient, and what reads them.
+
+    The joint graph returns one gradient per primal input (None where there is
+    none) after the forward results. Forward values that depend on no such
+    primal (masks, rotary tables) are fixed data for the solvers, not decisions.
+    """
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    grads = list(output_node.args[0][num_fwd_outputs:])
+    if len(grads) != len(primals):  # unexpected layout: treat everything as differentiable
+        return set(joint.graph.nodes)
+    flowing = {p for p, g in zip(primals, grads) if g is not None}
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and any(a in flowing for a in node.all_input_nodes):
+            flowing.add(node)
+    return flowing
 
 
 def _spread_over_views(joint: fx.GraphModule, policies: dict[str, str]) -> dict[str, str]:

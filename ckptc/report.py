@@ -36,7 +36,7 @@ log = logging.getLogger("ckptc.report")
 Progress = Callable[[float, str], None]
 
 #: Solvers compared by default in :func:`pareto_points`.
-DEFAULT_PARETO_SOLVERS = ("chen_sqrt", "chen_greedy", "dp", "auto")
+DEFAULT_PARETO_SOLVERS = ("chen_sqrt", "chen_greedy", "hierarchical", "auto")
 
 
 class MissingDependencyError(CkptcError):

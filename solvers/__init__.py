@@ -11,13 +11,13 @@ Model a training step as a :class:`Problem`, ask :func:`solve` for a
 True
 """
 
-# Order matters: solvers.api (and the optional solvers.dp / solvers.ilp it
+# Order matters: solvers.api (and the solvers.hierarchical / solvers.ilp it
 # registers) may import the core names from this package, so they come first.
 from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
 from solvers.plan import Plan, Step
 from solvers.problem import BACKWARD, FORWARD, INPUT, RECOMPUTE, SAVE, Node, Problem
 from solvers.simulator import SimResult, schedule, simulate
-from solvers.api import METHODS, min_feasible_budget, solve
+from solvers.api import METHODS, lowest_peak_plan, min_feasible_budget, solve
 
 __all__ = [
     "Node",
@@ -30,6 +30,7 @@ __all__ = [
     "solve",
     "METHODS",
     "min_feasible_budget",
+    "lowest_peak_plan",
     "InfeasibleBudgetError",
     "InvalidPlanError",
     "SolverError",

@@ -1,31 +1,30 @@
-"""Entry point: ``solve(problem, budget_bytes, method)`` and the method registry.
+"""Entry point: ``solve(problem, budget_bytes, method)``, the method registry, and the floor.
 
 Every method is a function ``(problem, budget_bytes, **options) -> Plan``.
 :func:`solve` runs one, then re-judges the plan with :func:`solvers.simulate`
 (never trusting a method's own bookkeeping) and fills ``plan.info``.
 
-The "dp" and "ilp" methods live in :mod:`solvers.dp` and :mod:`solvers.ilp`;
-they are registered only when those modules exist, and imported on first use
-so that ``import solvers`` stays fast and never pulls in pulp.
+The "hierarchical" and "ilp" methods live in :mod:`solvers.hierarchical` and
+:mod:`solvers.ilp`; they are imported on first use so that ``import solvers``
+stays fast and never pulls in numpy or pulp.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import logging
 import time
 from typing import Any, Callable
 
-from solvers.chen import Progress, chen_greedy, chen_sqrt, lowest_peak_plan
+from solvers.chen import Progress, chen_greedy, chen_sqrt
 from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
 from solvers.plan import Plan
 from solvers.problem import Problem
 from solvers.refine import fill_budget
 from solvers.simulator import simulate
 
-__all__ = ["solve", "METHODS", "min_feasible_budget", "auto"]
+__all__ = ["solve", "METHODS", "min_feasible_budget", "lowest_peak_plan", "auto"]
 
 log = logging.getLogger("solvers.api")
 
@@ -38,15 +37,33 @@ AUTO_ILP_MAX_NODES = 5000
 AUTO_ILP_TIME_LIMIT = 10.0
 
 
-def min_feasible_budget(problem: Problem) -> int:
-    """The smallest budget for which ``solve(method="chen_greedy")`` and ``"auto"`` succeed.
+def lowest_peak_plan(problem: Problem) -> Plan:
+    """The plan with the lowest simulated peak that ckptc's plan families reach.
 
-    It is the simulated peak of the lowest-memory derived schedule in the
-    Chen family (keep-all, chen_sqrt, and every threshold chen_greedy's
-    memory search evaluates). It is an *upper bound* on the true minimum
-    peak over all schedules: dp and ilp may recompute values several times
-    and fit below it, and chen_sqrt may need more. Cached on the problem;
-    the first call costs about 20 linear-time simulations.
+    The lower of the hierarchical space's lowest peak (per-block options,
+    found by bisection over its DP) and the Chen family's (keep-all, sqrt(n)
+    segments, the greedy's thresholds). This is the one floor computation:
+    :func:`min_feasible_budget`, :func:`auto`'s errors and ckptc's reports
+    all read it. Cached on the problem.
+    """
+    cached = problem._cache.get("api.lowest_peak_plan")
+    if cached is not None:
+        return cached
+    from solvers.chen import lowest_peak_plan as chen_lowest
+    from solvers.hierarchical import lowest_peak_plan as hierarchical_lowest
+
+    plans = [hierarchical_lowest(problem), chen_lowest(problem)]
+    best = min(plans, key=lambda p: (p.info["predicted_peak_bytes"], p.info["recompute_cost"]))
+    problem._cache["api.lowest_peak_plan"] = best
+    return best
+
+
+def min_feasible_budget(problem: Problem) -> int:
+    """The smallest budget for which ``solve(method="auto")`` succeeds.
+
+    The simulated peak of :func:`lowest_peak_plan`. It is an *upper bound* on
+    the true minimum peak over all schedules: ilp may recompute values several
+    times and fit below it on small graphs.
 
     Examples
     --------
@@ -68,16 +85,6 @@ def _lazy(module: str, function: str) -> Method:
     return call
 
 
-def _optional_methods() -> dict[str, Method]:
-    # find_spec, not try/import: a module that exists but fails to import is
-    # a bug that must surface, not a silently missing method.
-    found = {}
-    for name in ("dp", "ilp"):
-        if importlib.util.find_spec(f"solvers.{name}") is not None:
-            found[name] = _lazy(name, name)
-    return found
-
-
 def _sub_progress(progress: Progress | None, start: float, end: float) -> Progress | None:
     if progress is None:
         return None
@@ -93,35 +100,33 @@ def auto(
     ilp_max_forward_nodes: int = AUTO_ILP_MAX_FORWARD_NODES,
     ilp_time_limit: float = AUTO_ILP_TIME_LIMIT,
 ) -> Plan:
-    """Try the methods suited to the graph and return the cheapest plan that fits.
+    """The cheapest plan that fits, among the methods suited to the graph.
 
-    Order: chen_greedy (fast, always; its plan then keeps more where the
-    budget allows, see :func:`solvers.refine.fill_budget`; if it recomputes
-    nothing it is optimal and returned at once), then dp when available, then ilp when available and the graph is
-    small (<= ``ilp_max_forward_nodes`` forward nodes and <= 5,000 nodes)
-    with ``min(time_limit, ilp_time_limit)`` seconds. Every
-    plan is judged by simulate(); the winner has the least recompute cost
-    among those with peak <= budget (ties: lower peak, earlier method).
-    If dp or ilp raises anything other than InfeasibleBudgetError (or returns
-    a plan simulate() rejects), the error is logged and recorded in
-    ``info["auto"]["tried"]`` and auto goes on.
+    Order: hierarchical (per-block option menus and an exact chain DP; its
+    candidates include keeping everything and per-block checkpointing, so
+    the result is never worse than either; stops here if nothing is
+    recomputed), chen_greedy, then ilp when the graph is small
+    (<= ``ilp_max_forward_nodes`` forward nodes and <= 5,000 nodes) with
+    ``min(time_limit, ilp_time_limit)`` seconds. Derived-schedule plans then
+    keep more where the budget allows (:func:`solvers.refine.fill_budget`).
+    If none fits, the floor plan (:func:`lowest_peak_plan`) is the last
+    candidate. Every plan is judged by simulate(); the winner has the least
+    recompute cost (ties: lower peak, earlier method). A method that fails
+    otherwise than with InfeasibleBudgetError is logged and recorded in
+    ``info["auto"]["tried"]``; auto goes on.
 
     Raises
     ------
     InfeasibleBudgetError
-        If no method found a fitting plan; min_feasible_bytes is the lowest
-        of :func:`min_feasible_budget` and what the methods reported.
+        If nothing fits; ``min_feasible_bytes`` is :func:`min_feasible_budget`.
     """
-    runs: list[tuple[str, dict[str, Any]]] = [("chen_greedy", {})]
-    if "dp" in METHODS:
-        runs.append(("dp", {}))
+    runs: list[tuple[str, dict[str, Any]]] = [("hierarchical", {}), ("chen_greedy", {})]
     small = len(problem._forward_idx) <= ilp_max_forward_nodes and len(problem) <= AUTO_ILP_MAX_NODES
-    if "ilp" in METHODS and small:
+    if small:
         runs.append(("ilp", {"time_limit": min(time_limit, ilp_time_limit)}))
 
     fitting: list[tuple[float, int, int, Plan]] = []
     tried: dict[str, Any] = {}
-    lowest_reported: list[int] = []
     for k, (name, extra) in enumerate(runs):
         options = {"time_limit": time_limit, **extra,
                    "progress": _sub_progress(progress, k / len(runs), (k + 1) / len(runs))}
@@ -131,18 +136,13 @@ def auto(
             if plan.schedule is None:
                 plan = fill_budget(problem, plan, budget_bytes)
             result = simulate(problem, plan)
-        except InfeasibleBudgetError as e:
+        except InfeasibleBudgetError:
             tried[name] = {"status": "infeasible", "seconds": time.perf_counter() - started}
-            if e.min_feasible_bytes is not None:
-                lowest_reported.append(e.min_feasible_bytes)
             log.info("auto: %s found no plan within %s", name, format_bytes(budget_bytes))
             continue
         except Exception as e:
-            # chen_greedy always runs first and its errors propagate; a failure of
-            # an optional method (a model too large, an invalid plan, a bug) must
-            # not cost the user the plans of the others. Calling it directly raises.
-            if name == "chen_greedy":
-                raise
+            # A failure of one method (a model too large, an invalid plan, a bug)
+            # must not cost the user the plans of the others; calling it directly raises.
             tried[name] = {"status": "error", "error": f"{type(e).__name__}: {e}",
                            "seconds": time.perf_counter() - started}
             if isinstance(e, SolverError) and not isinstance(e, InvalidPlanError):
@@ -159,13 +159,17 @@ def auto(
             continue
         tried[name]["status"] = "fits"
         fitting.append((result.recompute_cost, result.peak_bytes, k, plan))
-        if name == "chen_greedy" and result.recompute_cost == 0:
+        if result.recompute_cost == 0:
             break  # nothing recomputed: no other method can be cheaper
+    if not fitting:
+        floor = lowest_peak_plan(problem)
+        if floor.info["predicted_peak_bytes"] <= budget_bytes:
+            fitting.append((floor.info["recompute_cost"], floor.info["predicted_peak_bytes"], len(runs), floor))
+            tried["floor"] = {"status": "fits", "peak_bytes": floor.info["predicted_peak_bytes"]}
     if progress is not None:
         progress(1.0, "auto: done")
     if not fitting:
-        lowest = min([min_feasible_budget(problem), *lowest_reported])
-        raise InfeasibleBudgetError(budget_bytes, lowest)
+        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(problem))
     *_, best = min(fitting, key=lambda t: t[:3])
     info = {**best.info, "auto": {"chosen": best.method, "tried": tried}}
     return dataclasses.replace(best, info=info)
@@ -174,7 +178,8 @@ def auto(
 METHODS: dict[str, Method] = {
     "chen_sqrt": chen_sqrt,
     "chen_greedy": chen_greedy,
-    **_optional_methods(),
+    "hierarchical": _lazy("hierarchical", "hierarchical"),
+    "ilp": _lazy("ilp", "ilp"),
     "auto": auto,
 }
 
@@ -200,8 +205,8 @@ def solve(
     budget_bytes : int
         Peak-memory budget, counting inputs and ``problem.baseline_bytes``.
     method : str
-        A key of :data:`METHODS`: "chen_sqrt", "chen_greedy", "dp", "ilp"
-        (when installed) or "auto".
+        A key of :data:`METHODS`: "chen_sqrt", "chen_greedy", "hierarchical",
+        "ilp" or "auto".
     time_limit : float
         Seconds the method may spend (honoured by ilp and auto).
     progress : callable(fraction, message) or None

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from solvers.errors import InfeasibleBudgetError, format_bytes
+from solvers.graph import forward_path
 from solvers.plan import Plan
 from solvers.problem import Problem
 from solvers.simulator import evaluate_mask, honour_policies_mask, names_of
@@ -69,28 +70,6 @@ class _Candidate:
 
 
 # ------------------------------------------------------------------ building blocks
-def _forward_path(problem: Problem) -> list[int]:
-    """Forward nodes on the forward path: ancestors-or-self of forward outputs, in order.
-
-    Other forward nodes (e.g. transposes of activations that only backward
-    reads, which joint graphs count as forward) are not computed in the
-    forward phase unless kept, so their reads must not split segments.
-    """
-    cached = problem._cache.get("chen.forward_path")
-    if cached is not None:
-        return cached
-    output, fwd_preds = problem._output, problem._fwd_preds
-    on_path = bytearray(len(problem.nodes))
-    for v in reversed(problem._forward_idx):
-        if on_path[v] or output[v]:
-            on_path[v] = 1
-            for q in fwd_preds[v]:
-                on_path[q] = 1
-    path = [v for v in problem._forward_idx if on_path[v]]
-    problem._cache["chen.forward_path"] = path
-    return path
-
-
 def _cut_structure(problem: Problem) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
     """Cut points of the forward path, and the small values crossing each one.
 
@@ -109,7 +88,7 @@ def _cut_structure(problem: Problem) -> tuple[tuple[int, ...], dict[int, tuple[i
     if cached is not None:
         return cached
     kind, consumers, nbytes, root = problem._kind, problem._consumers, problem._bytes, problem._alias_root
-    path = _forward_path(problem)
+    path = forward_path(problem)
     position = [-1] * len(problem.nodes)
     for k, v in enumerate(path):
         position[v] = k
@@ -177,7 +156,7 @@ def _keep_all_mask(problem: Problem) -> bytearray:
 def _sqrt_mask(problem: Problem) -> bytearray:
     """Keep a cut point once ~sqrt(n) forward-path nodes have passed since the last one."""
     cuts, extras = _cut_structure(problem)
-    path = _forward_path(problem)
+    path = forward_path(problem)
     segment = max(1, round(math.sqrt(len(path))))
     is_cut = bytearray(len(problem.nodes))
     for v in cuts:
@@ -202,7 +181,7 @@ def _greedy_mask(problem: Problem, threshold: float) -> bytearray:
     nbytes, policy = problem._bytes, problem._policy
     mask = bytearray(len(problem.nodes))
     running = 0
-    for v in _forward_path(problem):
+    for v in forward_path(problem):
         running += nbytes[v]
         if is_cut[v] and running > threshold and policy[v] != _RECOMPUTE:
             _checkpoint(problem, mask, v, extras)
@@ -233,7 +212,7 @@ class _Evaluator:
 
 def _thresholds(problem: Problem) -> list[float]:
     """0 plus a geometric grid from the smallest node size to all forward-path bytes (= keep none)."""
-    sizes = [problem._bytes[v] for v in _forward_path(problem) if problem._bytes[v] > 0]
+    sizes = [problem._bytes[v] for v in forward_path(problem) if problem._bytes[v] > 0]
     if not sizes:
         return [0.0]
     low, high = float(min(sizes)), float(sum(sizes))

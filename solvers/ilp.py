@@ -49,7 +49,7 @@ only a candidate in stages that may still need it). Graphs whose model exceeds
 ``max_variables`` (default 300,000) are refused with :class:`SolverError`.
 
 Solver: HiGHS through pulp when highspy is importable (warm-started with the
-dp plan when it fits), else CBC (``pulp.PULP_CBC_CMD``). On time-out the best
+hierarchical plan when it fits), else CBC (``pulp.PULP_CBC_CMD``). On time-out the best
 integer solution is returned with ``info["status"] == "time_limit"`` and the
 solver's gap and bound, and a warning is logged.
 
@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterator
 
 from solvers.errors import InfeasibleBudgetError, SolverError, format_bytes
 from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, Step
+from solvers.graph import storage_roots
 from solvers.problem import Problem
 from solvers.simulator import evaluate_mask, honour_policies_mask, names_of, simulate
 
@@ -93,9 +94,7 @@ _RETRIES = 3
 
 # ============================================================== model data
 def _scratch(problem: Problem) -> list[int]:
-    from solvers.dp import scratch_of
-
-    return scratch_of(problem)
+    return problem._scratch
 
 
 @dataclass
@@ -122,7 +121,6 @@ class _Graph:
 
 def _graph(problem: Problem) -> _Graph:
     kind, output, policy = problem._kind, problem._output, problem._policy
-    from solvers.dp import storage_roots
 
     nbytes, consumers = problem._bytes, problem._consumers
     alias_root = storage_roots(problem)
@@ -355,8 +353,7 @@ class _Model:
             lp.addConstraint(pulp.lpSum(total) + extra + const <= cap)
 
         # Forward phase: liveness of i at the step of k (i before k).
-        from solvers.dp import storage_roots
-
+    
         roots = storage_roots(problem)
         scratch = _scratch(problem)
         resident_fwd = problem.resident_bytes
@@ -460,7 +457,7 @@ class _Model:
             raise SolverError(
                 f"ilp: the MILP for this graph would have about {estimate:,} variables "
                 f"({len(g.forward)} forward x {B} backward nodes), more than max_variables="
-                f"{max_variables:,}; use method='dp' (auto falls back to it)"
+                f"{max_variables:,}; use method='hierarchical' (auto does)"
             )
         return estimate
 
@@ -661,7 +658,7 @@ def _to_plan(problem: Problem, graph: _Graph, kept: set[int], rec: list[list[int
 
 
 def _start_from_plan(problem: Problem, model: _Model, plan: Plan) -> dict[str, float] | None:
-    """Variable values of a stage schedule (e.g. dp's), to warm-start the MILP."""
+    """Variable values of a stage schedule (e.g. the hierarchical plan's), to warm-start the MILP."""
     g = model.g
     index = problem.index
     B = len(g.backward)
@@ -738,10 +735,10 @@ def _start_from_plan(problem: Problem, model: _Model, plan: Plan) -> dict[str, f
 
 
 def _keep_all(problem: Problem) -> tuple[Plan, Any]:
-    from solvers.dp import _keep_all_candidate
+    from solvers.chen import keep_all_plan
 
-    plan, core = _keep_all_candidate(problem)
-    return dataclasses.replace(plan, method="ilp"), core
+    plan = keep_all_plan(problem)
+    return dataclasses.replace(plan, method="ilp"), simulate(problem, plan)
 
 
 def _explicit(problem: Problem, plan: Plan) -> Plan:
@@ -790,7 +787,7 @@ def ilp(
     mip_gap : float
         Relative optimality gap at which the solver stops.
     warm_start : bool
-        Give the solver dp's plan as a first incumbent when it fits (HiGHS/CBC).
+        Give the solver the hierarchical plan as a first incumbent when it fits (HiGHS/CBC).
 
     Returns
     -------
@@ -831,9 +828,9 @@ def ilp(
     start_plan = None
     if warm_start:
         try:
-            from solvers.dp import dp as dp_solve
+            from solvers.hierarchical import hierarchical
 
-            start_plan = dp_solve(problem, budget_bytes)
+            start_plan = _explicit(problem, hierarchical(problem, budget_bytes))
         except (InfeasibleBudgetError, SolverError):
             start_plan = None
     target = budget_bytes
@@ -875,13 +872,13 @@ def ilp(
             )
         if outcome.status not in ("optimal", "time_limit", "feasible"):
             if start_plan is not None:
-                log.warning("ilp: no MILP solution within %.1f s (%s); returning the dp plan",
+                log.warning("ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan",
                             time_limit, outcome.status)
                 return _finish(problem, Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
                                budget_bytes, started, {"status": "time_limit", "gap": None, "bound": None,
-                                                       "candidate": "dp", "solver_status": outcome.status})
+                                                       "candidate": "hierarchical", "solver_status": outcome.status})
             raise SolverError(f"ilp: the solver found no integer solution ({outcome.status}) within "
-                              f"{time_limit:g} s; try a longer time_limit or method='dp'")
+                              f"{time_limit:g} s; try a longer time_limit or method='hierarchical'")
         kept, _, rec = model.schedule()
         kept, rec = _prune(problem, graph, kept, rec)
         plan = _to_plan(problem, graph, kept, rec, budget_bytes)

@@ -73,6 +73,16 @@ class Node:
         For a getitem of a multi-output op: that op (one of ``preds``). The
         op's ``bytes`` is the sum of its outputs; this node takes its own
         ``bytes`` over from the op's storage, so outputs die one by one.
+    module : str
+        Dotted path of the module that produced it (``"layers.3.mlp"``), or
+        ``""``. Block finding groups forward nodes by it.
+    op : str
+        Operator name (``"mm"``, ``"add"``...), for structural hashing and
+        reports; ``""`` if unknown.
+    differentiable : bool
+        A gradient flows through this value. False for forward values computed
+        from non-trainable inputs alone (attention masks, rotary tables,
+        position ids): they are kept as computed, never a decision.
     """
 
     name: str
@@ -85,6 +95,9 @@ class Node:
     policy: str | None = None
     scratch: int = 0
     part_of: str | None = None
+    module: str = ""
+    op: str = ""
+    differentiable: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +111,9 @@ class Node:
             "policy": self.policy,
             "scratch": self.scratch,
             "part_of": self.part_of,
+            "module": self.module,
+            "op": self.op,
+            "differentiable": self.differentiable,
         }
 
 
@@ -343,7 +359,8 @@ class Problem:
         """Build a Problem from a DiGraph whose edge ``u -> v`` means "v reads u".
 
         Node attributes: ``bytes``, ``cost``, ``kind`` (required) and optional
-        ``output``, ``alias_of``, ``policy``, ``scratch``, ``part_of``. ``order`` lists every node once in
+        ``output``, ``alias_of``, ``policy``, ``scratch``, ``part_of``, ``module``, ``op``,
+        ``differentiable``. ``order`` lists every node once in
         execution order. A node's preds are its in-neighbours sorted by their
         position in ``order`` (DiGraph keeps no argument order or duplicates).
         """
@@ -376,6 +393,9 @@ class Problem:
                     policy=attrs.get("policy"),
                     scratch=int(attrs.get("scratch", 0)),
                     part_of=attrs.get("part_of"),
+                    module=str(attrs.get("module", "")),
+                    op=str(attrs.get("op", "")),
+                    differentiable=bool(attrs.get("differentiable", True)),
                 )
             )
         return cls(nodes=tuple(nodes), baseline_bytes=baseline_bytes)
@@ -387,7 +407,8 @@ class Problem:
         g = nx.DiGraph()
         for n in self.nodes:
             g.add_node(n.name, bytes=n.bytes, cost=n.cost, kind=n.kind, output=n.output,
-                       alias_of=n.alias_of, policy=n.policy, scratch=n.scratch, part_of=n.part_of)
+                       alias_of=n.alias_of, policy=n.policy, scratch=n.scratch, part_of=n.part_of,
+                       module=n.module, op=n.op, differentiable=n.differentiable)
         for n in self.nodes:
             for p in n.preds:
                 g.add_edge(p, n.name)
@@ -411,6 +432,9 @@ class Problem:
                 policy=d.get("policy"),
                 scratch=int(d.get("scratch", 0)),
                 part_of=d.get("part_of"),
+                module=str(d.get("module", "")),
+                op=str(d.get("op", "")),
+                differentiable=bool(d.get("differentiable", True)),
             )
             for d in data["nodes"]
         )

@@ -19,7 +19,7 @@ def test_bench_run_writes_results_for_every_alternative(tmp_path):
     out = tmp_path / "results"
     code = run.main([
         "--models", "mlp", "--size", "tiny", "--out", str(out),
-        "--budgets", "2", "--below", "0", "--solvers", "dp", "--strategies",
+        "--budgets", "2", "--below", "0", "--solvers", "hierarchical", "--strategies",
         "--aot-budgets", "0.5", "--reps", "1",
     ])
     assert code == 0
@@ -39,7 +39,7 @@ def test_bench_run_writes_results_for_every_alternative(tmp_path):
     assert by_family["aot_eager"]["status"] == "ok"
     assert any(p["status"] == "ok" and p["matches_eager"] for p in ckptc_points)
     table = (out / "mlp.md").read_text()
-    for label in ("eager", "ckpt every block", "ckpt every other block", "aot_eager budget=0.5", "ckptc dp"):
+    for label in ("eager", "ckpt every block", "ckpt every other block", "aot_eager budget=0.5", "ckptc hierarchical"):
         assert label in table
     assert (out / "mlp_pareto.png").exists()
     assert "mlp" in (out / "SUMMARY.md").read_text()

@@ -159,11 +159,11 @@ def test_pareto_plots_curves_and_prints_points(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     png = tmp_path / "pareto.png"
-    code, out, err = run(capsys, "pareto", factory("mlp"), "--solvers", "chen_greedy", "dp",
+    code, out, err = run(capsys, "pareto", factory("mlp"), "--solvers", "chen_greedy", "hierarchical",
                          "--points", "3", "--plot", png)
     assert code == 0, err
     assert_sensible_png(png)
-    rows = [line.split() for line in out.splitlines() if line.startswith(("chen_greedy ", "dp "))]
+    rows = [line.split() for line in out.splitlines() if line.startswith(("chen_greedy ", "hierarchical "))]
     assert len(rows) == 6  # 3 budgets x 2 solvers, infeasible ones included and marked
     assert any(row[0] == "chen_greedy" and row[-1].endswith("%") for row in rows)
 

@@ -616,14 +616,17 @@ def test_infeasible_budget_error_message():
     assert str(again) == str(err) and again.min_feasible_bytes == lowest
 
 
-def test_min_feasible_budget_is_reached_by_chen_greedy_and_auto():
+def test_min_feasible_budget_is_reached_by_auto_and_by_no_derived_family_below():
+    from solvers.chen import lowest_peak_plan as chen_lowest
+
     p = Problem.training_chain(30)
     lowest = min_feasible_budget(p)
     assert lowest < simulate(p, keep_all_plan(p)).peak_bytes
-    for method in ("chen_greedy", "auto"):
-        assert solve(p, lowest, method).info["predicted_peak_bytes"] <= lowest
-    with pytest.raises(InfeasibleBudgetError):
-        solve(p, lowest - 1, "chen_greedy")
+    assert lowest <= chen_lowest(p).info["predicted_peak_bytes"]
+    assert solve(p, lowest, "auto").info["predicted_peak_bytes"] <= lowest
+    for method in ("chen_greedy", "hierarchical"):
+        with pytest.raises(InfeasibleBudgetError):
+            solve(p, lowest - 1, method)
 
 
 def test_chen_sqrt_ignores_budget_but_checks_it():
@@ -649,17 +652,17 @@ def test_auto_survives_a_failing_optional_method(monkeypatch):
     def broken(problem, budget_bytes, **options):
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(api.METHODS, "dp", broken)
+    monkeypatch.setitem(api.METHODS, "hierarchical", broken)
     monkeypatch.setitem(api.METHODS, "ilp", lambda problem, budget_bytes, **options: Plan(kept={"nope"}))
     p = Problem.training_chain(12)
     budget = min_feasible_budget(p) + 1
     plan = solve(p, budget, "auto")
     tried = plan.info["auto"]["tried"]
-    assert tried["dp"]["status"] == "error" and "boom" in tried["dp"]["error"]
+    assert tried["hierarchical"]["status"] == "error" and "boom" in tried["hierarchical"]["error"]
     assert tried["ilp"]["status"] == "error" and "InvalidPlanError" in tried["ilp"]["error"]
     assert plan.method == "chen_greedy"
     with pytest.raises(RuntimeError):
-        solve(p, budget, "dp")
+        solve(p, budget, "hierarchical")
 
 
 def test_progress_callback():

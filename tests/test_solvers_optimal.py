@@ -1,11 +1,11 @@
-"""Optimality of solvers.dp and solvers.ilp against exhaustive references.
+"""Optimality of solvers.ilp against exhaustive references; solvers.hierarchical never beats them.
 
 The references enumerate, exhaustively, the family of *stage schedules* that
 the MILP optimises over (forward phase in order; before each backward node,
 any set of forward values recomputed in order, each at most once per stage),
 and the kept sets of the derived schedule. They are exponential and only run
-on small graphs; dp and ilp are then compared with each other on chains of up
-to 30 forward nodes, where the references cannot go.
+on small graphs; hierarchical is then compared with ilp on chains of up to 30
+forward nodes, where the references cannot go.
 
 Runtime: about a minute on 2 cores (hypothesis is derandomized).
 """
@@ -33,7 +33,7 @@ from solvers import (
     simulate,
 )
 from solvers.chen import keep_all_plan
-from solvers.dp import dp
+from solvers.hierarchical import hierarchical
 from solvers.ilp import ilp
 from tests.strategies import chains, training_problems
 
@@ -204,7 +204,7 @@ def cost_or_none(method, problem: Problem, budget: int, **options) -> float | No
         return None
     result = simulate(problem, plan)
     assert result.peak_bytes <= budget, f"{method.__name__} returned a plan over budget"
-    if method in (dp, ilp):
+    if method is ilp:
         assert plan.schedule is not None
     return result.recompute_cost
 
@@ -256,15 +256,14 @@ def layer_chains(draw, min_layers: int = 2, max_layers: int = 30) -> Problem:
 
 @fast(10)
 @given(problem=layer_chains())
-def test_dp_and_ilp_reach_the_same_optimum_on_chains(problem):
+def test_ilp_is_optimal_and_no_method_beats_it_on_chains(problem):
     for budget in budgets_between(problem):
         exact = ilp(problem, budget, time_limit=60)
         assert exact.info["status"] == "optimal"
         best = exact.info["recompute_cost"]
         assert exact.info["bound"] == pytest.approx(best, abs=EPS)
-        assert cost_or_none(dp, problem, budget) == pytest.approx(best, abs=EPS)
         for name, method in METHODS.items():
-            if name in ("dp", "ilp"):
+            if name == "ilp":
                 continue
             other = cost_or_none(method, problem, budget)
             assert other is None or other >= best - EPS, f"{name} beats the MILP optimum"
@@ -272,13 +271,13 @@ def test_dp_and_ilp_reach_the_same_optimum_on_chains(problem):
 
 @fast(6)
 @given(problem=chains(max_forward=29, aliases=False, multi_outputs=False, policies=False))
-def test_dp_never_beats_the_ilp_on_training_chains(problem):
-    # Chains with parameter gradients and backward-only values: several backward
-    # nodes per block, where dp (which recomputes only between blocks) may lose.
+def test_hierarchical_never_beats_the_ilp_on_training_chains(problem):
+    # Chains with parameter gradients and backward-only values: the MILP's stage
+    # schedules may recompute a value several times, hierarchical's plans once.
     for budget in budgets_between(problem, (0.3, 0.7)):
         exact = ilp(problem, budget, time_limit=60)
         assert exact.info["status"] == "optimal"
-        heuristic = cost_or_none(dp, problem, budget)
+        heuristic = cost_or_none(hierarchical, problem, budget)
         assert heuristic is None or heuristic >= exact.info["recompute_cost"] - EPS
 
 
@@ -293,21 +292,12 @@ def test_small_chains_match_the_exhaustive_reference(problem, data):
         assert exact is None
     else:
         assert exact == pytest.approx(reference[0], abs=EPS)
-    heuristic = cost_or_none(dp, problem, budget)
-    if heuristic is not None:
-        assert reference is not None and heuristic >= reference[0] - EPS
+    heuristic = cost_or_none(hierarchical, problem, budget)
     derived = brute_force_kept_sets(problem, budget)
     if derived is not None:  # on a chain, derived schedules are stage schedules
         assert reference is not None and derived >= reference[0] - EPS
-
-
-@fast(30)
-@given(problem=layer_chains(max_layers=7), data=st.data())
-def test_dp_is_optimal_on_small_layer_chains_at_fractional_budgets(problem, data):
-    for budget in budgets_between(problem):
-        reference = brute_force_stage_schedules(problem, budget)
-        assert reference is not None
-        assert cost_or_none(dp, problem, budget) == pytest.approx(reference[0], abs=EPS)
+    if heuristic is not None:  # hierarchical's plans are kept sets
+        assert derived is not None and heuristic >= derived - EPS
 
 
 # ====================================================================== random DAGs
@@ -324,7 +314,7 @@ def test_ilp_matches_the_exhaustive_reference_on_random_dags(problem, data):
         assert exact is None
     else:
         assert exact == pytest.approx(reference[0], abs=EPS)
-        heuristic = cost_or_none(dp, problem, budget)
+        heuristic = cost_or_none(hierarchical, problem, budget)
         assert heuristic is None or heuristic >= reference[0] - EPS
 
 
@@ -340,20 +330,18 @@ def test_infeasible_budgets_raise_with_the_smallest_feasible_budget(problem):
         assert f"({smallest} bytes)" in str(info.value) and "GiB" in str(info.value)
     assert simulate(problem, ilp(problem, smallest, time_limit=60)).peak_bytes <= smallest
 
-    # dp reports the least peak of its own family: that budget works, one byte less does not.
+    # hierarchical reports the least peak of its own family, and that budget works.
     try:
-        dp(problem, 0)
+        hierarchical(problem, 0)
     except InfeasibleBudgetError as e:
         reachable = e.min_feasible_bytes
         assert f"({reachable} bytes)" in str(e) and "GiB" in str(e)
-        assert simulate(problem, dp(problem, reachable)).peak_bytes <= reachable
-        with pytest.raises(InfeasibleBudgetError):
-            dp(problem, reachable - 1)
+        assert simulate(problem, hierarchical(problem, reachable)).peak_bytes <= reachable
 
 
 def test_infeasible_message_names_bytes_and_gib():
     problem = Problem.training_chain(8)  # 1-byte nodes: needs 4 bytes at least
-    for method in (dp, ilp):
+    for method in (ilp,):
         with pytest.raises(InfeasibleBudgetError) as info:
             method(problem, 3)
         assert info.value.budget_bytes == 3
@@ -401,23 +389,7 @@ def test_ilp_info_fields_on_an_optimal_solve():
     assert plan.info["solve_seconds"] > 0
 
 
-# ====================================================================== speed
-def test_dp_is_fast_on_large_graphs():
-    from bench.bench_solvers import random_training_graph
-
-    for n_nodes, shape, limit in ((1000, "skip", 2.0), (1000, "chain", 2.0), (35000, "chain", 20.0)):
-        problem = random_training_graph(n_nodes, shape=shape, seed=1)
-        lowest = min_feasible_budget(problem)
-        highest = simulate(problem, keep_all_plan(problem)).peak_bytes
-        budget = (lowest + highest) // 2
-        started = time.perf_counter()
-        plan = dp(problem, budget)
-        seconds = time.perf_counter() - started
-        assert simulate(problem, plan).peak_bytes <= budget
-        assert seconds < limit, f"dp took {seconds:.2f} s on {len(problem)} nodes"
-
-
-def test_dp_handles_views_and_policies_validly():
+def test_hierarchical_and_ilp_handle_views_and_policies_validly():
     nodes = [Node("x", 2, 0.0, "input")]
     prev = "x"
     for i in range(1, 13):
@@ -435,7 +407,7 @@ def test_dp_handles_views_and_policies_validly():
     problem = Problem(nodes=tuple(nodes))
     highest = simulate(problem, keep_all_plan(problem)).peak_bytes
     for budget in range(problem.resident_bytes, highest + 1, 3):
-        for method in (dp, ilp):
+        for method in (hierarchical, ilp):
             try:
                 plan = method(problem, budget)
             except InfeasibleBudgetError as e:

@@ -1,0 +1,61 @@
+"""Graph helpers shared by the solvers: storages and the forward path.
+
+Pure functions over a :class:`~solvers.Problem`'s index arrays, cached on the
+problem; no solver reaches into another solver's private functions.
+"""
+
+from __future__ import annotations
+
+from solvers.problem import Problem
+
+__all__ = ["storage_roots", "forward_path"]
+
+
+def storage_roots(problem: Problem) -> list[int]:
+    """Per node, the node whose storage its bytes are counted in (conservatively).
+
+    A view counts in its alias root's storage. A getitem of a multi-output op
+    (``part_of``) is counted in the op's whole storage: the simulator moves
+    the getitem's bytes out of the op's storage, so counting the whole op
+    while either is alive over-estimates, never under-estimates. O(nodes).
+
+    >>> storage_roots(Problem.training_chain(2))
+    [0, 1, 2, 3, 4]
+    """
+    cached = problem._cache.get("graph.storage_roots")
+    if cached is not None:
+        return cached
+    alias_of, part_of, nbytes = problem._alias_of, problem._part_of, problem._bytes
+    roots = list(problem._alias_root)
+    for v in range(len(roots)):
+        # (a getitem of 0 bytes owns no storage and pins nothing)
+        if alias_of[v] < 0 and part_of[v] >= 0 and nbytes[v] > 0:
+            roots[v] = roots[part_of[v]]
+        elif alias_of[v] >= 0:
+            roots[v] = roots[alias_of[v]]
+    problem._cache["graph.storage_roots"] = roots
+    return roots
+
+
+def forward_path(problem: Problem) -> list[int]:
+    """Forward nodes the forward phase always computes: ancestors-or-self of forward outputs, in order.
+
+    Other forward nodes (transposes of activations that only backward reads,
+    which joint graphs count as forward) are computed in forward only if kept.
+
+    >>> forward_path(Problem.training_chain(3))
+    [1, 2, 3]
+    """
+    cached = problem._cache.get("graph.forward_path")
+    if cached is not None:
+        return cached
+    output, fwd_preds = problem._output, problem._fwd_preds
+    on_path = bytearray(len(problem.nodes))
+    for v in reversed(problem._forward_idx):
+        if on_path[v] or output[v]:
+            on_path[v] = 1
+            for q in fwd_preds[v]:
+                on_path[q] = 1
+    path = [v for v in problem._forward_idx if on_path[v]]
+    problem._cache["graph.forward_path"] = path
+    return path
