@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import solvers
 from ckptc.problem import JointProblem
+from solvers.chen import keep_all_plan
 from solvers.hierarchical import per_block_plan
 from solvers.simulator import honour_policies
 
@@ -28,15 +29,9 @@ Strategy = Callable[..., solvers.Plan]
 
 
 def keep_everything(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
-    """No checkpointing: keep every forward value that backward reads."""
-    problem = jp.problem
-    kept = {
-        pred
-        for name in problem.backward_nodes
-        for pred in problem[name].preds
-        if problem[pred].kind == solvers.FORWARD and problem[pred].policy != solvers.RECOMPUTE
-    }
-    return _finish(jp, solvers.Plan(kept=kept, method="none", budget_bytes=budget_bytes))
+    """No checkpointing: keep every forward value that backward reads, as eager autograd does."""
+    plan = keep_all_plan(jp.problem)
+    return _finish(jp, dataclasses.replace(plan, method="none", budget_bytes=budget_bytes))
 
 
 def solve_under_budget(

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from solvers.errors import InfeasibleBudgetError, format_bytes
-from solvers.graph import forward_path
+from solvers.graph import forward_path, keep_all_mask
 from solvers.plan import Plan
 from solvers.problem import Problem
 from solvers.simulator import evaluate_mask, honour_policies_mask, names_of
@@ -143,16 +143,6 @@ def _honour(problem: Problem, mask: bytearray) -> bytearray:
     return honour_policies_mask(problem, mask) if any(problem._policy) else mask
 
 
-def _keep_all_mask(problem: Problem) -> bytearray:
-    """Keep every forward value a backward node reads: nothing is recomputed (PyTorch's default)."""
-    mask = bytearray(len(problem.nodes))
-    read, output = problem._read_by_backward, problem._output
-    for v in problem._forward_idx:
-        if read[v] and not output[v]:  # outputs stay alive anyway
-            mask[v] = 1
-    return _honour(problem, mask)
-
-
 def _sqrt_mask(problem: Problem) -> bytearray:
     """Keep a cut point once ~sqrt(n) forward-path nodes have passed since the last one."""
     cuts, extras = _cut_structure(problem)
@@ -244,7 +234,7 @@ def _memory_search(
         if progress is not None:
             progress(min(0.99, evaluate.simulations / (expected + _BISECTION_STEPS)), message)
 
-    evaluate("keep_all", None, _keep_all_mask(problem))
+    evaluate("keep_all", None, keep_all_mask(problem))
     evaluate("sqrt", None, _sqrt_mask(problem))
     grid: list[_Candidate] = []
     for b in _thresholds(problem):
@@ -306,12 +296,12 @@ def _to_plan(problem: Problem, cand: _Candidate, method: str, budget_bytes: int 
 
 # ------------------------------------------------------------------------- public
 def keep_all_plan(problem: Problem) -> Plan:
-    """The plan that keeps every forward value a backward node reads (no recomputation).
+    """The plan that keeps every forward value a backward node reads (:func:`solvers.graph.keep_all_mask`).
 
     This is what eager PyTorch does; its peak is the "keep-all peak", the
     largest budget worth asking for.
     """
-    return Plan(kept=names_of(problem, _keep_all_mask(problem)), method="keep_all")
+    return Plan(kept=names_of(problem, keep_all_mask(problem)), method="keep_all")
 
 
 def lowest_peak_plan(problem: Problem) -> Plan:

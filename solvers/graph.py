@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from solvers.problem import Problem
 
-__all__ = ["storage_roots", "forward_path"]
+__all__ = ["storage_roots", "forward_path", "keep_all_mask", "COPY_OPS"]
 
 
 def storage_roots(problem: Problem) -> list[int]:
@@ -59,3 +59,51 @@ def forward_path(problem: Problem) -> list[int]:
     path = [v for v in problem._forward_idx if on_path[v]]
     problem._cache["graph.forward_path"] = path
     return path
+
+
+# Ops that only copy their input into new memory. Autograd never saves such a copy
+# next to its source (eager PyTorch often skips the copy altogether, e.g. dropout
+# with p=0 or a contiguous() of a contiguous tensor); AOTAutograd's decompositions
+# make them explicit.
+COPY_OPS = frozenset({"clone", "contiguous", "_to_copy", "copy", "lift_fresh_copy", "alias_copy"})
+
+
+def keep_all_mask(problem: Problem) -> bytearray:
+    """Keep every forward value a backward node reads, as eager autograd does.
+
+    Decided per storage (a kept view pins its base): a storage that only
+    copies another storage that is kept anyway (or resident) is recomputed
+    from it instead, as eager autograd never holds both. Outputs stay alive
+    on their own and are not marked. Policies honoured. O(nodes).
+    """
+    from solvers.simulator import honour_policies_mask
+
+    mask = bytearray(len(problem.nodes))
+    read, output, kind, root = problem._read_by_backward, problem._output, problem._kind, problem._alias_root
+    kept_storage = bytearray(len(problem.nodes))
+    for v in problem._forward_idx:
+        if read[v] and not output[v]:
+            mask[v] = 1
+            kept_storage[root[v]] = 1
+    for v in range(len(problem.nodes)):
+        if output[v] or kind[v] == 0:
+            kept_storage[root[v]] = 1
+    redundant = bytearray(len(problem.nodes))
+    for v in problem._forward_idx:
+        if kept_storage[v] and root[v] == v and _copies_a_kept_storage(problem, v, kept_storage):
+            redundant[v] = 1
+    for v in problem._forward_idx:
+        if mask[v] and redundant[root[v]]:
+            mask[v] = 0
+    return honour_policies_mask(problem, mask) if any(problem._policy) else mask
+
+
+def _copies_a_kept_storage(problem: Problem, v: int, kept_storage: bytearray) -> bool:
+    node = problem.nodes[v]
+    if node.op not in COPY_OPS or problem._policy[v] == 1 or problem._output[v] or problem._bytes[v] == 0:
+        return False
+    preds = problem._fwd_preds[v] or tuple(u for u in problem._preds[v] if problem._kind[u] == 0)
+    if len(preds) != 1:
+        return False
+    source = problem._alias_root[preds[0]]
+    return bool(kept_storage[source]) and problem._bytes[source] >= problem._bytes[v]

@@ -52,6 +52,7 @@ import numpy as np
 
 from solvers.blocks import BlockChain, find_blocks
 from solvers.errors import InfeasibleBudgetError, format_bytes
+from solvers.graph import keep_all_mask
 from solvers.plan import Plan
 from solvers.problem import Problem
 from solvers.simulator import _derive, _run, honour_policies_mask, names_of
@@ -263,8 +264,8 @@ def _price(problem: Problem, chain: BlockChain, mask: bytearray) -> tuple[list[t
 
 # ---------------------------------------------------------------- options
 def _keep_all(problem: Problem, nodes: tuple[int, ...], fixed: frozenset[int]) -> set[int]:
-    read, output = problem._read_by_backward, problem._output
-    return {v for v in nodes if read[v] and not output[v] and v not in fixed}
+    mask = keep_all_mask(problem)
+    return {v for v in nodes if mask[v] and v not in fixed}
 
 
 def _expensive(problem: Problem, v: int) -> bool:

@@ -693,19 +693,18 @@ def test_import_solvers_does_not_import_torch():
     assert out.stdout.strip() == "ok"
 
 
-def test_large_chain_builds_and_simulates_quickly():
-    n = 17_500  # 35,001 nodes
-    start = time.perf_counter()
+def test_large_chain_builds_and_simulates():
+    # Speed is measured in bench/bench_solvers.py; here only that 35,001 nodes work (no recursion limit).
+    n = 17_500
     p = Problem.training_chain(n)
     kept = {f"f{i}" for i in range(1, n + 1, 132)}
     r = simulate(p, Plan(kept=kept))
-    elapsed = time.perf_counter() - start
     assert len(p) == 35_001 and r.peak_bytes < 400
-    assert elapsed < 3.0, f"build + simulate took {elapsed:.2f} s"
 
 
 @pytest.mark.parametrize("module", ["solvers", "solvers.problem", "solvers.plan", "solvers.simulator",
-                                    "solvers.chen", "solvers.api", "solvers.errors"])
+                                    "solvers.chen", "solvers.api", "solvers.errors", "solvers.graph",
+                                    "solvers.blocks", "solvers.hierarchical"])
 def test_docstring_examples(module):
     import doctest
     import importlib
