@@ -231,6 +231,11 @@ class StepRuntime:
                     "nest); the step runs on the predicted plan. Verification resumes on a later step.",
                 )
                 return
+            if any(p.grad is not None for p in self.model.parameters()):
+                # Gradient accumulation: the budget counts a step from None gradients
+                # (README, "What the budget counts"); measure a step that starts there.
+                log.info("step starts with gradients present (accumulation): not measured")
+                return
             baseline = resident_bytes(self.model, args, kwargs)
             self._meter = StepMeter(_device_of(self.model), baseline).start()
 
