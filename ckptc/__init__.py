@@ -14,7 +14,7 @@ import logging
 
 from ckptc.api import OptimizedModule, optimize, plan
 from ckptc.backend import backend
-from ckptc.errors import CkptcError, CorruptPlanError, PlanMismatchError, UntraceableModelError
+from ckptc.errors import BudgetExceededError, CkptcError, CorruptPlanError, PlanMismatchError, UntraceableModelError
 from ckptc.plans import ModelPlan, load_plan
 from solvers import InfeasibleBudgetError
 
@@ -29,6 +29,7 @@ __all__ = [
     "OptimizedModule",
     "ModelPlan",
     "CkptcError",
+    "BudgetExceededError",
     "CorruptPlanError",
     "PlanMismatchError",
     "UntraceableModelError",

@@ -165,3 +165,24 @@ def outside_fake_mode():
     stack.enter_context(unset_fake_temporarily())
     stack.enter_context(_disable_current_modes())
     return stack
+
+
+def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None]) -> Any:
+    """Call ``callback()`` once the backward pass that reaches any of ``tensors`` ends.
+
+    A hook fires when backward computes the gradient of one of ``tensors``; it
+    queues ``callback`` on the autograd engine, which runs it when that
+    backward call has finished (every gradient accumulated).  Returns a handle
+    whose ``remove()`` detaches the hook.
+    """
+    from torch.autograd.graph import register_multi_grad_hook
+
+    def hook(_: Any) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    return register_multi_grad_hook(list(tensors), hook, mode="any")
+
+
+def profiler_active() -> bool:
+    """Whether a ``torch.profiler`` session is running (one cannot be nested in another)."""
+    return bool(torch._C._autograd._profiler_enabled())

@@ -15,11 +15,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ckptc import _torch_internals as internals
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
-from ckptc.errors import UntraceableModelError
 from ckptc.plans import ModelPlan
+from ckptc.step import StepRuntime
 
 log = logging.getLogger("ckptc.api")
 
@@ -29,10 +28,15 @@ class OptimizedModule(torch.nn.Module):
     Shares ``model``'s parameters, buffers and submodules (so ``state_dict()``
     has the same keys and an optimizer over either module's parameters trains
     both).  After the first training call, :attr:`plan` describes what is kept
-    and what is recomputed.
+    and what is recomputed.  Training calls run through a
+    :class:`~ckptc.step.StepRuntime` (per-shape plans, step tracking, measured
+    verification).  ``training`` is the wrapped model's flag.  Copies
+    (``copy.deepcopy``, ``pickle``, ``torch.save``) keep the model and the
+    options and plan again on their first training call.
     """
 
-    def __init__(self, model: torch.nn.Module, compiler: CheckpointCompiler) -> None:
+    def __init__(self, model: torch.nn.Module, compiler: CheckpointCompiler, *, verify: bool = True,
+                 max_plans: int = 8) -> None:
         super().__init__()
         # Share the registries instead of registering `model` as a child, so
         # parameter names and state_dict keys stay exactly the model's.
@@ -41,10 +45,33 @@ class OptimizedModule(torch.nn.Module):
         self._modules = model._modules
         object.__setattr__(self, "_ckptc_model", model)
         object.__setattr__(self, "_ckptc_compiler", compiler)
+        object.__setattr__(self, "_ckptc_runtime", StepRuntime(model, compiler, verify=verify, max_plans=max_plans))
+
+    # `training` is the wrapped model's: model.eval() on the original shows here.
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        model = self.__dict__.get("_ckptc_model")
+        return True if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_ckptc_model")
+        if model is not None:
+            model.training = mode
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_ckptc_runtime", None)  # compiled graphs: planned again lazily
+        runtime = self.__dict__["_ckptc_runtime"]
+        state["_ckptc_options"] = {"verify": runtime.verify, "max_plans": runtime.max_plans}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options = state.pop("_ckptc_options", {})
+        self.__dict__.update(state)
         object.__setattr__(
-            self, "_ckptc_compiled", torch.compile(model, backend=compiler, dynamic=False)
+            self, "_ckptc_runtime", StepRuntime(self._ckptc_model, self._ckptc_compiler, **options)
         )
-        self.training = model.training
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -52,19 +79,25 @@ class OptimizedModule(torch.nn.Module):
 
     @property
     def compiler(self) -> CheckpointCompiler:
-        return self._ckptc_compiler
+        """The compiler of the most recently used input shape's plan."""
+        return self._ckptc_runtime.compiler
 
     @property
     def plan(self) -> ModelPlan | None:
-        """The plan of the last training call (None before the first one)."""
-        records = self._ckptc_compiler.active
+        """The plan of the last training step (None before the first one), with the
+        measured peak of its first step when verification is on."""
+        runtime = self._ckptc_runtime
+        records = runtime.step_records()
         if not records:
             return None
-        return ModelPlan.from_records(records, self._ckptc_compiler)
+        unique = list({id(r): r for r in records}.values())  # a graph run twice is one plan
+        result = ModelPlan.from_records(unique, runtime.compiler)
+        if runtime.last is not None:
+            result.measured_peak_bytes = runtime.last.measured_peak_bytes
+        return result
 
     def train(self, mode: bool = True) -> "OptimizedModule":
         self._ckptc_model.train(mode)
-        self.training = mode
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -73,19 +106,7 @@ class OptimizedModule(torch.nn.Module):
             p.requires_grad for p in model.parameters()
         ):
             return model(*args, **kwargs)
-        self._ckptc_compiler.active.clear()  # a new step begins
-        with internals.compile_limits():
-            try:
-                return self._ckptc_compiled(*args, **kwargs)
-            except internals.BackendCompilerFailed as error:
-                # Our own backend raised (an infeasible budget, a plan that does
-                # not match): surface that error, not Dynamo's wrapper.
-                inner = getattr(error, "inner_exception", None)
-                if inner is None:
-                    raise
-                raise inner from None
-            except internals.DynamoError as error:
-                raise UntraceableModelError.from_exception(model, error) from error
+        return self._ckptc_runtime.call(args, kwargs)
 
     def __repr__(self) -> str:
         return f"OptimizedModule({self._ckptc_compiler!r}, module={type(self._ckptc_model).__name__})"
@@ -103,9 +124,11 @@ def optimize(
     must_recompute: Sequence[str] = (),
     compiler: str = "eager",
     measure_time: bool = False,
-    hold_outputs: bool = False,
+    hold_outputs: bool | None = None,
     time_limit: float | None = None,
     progress: Callable[[float, str], None] | None = None,
+    verify: bool = True,
+    max_plans: int = 8,
 ) -> OptimizedModule:
     """Return a module that trains like ``model`` within a memory budget.
 
@@ -122,9 +145,19 @@ def optimize(
         must_save / must_recompute: patterns over stable node names such as
             ``"transformer.h.*.attn.*"`` or ``"*.softmax*"``.
         compiler: ``"eager"`` (default) or ``"inductor"``.
-        hold_outputs: set it if you keep large forward results (logits) alive
-            through backward; by default they count only during forward, as in
-            ``loss = model(x).loss; loss.backward()``.
+        hold_outputs: whether the caller keeps forward results other than the
+            loss (logits) alive until backward ends.  None (default) decides:
+            if the model computes and returns its own scalar loss
+            (``model(x, labels=y).loss``) the other results count only during
+            forward, else (``loss = criterion(model(x), y)``) they count until
+            backward ends.  True/False overrides.
+        verify: measure the peak of the first step of every plan (forward start
+            to backward end) and, if it exceeds the budget, plan again with
+            the excess counted (at most 3 times, then raise
+            :class:`~ckptc.errors.BudgetExceededError`).  Costs one profiled step
+            per plan on CPU (a few reads of the allocator's counters on CUDA).
+        max_plans: how many input shapes keep their plan (least recently used
+            ones are forgotten and planned again when they come back).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -161,7 +194,7 @@ def optimize(
         model=model,
         progress=progress,
     )
-    return OptimizedModule(model, compiler_)
+    return OptimizedModule(model, compiler_, verify=verify, max_plans=max_plans)
 
 
 def plan(
@@ -181,6 +214,7 @@ def plan(
     gradients and the buffers (BatchNorm statistics) afterwards, so the model
     is left exactly as it was.
     """
+    options.setdefault("verify", False)  # one step, state restored: nothing to correct
     optimized = optimize(model, budget_gb, budget_bytes=budget_bytes, **options)
     with training_state_restored(model):
         for p in model.parameters():

@@ -76,7 +76,7 @@ def backend(
     must_save: Sequence[str] = (),
     must_recompute: Sequence[str] = (),
     compiler: str = "eager",
-    hold_outputs: bool = False,
+    hold_outputs: bool | None = None,
     measure_time: bool = False,
     time_limit: float | None = None,
     model: torch.nn.Module | None = None,

@@ -11,7 +11,10 @@ them inside an ``autograd.Function``, handling input mutations (BatchNorm
 statistics are updated once per step) and aliasing.
 
 One budget covers the whole step: graphs captured later see the memory that
-earlier graphs keep for their backward as part of their baseline.
+earlier graphs keep for their backward (and the results they hold) as part of
+their baseline, including graphs of earlier calls of the model in the same step
+(a siamese model; :mod:`ckptc.step` tracks steps); and a correction measured
+at run time can be added to every graph's baseline.
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ class GraphRecord:
     min_feasible_bytes: int
     solve_seconds: float
     input_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    held_output_bytes: int = 0
+
+    @property
+    def step_bytes(self) -> int:
+        """What this graph leaves alive for the rest of the step after its forward:
+        values kept for its backward plus the results the caller holds."""
+        return self.result.kept_bytes + self.held_output_bytes
 
     @property
     def problem(self) -> solvers.Problem:
@@ -83,8 +93,13 @@ class CheckpointCompiler:
         measure_scratch: run each distinct op once on random data to measure the
             temporary memory it allocates (on by default: the budget counts it).
         hold_outputs: count forward results other than what backward needs as
-            alive until backward ends (for callers that keep logits through
-            backward); by default they are released after forward.
+            alive until backward ends (True: callers that keep logits through
+            backward), release them after forward (False: ``model(x).loss``),
+            or decide per graph (None, the default): held unless the graph
+            returns a scalar loss of its own.
+        extra_baseline_bytes: memory added to every graph's baseline: the
+            excess a measured step showed over the prediction (eager code
+            between graphs, memory the cost model misses).
         progress: ``(fraction, message)`` callback for long solves.
     """
 
@@ -101,9 +116,10 @@ class CheckpointCompiler:
         plan_source: PlanSource | None = None,
         measure_time: bool = False,
         measure_scratch: bool = True,
-        hold_outputs: bool = False,
+        hold_outputs: bool | None = None,
         time_limit: float | None = None,
         progress: Callable[[float, str], None] | None = None,
+        extra_baseline_bytes: int = 0,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
@@ -124,10 +140,38 @@ class CheckpointCompiler:
         self.hold_outputs = hold_outputs
         self.time_limit = time_limit
         self.progress = progress
+        self.extra_baseline_bytes = int(extra_baseline_bytes)
+        # Set by ckptc.step.StepRuntime, which ends steps when backward ends;
+        # without it a graph running again means a new step began.
+        self.track_steps = False
         self.records: list[GraphRecord] = []
-        # Graphs whose forward ran in the current step, in order.
+        # Graphs whose forward ran in the current step, in order (a graph run
+        # twice before one backward appears twice when steps are tracked).
         self.active: list[GraphRecord] = []
         self._just_planned: GraphRecord | None = None
+
+    _CONFIG = ("budget_bytes", "strategy", "solver", "model", "compiler", "must_save", "must_recompute",
+               "plan_source", "measure_time", "measure_scratch", "hold_outputs", "time_limit", "progress",
+               "extra_baseline_bytes")
+
+    def spawn(self, **changes: Any) -> "CheckpointCompiler":
+        """A fresh compiler with this one's options (and ``changes``), no graphs planned."""
+        options = {name: getattr(self, name) for name in self._CONFIG}
+        options.update(changes)
+        budget = options.pop("budget_bytes")
+        return CheckpointCompiler(budget, **options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Planned graphs hold FX graphs and fake tensors: keep only the options.
+        state = {name: getattr(self, name) for name in self._CONFIG}
+        state["track_steps"] = self.track_steps
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        track = state.pop("track_steps", False)
+        budget = state.pop("budget_bytes")
+        self.__init__(budget, **state)  # type: ignore[misc]
+        self.track_steps = track
 
     def __repr__(self) -> str:
         budget = "none" if self.budget_bytes is None else solvers.format_bytes(self.budget_bytes)
@@ -165,7 +209,7 @@ class CheckpointCompiler:
         def forward(args: list[Any]) -> Any:
             # Track which graphs run in this step, in order: graphs planned later
             # count what these keep for backward in their baseline.
-            if record in self.active:
+            if record in self.active and not self.track_steps:
                 self.active.clear()
             self.active.append(record)
             return compiled(args)
@@ -220,18 +264,19 @@ class CheckpointCompiler:
             measure_scratch(joint)
         if self.measure_time:
             measure_runtimes(joint)
-        earlier = sum(r.result.kept_bytes for r in self.active)
+        earlier = sum(r.step_bytes for r in self.active)
         policies = policies_from_patterns(
             {n.name: n for n in joint.graph.nodes}, self.must_save, self.must_recompute
         )
+        index = len(self.records)
+        baseline = outside + earlier + HELD_RESULTS_RESERVE_BYTES + self.extra_baseline_bytes
         jp = joint_to_problem(
             joint,
             num_fwd_outputs,
-            baseline_bytes=outside + earlier + HELD_RESULTS_RESERVE_BYTES,
+            baseline_bytes=baseline,
             policies=policies,
             hold_outputs=self.hold_outputs,
         )
-        index = len(self.records)
         plan = self._decide(index, jp)
         result = solvers.simulate(jp.problem, plan)
         unoptimized = solvers.simulate(jp.problem, STRATEGIES["none"](jp)).peak_bytes
@@ -245,6 +290,7 @@ class CheckpointCompiler:
             min_feasible_bytes=budget_for_planning_floor(lowest_known_peak(jp)),
             solve_seconds=time.perf_counter() - start,
             input_ids=input_ids,
+            held_output_bytes=jp.held_output_bytes,
         )
         self.records.append(record)
         self._just_planned = record

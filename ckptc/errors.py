@@ -31,3 +31,31 @@ class PlanMismatchError(CkptcError):
 
 class CorruptPlanError(CkptcError):
     """A plan file cannot be read: truncated, not JSON, or not a ckptc plan."""
+
+
+class BudgetExceededError(CkptcError):
+    """A measured training step used more memory than the budget, and replanning
+    with the measured excess did not bring it under the budget.
+
+    Attributes:
+        measured_peak_bytes: the peak of the last measured step.
+        budget_bytes: the budget.
+        min_feasible_bytes: the smallest budget expected to work (the floor of
+            the plan corrected by everything measured so far).
+    """
+
+    def __init__(self, measured_peak_bytes: int, budget_bytes: int, min_feasible_bytes: int, replans: int) -> None:
+        self.measured_peak_bytes = measured_peak_bytes
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+        self.replans = replans
+        super().__init__(
+            f"the training step measured a peak of {measured_peak_bytes} bytes, above the budget of "
+            f"{budget_bytes} bytes, after replanning {replans} time(s) with the measured excess "
+            f"counted. The smallest budget expected to work is {min_feasible_bytes} bytes: pass "
+            "budget_bytes=... at least that, or find what allocates outside the model's graphs "
+            "(eager code between graph breaks, hooks) and move it out of the step."
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.measured_peak_bytes, self.budget_bytes, self.min_feasible_bytes, self.replans))

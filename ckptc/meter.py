@@ -118,6 +118,84 @@ def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, Memor
     )
 
 
+class StepMeter:
+    """Measure the peak of a span that does not fit in one function call.
+
+    :func:`measure_peak` measures ``fn()``; a training step begins in one
+    call (the first forward) and ends in another (a callback when backward
+    ends), so this meter is started and stopped explicitly.  Same method: on
+    CPU the allocator's events from ``torch.profiler`` (which must not already
+    be running), on accelerators the allocator's peak counter.
+    """
+
+    def __init__(self, device: torch.device | str, baseline_bytes: int) -> None:
+        self.device = torch.device(device)
+        self.baseline_bytes = baseline_bytes
+        self._profile: Any = None
+        self._quiet: Any = None
+        self._start = 0
+
+    def start(self) -> "StepMeter":
+        if self.device.type == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._quiet = quiet_profiler()
+            self._quiet.__enter__()
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profile.__enter__()
+        else:
+            module = torch.get_device_module(self.device.type)
+            module.synchronize(self.device)
+            module.reset_peak_memory_stats(self.device)
+            self._start = module.memory_allocated(self.device)
+        return self
+
+    def add_baseline(self, nbytes: int) -> None:
+        """Memory that existed before the span but joined it later (a second call's inputs)."""
+        self.baseline_bytes += nbytes
+
+    def stop(self) -> MemoryMeasurement:
+        if self.device.type != "cpu":
+            module = torch.get_device_module(self.device.type)
+            module.synchronize(self.device)
+            peak = module.max_memory_allocated(self.device) - self._start
+            end = module.memory_allocated(self.device) - self._start
+            return MemoryMeasurement(self.baseline_bytes + peak, self.baseline_bytes, self.baseline_bytes + end)
+        try:
+            self._profile.__exit__(None, None, None)
+        finally:
+            self._quiet.__exit__(None, None, None)
+        peak, level, timeline = _peak_of_events(self._profile)
+        return MemoryMeasurement(self.baseline_bytes + peak, self.baseline_bytes, self.baseline_bytes + level, timeline)
+
+    def abort(self) -> None:
+        """Stop without a result (the step failed)."""
+        if self.device.type == "cpu" and self._profile is not None:
+            try:
+                self._profile.__exit__(None, None, None)
+            finally:
+                self._quiet.__exit__(None, None, None)
+            self._profile = None
+
+
+def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...]]:
+    from torch.autograd import DeviceType
+
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    ]
+    events.sort(key=lambda e: e.start_ns())
+    level = peak = 0
+    timeline = []
+    for event in events:
+        level += event.nbytes()
+        peak = max(peak, level)
+        timeline.append(level)
+    return peak, level, tuple(timeline)
+
+
 def _measure_accelerator(
     fn: Callable[[], Any], baseline_bytes: int, device: torch.device
 ) -> tuple[Any, MemoryMeasurement]:

@@ -114,6 +114,8 @@ class ModelPlan:
     ckptc_version: str = CKPTC_VERSION
     parameter_bytes: int | None = None
     gradient_bytes: int | None = None
+    # Measured at run time (ckptc.optimize(..., verify=True)); not saved in plan files.
+    measured_peak_bytes: int | None = None
 
     # -- summaries --------------------------------------------------------
     @property
@@ -157,7 +159,8 @@ class ModelPlan:
             f"ModelPlan(graphs={len(self.graphs)}, budget={budget}, "
             f"predicted_peak={solvers.format_bytes(self.predicted_peak_bytes)}, "
             f"unoptimized_peak={solvers.format_bytes(self.unoptimized_peak_bytes)}, "
-            f"recompute={self.recompute_percent:.1f}% of step FLOPs, "
+            + ("" if self.measured_peak_bytes is None else f"measured_peak={solvers.format_bytes(self.measured_peak_bytes)}, ")
+            + f"recompute={self.recompute_percent:.1f}% of step FLOPs, "
             f"kept={len(self.values('kept'))}, recomputed={len(self.values('recomputed'))}, "
             f"strategy={self.strategy!r}, solver={self.solver!r})"
         )

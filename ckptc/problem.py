@@ -37,6 +37,9 @@ class JointProblem:
     num_fwd_outputs: int
     nodes: dict[str, fx.Node] = field(repr=False)
     stable_names: dict[str, str] = field(repr=False)
+    holds_outputs: bool = False
+    held_output_bytes: int = 0  # results counted as held by the caller until backward ends
+    released_output_bytes: int = 0  # results counted as dropped by the caller after forward
 
     def node_cost(self, name: str) -> NodeCost:
         return self.nodes[name].meta["ckptc"]
@@ -53,7 +56,7 @@ def joint_to_problem(
     baseline_bytes: int = 0,
     mutated_inputs: frozenset[str] = frozenset(),
     policies: dict[str, str] | None = None,
-    hold_outputs: bool = False,
+    hold_outputs: bool | None = False,
 ) -> JointProblem:
     """Build the solver problem of an annotated joint graph.
 
@@ -69,8 +72,10 @@ def joint_to_problem(
             reading them are saved, since recomputing them would read new values.
         policies: extra ``node name -> "save" | "recompute"`` constraints.
         hold_outputs: count the forward results (logits, hidden states) as alive
-            until backward ends, for callers that keep them; by default they
-            die at the end of forward, as in ``loss = model(x).loss``.
+            until backward ends, for callers that keep them (True), or let them
+            die at the end of forward, as in ``loss = model(x).loss`` (False).
+            None decides from the graph (:func:`returns_own_loss`): results are
+            held unless the graph computes a scalar loss of its own.
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
@@ -78,6 +83,8 @@ def joint_to_problem(
     forward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
     backward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
     output_names = {n.name for n in backward_results}
+    if hold_outputs is None:
+        hold_outputs = not returns_own_loss(forward_results)
     # Scalars (the loss) stay alive: the caller holds the loss while calling backward on it.
     output_names |= {n.name for n in forward_results if hold_outputs or _numel(n) <= 1}
 
@@ -145,12 +152,16 @@ def joint_to_problem(
     problem = solvers.Problem.from_networkx(
         graph, inputs + forward + backward, baseline_bytes=baseline_bytes
     )
+    results = {r.name: cost_of(r).bytes for r in forward_results if _numel(r) > 1 and "ckptc" in r.meta}
     return JointProblem(
         problem=problem,
         joint=joint,
         num_fwd_outputs=num_fwd_outputs,
         nodes=nodes,
         stable_names=stable_names,
+        holds_outputs=bool(hold_outputs),
+        held_output_bytes=sum(results.values()) if hold_outputs else 0,
+        released_output_bytes=0 if hold_outputs else sum(results.values()),
     )
 
 
@@ -170,6 +181,27 @@ def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_o
         if node.op == "call_function" and any(a in flowing for a in node.all_input_nodes):
             flowing.add(node)
     return flowing
+
+
+def returns_own_loss(forward_results: Iterable[fx.Node]) -> bool:
+    """Whether a graph computes its own loss: a floating-point scalar it returns.
+
+    A model that returns its loss (``model(x, labels=y).loss``) lets the caller
+    drop the other results (logits) before backward.  A model that returns only
+    logits leaves the loss to the caller, who holds the logits until backward
+    ends (``loss = criterion(model(x), y); loss.backward()``), so they count
+    through backward.
+    """
+    for node in forward_results:
+        val = node.meta.get("val")
+        if (
+            node.op != "placeholder"
+            and isinstance(val, torch.Tensor)
+            and val.numel() == 1
+            and val.dtype.is_floating_point
+        ):
+            return True
+    return False
 
 
 def _spread_over_views(joint: fx.GraphModule, policies: dict[str, str]) -> dict[str, str]:

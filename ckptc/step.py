@@ -1,0 +1,397 @@
+"""The training step as the user writes it: tracked, measured and corrected at run time.
+
+:class:`~ckptc.api.OptimizedModule` hands every training call to a
+:class:`StepRuntime`, which
+
+* keeps one plan per input signature (shapes, dtypes, devices) in a bounded
+  LRU cache; each plan is its own ``torch.compile`` of the model with its own
+  :class:`~ckptc.compiler.CheckpointCompiler`, so one shape can be planned
+  again without touching the others;
+* tracks the *step*: it begins with the first training call after a backward
+  and ends when a backward pass that reaches the call's outputs finishes (a
+  hook on the outputs queues a callback on the autograd engine).  Every graph
+  run in between, of any shape and any number of calls, shares one account
+  (``active``), so a second call before backward counts what the first keeps;
+* measures the first step of every plan after the one that planned it (planning
+  profiles ops itself), from the start of forward to the end of backward (:class:`ckptc.meter.StepMeter`); if the peak exceeds the
+  budget, the next call of that shape plans again with the measured excess
+  added to every graph's baseline, at most :data:`MAX_REPLANS` times, then
+  raises :class:`~ckptc.errors.BudgetExceededError`;
+* refuses to run a training call without a plan: if no planned graph ran
+  (Dynamo skipped the frame, hit its recompile limit, ...), it raises
+  :class:`~ckptc.errors.UntraceableModelError` saying why and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import warnings
+import weakref
+from collections import OrderedDict
+from typing import Any, Iterator
+
+import torch
+
+import solvers
+from ckptc import _torch_internals as internals
+from ckptc.compiler import CheckpointCompiler, GraphRecord
+from ckptc.errors import BudgetExceededError, UntraceableModelError
+from ckptc.meter import StepMeter, resident_bytes
+
+log = logging.getLogger("ckptc.step")
+
+MAX_REPLANS = 3
+MAX_DISTINCT_SIGNATURES = 256
+
+
+@dataclasses.dataclass
+class ShapePlan:
+    """The plan of one input signature and what running it taught us."""
+
+    key: tuple
+    compiler: CheckpointCompiler
+    compiled: Any = dataclasses.field(repr=False)
+    correction_bytes: int = 0
+    hold_outputs: bool | None = None
+    replans: int = 0
+    verified: bool = False
+    needs_replan: bool = False
+    measured_peak_bytes: int | None = None
+    last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
+
+
+class StepRuntime:
+    """Runs training calls of one model under one budget (see the module docstring).
+
+    Args:
+        model: the model being trained.
+        template: the compiler whose options every plan uses.
+        verify: measure the first step of every plan and correct it.
+        max_plans: how many input signatures keep their plan (LRU).
+    """
+
+    def __init__(self, model: torch.nn.Module, template: CheckpointCompiler, *, verify: bool = True,
+                 max_plans: int = 8) -> None:
+        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+            raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
+        self.model = model
+        self.template = template
+        self.verify = bool(verify)
+        self.max_plans = max_plans
+        self.plans: OrderedDict[tuple, ShapePlan] = OrderedDict()
+        self.signatures_seen: set[int] = set()
+        self.active: list[GraphRecord] = []  # every graph run in the current step, in order
+        self.last: ShapePlan | None = None
+        self._step_open = False
+        self._step_plans: list[ShapePlan] = []
+        self._step_keys: list[tuple] = []
+        self._step_compiled = False
+        self._outputs: list[weakref.ref] = []
+        self._handles: list[Any] = []
+        self._meter: StepMeter | None = None
+        self._pending: BaseException | None = None
+        self._warned: set[str] = set()
+
+    # -- public ----------------------------------------------------------------
+    @property
+    def compiler(self) -> CheckpointCompiler:
+        """The compiler of the most recently used plan (the template before any call)."""
+        return self.last.compiler if self.last is not None else self.template
+
+    def step_records(self) -> list[GraphRecord]:
+        """Graphs of the current (or last) step, in the order they ran."""
+        return list(self.active)
+
+    def call(self, args: tuple, kwargs: dict) -> Any:
+        """One training call of the model under its plan."""
+        if self._pending is not None:
+            error, self._pending = self._pending, None
+            raise error
+        if self._step_open and self._outputs and all(ref() is None for ref in self._outputs):
+            self._end_step(measured=False)  # the last step's results died without a backward
+        opened = not self._step_open
+        if opened:
+            self._step_keys = []
+        # A second call before backward gets its own plan, made while the first
+        # call's graphs are in the step's account (what they keep is counted).
+        signature = _signature(args, kwargs)
+        key = (signature, self._step_keys.count(signature))
+        self._step_keys.append(signature)
+        shape = self._plan_for(key)
+        if opened:
+            self._begin_step(args, kwargs, shape)
+        elif self._meter is not None:
+            self._meter.add_baseline(resident_bytes(args, kwargs))
+        if shape not in self._step_plans:
+            self._step_plans.append(shape)
+        self.last = shape
+        before = len(self.active)
+        planned = len(shape.compiler.records)
+        try:
+            with internals.compile_limits():
+                try:
+                    output = shape.compiled(*args, **kwargs)
+                except internals.BackendCompilerFailed as error:
+                    # Our own backend raised (an infeasible budget, a plan that does
+                    # not match): surface that error, not Dynamo's wrapper.
+                    inner = getattr(error, "inner_exception", None)
+                    if inner is None:
+                        raise
+                    raise inner from None
+                except internals.DynamoError as error:
+                    raise UntraceableModelError.from_exception(self.model, error) from error
+                except solvers.InfeasibleBudgetError as error:
+                    if not shape.correction_bytes or error.min_feasible_bytes is None:
+                        raise
+                    # Planning again with the measured excess counted no longer fits.
+                    self.plans.pop(shape.key, None)
+                    raise BudgetExceededError(
+                        shape.measured_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
+                    ) from error
+            if len(self.active) == before:
+                raise UntraceableModelError(
+                    f"ckptc could not run the training step of {type(self.model).__name__} under a plan: "
+                    "torch.compile ran the call without any captured graph (Dynamo skipped the frame, "
+                    "for example after reaching its recompile limit, or the forward is wrapped in "
+                    "torch.compiler.disable), so nothing would be checkpointed and the budget would not hold.\n"
+                    "What to do: run the step with TORCH_LOGS=recompiles,graph_breaks to see why; keep the "
+                    "number of distinct input shapes small (pad or bucket them); or train without ckptc."
+                )
+        except BaseException:
+            if opened:
+                self._abort_step()
+            raise
+        if len(shape.compiler.records) > planned:
+            # Planning profiles ops (scratch memory) with its own torch.profiler
+            # session, which would corrupt this step's measurement: measure a later step.
+            self._step_compiled = True
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if not tensors:
+            self._end_step(measured=False)  # nothing to run backward on: the step is over
+            return output
+        self._outputs.extend(weakref.ref(t) for t in tensors)
+        self._handles.append(internals.on_backward_end(tensors, self._backward_ended))
+        self._check_output_assumption(output, shape, self.active[before:])
+        return output
+
+    # -- plans -----------------------------------------------------------------
+    def _plan_for(self, key: tuple) -> ShapePlan:
+        shape = self.plans.get(key)
+        if shape is None:
+            digest = hash(key)
+            if digest not in self.signatures_seen and len(self.signatures_seen) >= MAX_DISTINCT_SIGNATURES:
+                raise UntraceableModelError(
+                    f"{type(self.model).__name__} was called with more than {MAX_DISTINCT_SIGNATURES} distinct "
+                    "input shapes; each new shape is captured and planned again, and torch.compile stops "
+                    "compiling after its recompile limit (the step would then run without a plan).\n"
+                    "What to do: pad or bucket inputs to a few shapes (for example sequence lengths rounded "
+                    "up to a multiple of 64)."
+                )
+            self.signatures_seen.add(digest)
+            shape = ShapePlan(key=key, compiler=self.template, compiled=None, hold_outputs=self.template.hold_outputs)
+            self._compile(shape)
+            self.plans[key] = shape
+            while len(self.plans) > self.max_plans:
+                evicted_key, evicted = self.plans.popitem(last=False)
+                log.info("forgetting the plan of input signature %s (max_plans=%d)", evicted_key, self.max_plans)
+        else:
+            self.plans.move_to_end(key)
+        if shape.needs_replan:
+            self._compile(shape)
+        return shape
+
+    def _compile(self, shape: ShapePlan) -> None:
+        """Give ``shape`` a fresh compiler and ``torch.compile`` of the model (plans on its next call)."""
+        compiler = self.template.spawn(
+            extra_baseline_bytes=shape.correction_bytes, hold_outputs=shape.hold_outputs
+        )
+        compiler.active = self.active
+        compiler.track_steps = True
+        shape.compiler = compiler
+        shape.compiled = torch.compile(self.model, backend=compiler, dynamic=False)
+        shape.needs_replan = False
+        shape.verified = False
+
+    # -- steps -----------------------------------------------------------------
+    def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan) -> None:
+        self._step_open = True
+        self.active.clear()
+        self._step_plans = []
+        self._outputs = []
+        self._meter = None
+        self._step_compiled = False
+        budget = self.template.budget_bytes
+        if self.verify and budget is not None and not shape.verified and shape.compiler.records:
+            if internals.profiler_active() and _device_of(self.model).type == "cpu":
+                self._warn_once(
+                    "profiler",
+                    "ckptc cannot verify this step's peak memory while torch.profiler runs (profilers do not "
+                    "nest); the step runs on the predicted plan. Verification resumes on a later step.",
+                )
+                return
+            if any(p.grad is not None for p in self.model.parameters()):
+                # Gradient accumulation: the budget counts a step from None gradients
+                # (README, "What the budget counts"); measure a step that starts there.
+                log.info("step starts with gradients present (accumulation): not measured")
+                return
+            baseline = resident_bytes(self.model, args, kwargs)
+            self._meter = StepMeter(_device_of(self.model), baseline).start()
+
+    def _abort_step(self) -> None:
+        if self._meter is not None:
+            self._meter.abort()
+            self._meter = None
+        self._end_step(measured=False)
+
+    def _backward_ended(self) -> None:
+        """Runs on the autograd engine when backward ends.
+
+        The engine runs callbacks under the thread-local state captured when
+        backward began and restores it afterwards, so a CPU profiler stopped
+        here would come back as a stale "enabled" profiler.  With a CPU meter
+        running, the step therefore ends on the first Python event after the
+        engine returns (a one-shot ``sys.setprofile`` hook).
+        """
+        if not self._step_open:
+            return
+        if self._meter is None or self._meter.device.type != "cpu":
+            self._end_step(measured=True)
+            return
+        previous = sys.getprofile()
+        if previous is not None:  # someone else profiles Python calls: do not interfere
+            self._end_step(measured=False)
+            return
+
+        def after_backward(frame: Any, event: str, arg: Any) -> None:
+            if event == "return" and frame.f_code.co_name == "_engine_run_backward":
+                sys.setprofile(None)
+                if self._step_open:
+                    self._end_step(measured=True)
+
+        sys.setprofile(after_backward)
+
+    def _end_step(self, *, measured: bool) -> None:
+        self._step_open = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._outputs = []
+        meter, self._meter = self._meter, None
+        measurement = meter.stop() if meter is not None else None
+        if not measured or self._step_compiled:
+            measurement = None
+        for shape in self._step_plans:
+            mine = {id(r) for r in shape.compiler.records}
+            shape.last_records = [r for r in self.active if id(r) in mine]
+        if measurement is None:
+            return
+        budget = self.template.budget_bytes
+        peak = measurement.peak_bytes
+        for shape in self._step_plans:
+            shape.measured_peak_bytes = peak
+        if budget is None or peak <= budget:
+            for shape in self._step_plans:
+                shape.verified = True
+            log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
+            return
+        excess = peak - budget
+        for shape in self._step_plans:
+            if shape.needs_replan:
+                continue  # planned again anyway (its outputs turned out to be held)
+            shape.replans += 1
+            shape.correction_bytes += excess
+            shape.needs_replan = True
+            if shape.replans > MAX_REPLANS:
+                floors = [r.min_feasible_bytes for r in shape.last_records] or [budget]
+                self._pending = BudgetExceededError(peak, budget, max(floors) + excess, MAX_REPLANS)
+                self.plans.pop(shape.key, None)
+        message = (
+            f"ckptc: the measured training step of {type(self.model).__name__} peaked at {peak} bytes, "
+            f"{excess} bytes above the budget of {budget} bytes (predicted "
+            f"{max((r.result.peak_bytes for r in self.active), default=0)} bytes); the next call plans "
+            "again with the excess counted."
+        )
+        log.warning(message)
+
+    def _check_output_assumption(self, output: Any, shape: ShapePlan, ran: list[GraphRecord]) -> None:
+        """With ``hold_outputs`` decided from the graph: the graph returned a scalar it took for the
+        model's loss and let the other results die after forward; if the output carries no loss, the
+        caller holds those results through backward, so plan again holding them."""
+        if shape.hold_outputs is not None or _carries_loss(output):
+            return
+        released = [r for r in ran if not r.joint_problem.holds_outputs and r.joint_problem.released_output_bytes]
+        if not released:
+            return
+        shape.hold_outputs = True
+        shape.needs_replan = True
+        self._warn_once(
+            "hold",
+            f"ckptc: {type(self.model).__name__} returns a scalar but no `.loss`/`['loss']`; its other results "
+            "(logits) are now counted as held until backward ends and the step is planned again. Pass "
+            "hold_outputs=True (or False if you drop them before backward) to ckptc.optimize to decide upfront.",
+        )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+# -- helpers -----------------------------------------------------------------
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors in a model output: nested tuples, lists, dicts (ModelOutput) and dataclasses."""
+    if depth > 6:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name, None), depth + 1)
+
+
+def _is_scalar_loss(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point and value.requires_grad
+
+
+def _carries_loss(output: Any, depth: int = 0) -> bool:
+    """Whether the model's output is or carries its own scalar loss (``.loss`` / ``["loss"]``)."""
+    if _is_scalar_loss(output):
+        return True
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if _is_scalar_loss(loss):
+        return True
+    if depth < 1:
+        children = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+        return any(_carries_loss(c, depth + 1) for c in children if not isinstance(c, torch.Tensor))
+    return False
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What selects a plan: structure, shapes, dtypes, devices of the inputs, and autocast."""
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    described: list[Any] = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif isinstance(leaf, (int, float, bool, str, type(None))):
+            described.append(leaf)
+        else:
+            described.append(type(leaf).__name__)
+    described.append(tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))
+    return tuple(described)

@@ -1,0 +1,233 @@
+"""The budget is a promise for the whole step as users write it, checked at run time.
+
+Each test trains a small model of our own or a tiny transformers model at a
+budget between the floor and the unoptimized peak, measures the step with
+``tests/helpers.py`` (allocator events) and compares loss and gradients with
+eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ckptc
+from bench.models import ModelCase
+from ckptc.meter import measure_peak, resident_bytes
+from tests.helpers import assert_same_training, budget_bounds, get_case, measure, step
+
+
+def _mlp(width: int = 256, depth: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(64, width), nn.GELU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 64)).train()
+
+
+# -- 1a: outputs the caller keeps count until backward ends --------------------
+def _gpt2_loss_outside() -> ModelCase:
+    case = get_case("gpt2")
+    labels = case.example_kwargs["labels"]
+
+    def loss(out) -> torch.Tensor:  # the caller computes the loss: it holds the logits through backward
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+    return ModelCase("gpt2-loss-outside", case.model, case.example_inputs, {}, loss=loss)
+
+
+def test_loss_computed_outside_the_model_fits_the_budget() -> None:
+    case = _gpt2_loss_outside()
+    bounds = budget_bounds(case)
+    budget = bounds.at(0.5)
+    reference = copy.deepcopy(case.model)
+    optimized = ckptc.optimize(case.model, budget_bytes=budget)
+    assert_same_training(case, reference, step(case, optimized), step(case, reference))
+    assert measure(case, optimized).peak_bytes <= budget
+
+
+# -- 1b: a second call before one backward counts what the first keeps --------
+class _Siamese:
+    """One step calls the model twice before a single backward (contrastive loss)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        g = torch.Generator().manual_seed(1)
+        self.x1, self.x2 = torch.randn(512, 64, generator=g), torch.randn(512, 64, generator=g)
+        self.example_inputs, self.example_kwargs = (self.x1, self.x2), {}
+
+    @staticmethod
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def run(self, model, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        za, zb = model(a), model(b)
+        return (za * zb).mean() + za.square().mean()
+
+
+def _siamese_step(case: _Siamese, model) -> torch.Tensor:
+    for p in case.model.parameters():
+        p.grad = None
+    loss = case.run(model, case.x1, case.x2)
+    loss.backward()
+    return loss.detach()
+
+
+def test_model_called_twice_before_one_backward_fits_the_budget() -> None:
+    case = _Siamese(_mlp())
+    reference = copy.deepcopy(case.model)
+    eager_case = _Siamese(reference)
+    baseline = resident_bytes(reference, case.x1, case.x2)
+    _, eager = measure_peak(lambda: _siamese_step(eager_case, reference), baseline_bytes=baseline)
+    budget = int(eager.peak_bytes * 0.8)  # forces recomputation in both calls
+    optimized = ckptc.optimize(case.model, budget_bytes=budget)
+    loss = _siamese_step(case, optimized)  # the first step already counts both calls
+    ref_loss = _siamese_step(eager_case, reference)
+    assert torch.allclose(loss, ref_loss, rtol=1e-4, atol=1e-6)
+    for a, b in zip(case.model.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    for p in case.model.parameters():
+        p.grad = None
+    _, measured = measure_peak(lambda: _siamese_step(case, optimized), baseline_bytes=baseline)
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+
+
+# -- 2: closed loop ----------------------------------------------------------------
+class _EagerHoldsMemory(nn.Module):
+    """Eager code between two graphs keeps a tensor alive for backward that no graph sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU())
+        self.second = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _eager_mix(self.first(x))
+        return self.second(h).square().mean()
+
+
+@torch.compiler.disable
+def _eager_mix(h: torch.Tensor) -> torch.Tensor:
+    scale = torch.full((h.shape[0], h.shape[1] * 2), 0.5)  # saved by mul for backward
+    return (h.repeat(1, 2) * scale).view(h.shape[0], 2, h.shape[1]).sum(1)
+
+
+def _eager_case() -> ModelCase:
+    return ModelCase("eager-holds", _EagerHoldsMemory().train(),
+                     (torch.randn(512, 128, generator=torch.Generator().manual_seed(3)),), {}, loss=lambda out: out)
+
+
+@pytest.mark.xfail(strict=True, reason="open: the correction does not converge when eager code between graph breaks "
+                   "dominates the peak, and the first plan at budgets near the floor of a graph-break model is "
+                   "infeasible (earlier graphs keep more than their floor plan); see the step-budget report")
+def test_closed_loop_corrects_a_step_that_exceeds_the_budget() -> None:
+    case = _eager_case()
+    reference = copy.deepcopy(case.model)
+    budget = budget_bounds(case).unoptimized  # keeping everything would fit, if the eager tensor did not exist
+    optimized = ckptc.optimize(case.model, budget_bytes=budget)
+    step(case, optimized)  # plans (not measured: planning profiles ops itself)
+    step(case, optimized)  # measured: exceeds (the eager tensor is not in any graph) -> plans again
+    assert optimized.plan.measured_peak_bytes > budget
+    for _ in range(6):  # each correction is planned, then measured (at most 3 corrections)
+        step(case, optimized)
+    assert_same_training(case, reference, step(case, optimized), step(case, reference))
+    assert optimized.plan.measured_peak_bytes <= budget  # measured by ckptc itself
+    assert measure(case, optimized).peak_bytes <= budget
+    assert optimized.plan.predicted_peak_bytes <= budget
+
+
+@pytest.mark.xfail(strict=True, reason="open: the correction does not converge when eager code between graph breaks "
+                   "dominates the peak, and the first plan at budgets near the floor of a graph-break model is "
+                   "infeasible (earlier graphs keep more than their floor plan); see the step-budget report")
+def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:
+    case = _eager_case()
+    budget = budget_bounds(case).at(0.9)
+    unverified = ckptc.optimize(case.model, budget_bytes=budget, verify=False)
+    step(case, unverified)
+    assert unverified.plan.measured_peak_bytes is None
+    assert measure(case, unverified).peak_bytes > budget  # what the closed loop is for
+    floor = budget_bounds(case).at(0.5)
+    tight = ckptc.optimize(case.model, budget_bytes=floor)
+    with pytest.raises(ckptc.BudgetExceededError) as info:  # exceeds by the eager tensor; no plan absorbs it
+        for _ in range(10):
+            step(case, tight)
+    error = info.value
+    assert error.budget_bytes == floor and error.measured_peak_bytes > floor
+    assert error.min_feasible_bytes > floor and str(error.min_feasible_bytes) in str(error)
+    # the budget it names works
+    works = ckptc.optimize(case.model, budget_bytes=error.min_feasible_bytes)
+    for _ in range(4):
+        step(case, works)
+    assert works.plan.measured_peak_bytes <= error.min_feasible_bytes
+
+
+# -- 3: never silent -----------------------------------------------------------------
+def test_a_training_call_without_a_plan_raises() -> None:
+    model = _mlp(width=32, depth=2)
+    model.forward = torch.compiler.disable(model.forward)  # Dynamo skips the whole frame
+    optimized = ckptc.optimize(model, budget_gb=1)
+    with pytest.raises(ckptc.UntraceableModelError, match="without any captured graph"):
+        optimized(torch.randn(4, 64))
+
+
+def test_per_shape_plans_are_kept_in_a_bounded_lru_cache() -> None:
+    model = _mlp(width=32, depth=2)
+    optimized = ckptc.optimize(model, budget_gb=1, max_plans=2)
+    for n in (4, 5, 6, 4):
+        optimized(torch.randn(n, 64)).sum().backward()
+    runtime = optimized._ckptc_runtime
+    assert len(runtime.plans) == 2
+    assert [key[0][-2][0] for key in runtime.plans] == [(6, 64), (4, 64)]
+
+
+# -- 4: state ------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_before_and_after_training_plan_again(how: str) -> None:
+    case = get_case("mlp")
+    reference = copy.deepcopy(case.model)
+    optimized = ckptc.optimize(case.model, budget_bytes=budget_bounds(case).at(0.3))
+
+    def clone(module):
+        if how == "deepcopy":
+            return copy.deepcopy(module)
+        if how == "pickle":
+            return pickle.loads(pickle.dumps(module))
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    before = clone(optimized)
+    step(case, optimized)
+    after = clone(optimized)
+    for copied in (before, after):
+        assert isinstance(copied, ckptc.OptimizedModule)
+        copied_case = ModelCase(case.name, copied.original_module, case.example_inputs, case.example_kwargs, case.loss)
+        ref = copy.deepcopy(reference)
+        assert_same_training(copied_case, ref, step(copied_case, copied), step(case, ref))
+        assert copied.plan is not None and copied.plan.predicted_peak_bytes <= budget_bounds(case).at(0.3)
+        assert set(copied.state_dict()) == set(optimized.state_dict())
+    fresh = ckptc.optimize(copy.deepcopy(reference), budget_bytes=budget_bounds(case).at(0.3))
+    fresh.load_state_dict(optimized.state_dict())
+    step(case, fresh)
+
+
+def test_training_flag_follows_the_wrapped_model() -> None:
+    model = _mlp(width=32, depth=2)
+    optimized = ckptc.optimize(model, budget_gb=1)
+    model.eval()
+    assert optimized.training is False
+    optimized(torch.randn(4, 64))  # runs eagerly: no plan
+    assert optimized.plan is None
+    model.train()
+    assert optimized.training is True
+    optimized.eval()
+    assert model.training is False
