@@ -90,20 +90,29 @@ def keep_all_mask(problem: Problem) -> bytearray:
             kept_storage[root[v]] = 1
     redundant = bytearray(len(problem.nodes))
     for v in problem._forward_idx:
-        if kept_storage[v] and root[v] == v and _copies_a_kept_storage(problem, v, kept_storage):
-            redundant[v] = 1
+        if kept_storage[v] and root[v] == v:
+            source = _copied_kept_value(problem, v, kept_storage)
+            if source >= 0:
+                redundant[v] = 1
+                if kind[source] == 1 and not output[source]:
+                    # Materialise the very value the copy reads (free: its storage is kept),
+                    # so recomputing the copy starts from it rather than from further back.
+                    mask[source] = 1
     for v in problem._forward_idx:
         if mask[v] and redundant[root[v]]:
             mask[v] = 0
     return honour_policies_mask(problem, mask) if any(problem._policy) else mask
 
 
-def _copies_a_kept_storage(problem: Problem, v: int, kept_storage: bytearray) -> bool:
+def _copied_kept_value(problem: Problem, v: int, kept_storage: bytearray) -> int:
+    """The value ``v`` copies when ``v`` is a plain copy of a kept storage, else -1."""
     node = problem.nodes[v]
     if node.op not in COPY_OPS or problem._policy[v] == 1 or problem._output[v] or problem._bytes[v] == 0:
-        return False
+        return -1
     preds = problem._fwd_preds[v] or tuple(u for u in problem._preds[v] if problem._kind[u] == 0)
-    if len(preds) != 1:
-        return False
+    if len(preds) != 1 or problem._policy[preds[0]] == 2:
+        return -1
     source = problem._alias_root[preds[0]]
-    return bool(kept_storage[source]) and problem._bytes[source] >= problem._bytes[v]
+    if not kept_storage[source] or problem._bytes[source] < problem._bytes[v]:
+        return -1
+    return preds[0]

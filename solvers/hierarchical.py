@@ -190,6 +190,12 @@ def price_menu(problem: Problem, chain: BlockChain, options: list[list[tuple[str
             names[b].append(name)
             kept_sets[b].append(kept)
             rows[b].append(per_block[b])
+    # Keeping everything (no fixed values) is a candidate too: it may keep less
+    # than every block's keep_all, which also keeps crossing values backward never reads.
+    keep_all = keep_all_mask(problem)
+    nodes, n_fwd = _derive(problem, keep_all)
+    core = _run(problem, nodes, n_fwd, keep_all)
+    uniform.append(("keep everything", keep_all, core.peak_bytes, core.recompute_cost))
     kept_bytes, need, costs, final_names, final_kept = [], [], [], [], []
     for b in range(n_blocks):
         keep = _pareto([r for r in rows[b]])
