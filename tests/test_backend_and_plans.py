@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import fnmatch
 import json
 import subprocess
@@ -193,7 +194,8 @@ def test_presets_train_like_eager(strategy: str) -> None:
     assert plan.strategy == strategy
     if strategy == "none":
         # eager's saved set: only plain copies of kept storages (and their views) are recomputed
-        assert all(v.op in ("clone", "expand", "view", "transpose", "_unsafe_view") for v in plan.values("recomputed"))
+        copies = ("clone", "expand", "view", "transpose", "_unsafe_view")
+        assert all(re.sub(r"_\d+$", "", v.op) in copies for v in plan.values("recomputed"))
         assert plan.recompute_percent < 1.0
     else:
         assert plan.values("recomputed") and plan.predicted_peak_bytes < plan.unoptimized_peak_bytes
