@@ -337,6 +337,15 @@ class ModelBench:
                           "reason": f"model time budget of {self.model_budget_s:.0f} s used up"})
                 continue
             self.add(self.point(alt, measured))
+        # ckptc at exactly the peaks the hand-written alternatives measured: the like-for-like
+        # comparison (recompute and step time at the same memory), interleaved in this run.
+        for family, name in (("ckpt_every", "per-block"), ("ckpt_every_other", "every-other-block")):
+            reference = next((p for p in self.result["points"] if p.get("family") == family and p.get("status") == "ok"), None)
+            if reference is None or probe_failed:
+                continue
+            alt = Alternative("ckptc", f"ckptc auto @{name} peak", solver="auto", budget_bytes=reference["peak_bytes"],
+                              budget_kind="matched", compiled=True)
+            self.add({**self.point(alt, measured), "matched_to": family})
         self.result["total_seconds"] = time.perf_counter() - t0
         self.result["machine"]["load_avg_end"] = _loadavg()
         self.save()
