@@ -20,6 +20,8 @@ from typing import Callable, Iterable
 import solvers
 from ckptc.problem import JointProblem
 from solvers.chen import keep_all_plan
+from solvers.graph import own_checkpoint_mask
+from solvers.simulator import names_of
 from solvers.hierarchical import per_block_plan
 from solvers.simulator import honour_policies
 
@@ -29,8 +31,17 @@ Strategy = Callable[..., solvers.Plan]
 
 
 def keep_everything(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
-    """No checkpointing: keep every forward value that backward reads, as eager autograd does."""
-    plan = keep_all_plan(jp.problem)
+    """No ckptc: what the model does by itself.
+
+    Keep every forward value that backward reads, as eager autograd does,
+    except inside the model's own ``torch.utils.checkpoint`` regions (Hugging
+    Face's ``gradient_checkpointing_enable``), which recompute as written.
+    """
+    own = own_checkpoint_mask(jp.problem)
+    if own is None:
+        plan = keep_all_plan(jp.problem)
+    else:
+        plan = solvers.Plan(kept=names_of(jp.problem, own))
     return _finish(jp, dataclasses.replace(plan, method="none", budget_bytes=budget_bytes))
 
 

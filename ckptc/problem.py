@@ -13,6 +13,7 @@ from typing import Iterable
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 import solvers
 from ckptc._torch_internals import is_tangent
@@ -22,6 +23,8 @@ from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
 # mutated are saved instead.  BatchNorm in training mode reads its running
 # statistics only to produce their new values, so its output may be recomputed.
 RETURN_PREFIX = "return:"
+# Nodes inside the model's own torch.utils.checkpoint regions carry these tags.
+_RECOMPUTED_BY_THE_MODEL = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 _READS_MUTATED_STATE_SAFELY = {
     "aten::_native_batch_norm_legit_functional",
@@ -130,6 +133,7 @@ def joint_to_problem(
             module=cost.module,
             op=cost.op,
             differentiable=node in differentiable,
+            checkpointed=node.meta.get("recompute") in _RECOMPUTED_BY_THE_MODEL,
         )
         for p in preds:
             graph.add_edge(p, node.name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from solvers.problem import Problem
 
-__all__ = ["storage_roots", "forward_path", "keep_all_mask", "COPY_OPS"]
+__all__ = ["storage_roots", "forward_path", "keep_all_mask", "own_checkpoint_mask", "COPY_OPS"]
 
 
 def storage_roots(problem: Problem) -> list[int]:
@@ -116,3 +116,29 @@ def _copied_kept_value(problem: Problem, v: int, kept_storage: bytearray) -> int
     if not kept_storage[source] or problem._bytes[source] < problem._bytes[v]:
         return -1
     return preds[0]
+
+
+def own_checkpoint_mask(problem: Problem) -> bytearray | None:
+    """The plan the model runs by itself when it checkpoints (``torch.utils.checkpoint``), or None.
+
+    Keep everything backward reads except the values inside checkpointed
+    regions (``Node.checkpointed``) and views of them; the values those
+    regions read from outside are kept, as ``checkpoint()`` saves its inputs.
+    """
+    from solvers.simulator import honour_policies_mask
+
+    if not any(node.checkpointed for node in problem.nodes):
+        return None
+    mask = bytearray(keep_all_mask(problem))
+    nodes, root, kind = problem.nodes, problem._alias_root, problem._kind
+    inside = bytearray(len(nodes))
+    for v in problem._forward_idx:
+        if nodes[v].checkpointed or nodes[root[v]].checkpointed:
+            inside[v] = 1
+            mask[v] = 0
+    for v in problem._forward_idx:
+        if inside[v]:
+            for u in problem._fwd_preds[v]:
+                if not inside[u] and kind[u] == 1 and not problem._output[u]:
+                    mask[u] = 1
+    return honour_policies_mask(problem, mask) if any(problem._policy) else mask

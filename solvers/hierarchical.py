@@ -52,7 +52,7 @@ import numpy as np
 
 from solvers.blocks import BlockChain, find_blocks
 from solvers.errors import InfeasibleBudgetError, format_bytes
-from solvers.graph import keep_all_mask
+from solvers.graph import keep_all_mask, own_checkpoint_mask
 from solvers.plan import Plan
 from solvers.problem import Problem
 from solvers.simulator import _derive, _run, honour_policies_mask, names_of
@@ -196,6 +196,11 @@ def price_menu(problem: Problem, chain: BlockChain, options: list[list[tuple[str
     nodes, n_fwd = _derive(problem, keep_all)
     core = _run(problem, nodes, n_fwd, keep_all)
     uniform.append(("keep everything", keep_all, core.peak_bytes, core.recompute_cost))
+    own = own_checkpoint_mask(problem)
+    if own is not None:  # what the model's own torch.utils.checkpoint does: never do worse
+        nodes, n_fwd = _derive(problem, own)
+        core = _run(problem, nodes, n_fwd, own)
+        uniform.append(("the model's own checkpointing", own, core.peak_bytes, core.recompute_cost))
     kept_bytes, need, costs, final_names, final_kept = [], [], [], [], []
     for b in range(n_blocks):
         keep = _pareto([r for r in rows[b]])

@@ -83,6 +83,10 @@ class Node:
         A gradient flows through this value. False for forward values computed
         from non-trainable inputs alone (attention masks, rotary tables,
         position ids): they are kept as computed, never a decision.
+    checkpointed : bool
+        The model checkpoints this value itself (inside ``torch.utils.checkpoint``):
+        run as written, it is recomputed in backward. The plan the user already
+        had is a candidate every solver must match.
     """
 
     name: str
@@ -98,6 +102,7 @@ class Node:
     module: str = ""
     op: str = ""
     differentiable: bool = True
+    checkpointed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +119,7 @@ class Node:
             "module": self.module,
             "op": self.op,
             "differentiable": self.differentiable,
+            "checkpointed": self.checkpointed,
         }
 
 
@@ -360,7 +366,7 @@ class Problem:
 
         Node attributes: ``bytes``, ``cost``, ``kind`` (required) and optional
         ``output``, ``alias_of``, ``policy``, ``scratch``, ``part_of``, ``module``, ``op``,
-        ``differentiable``. ``order`` lists every node once in
+        ``differentiable``, ``checkpointed``. ``order`` lists every node once in
         execution order. A node's preds are its in-neighbours sorted by their
         position in ``order`` (DiGraph keeps no argument order or duplicates).
         """
@@ -396,6 +402,7 @@ class Problem:
                     module=str(attrs.get("module", "")),
                     op=str(attrs.get("op", "")),
                     differentiable=bool(attrs.get("differentiable", True)),
+                    checkpointed=bool(attrs.get("checkpointed", False)),
                 )
             )
         return cls(nodes=tuple(nodes), baseline_bytes=baseline_bytes)
@@ -408,7 +415,7 @@ class Problem:
         for n in self.nodes:
             g.add_node(n.name, bytes=n.bytes, cost=n.cost, kind=n.kind, output=n.output,
                        alias_of=n.alias_of, policy=n.policy, scratch=n.scratch, part_of=n.part_of,
-                       module=n.module, op=n.op, differentiable=n.differentiable)
+                       module=n.module, op=n.op, differentiable=n.differentiable, checkpointed=n.checkpointed)
         for n in self.nodes:
             for p in n.preds:
                 g.add_edge(p, n.name)
@@ -435,6 +442,7 @@ class Problem:
                 module=str(d.get("module", "")),
                 op=str(d.get("op", "")),
                 differentiable=bool(d.get("differentiable", True)),
+                checkpointed=bool(d.get("checkpointed", False)),
             )
             for d in data["nodes"]
         )

@@ -372,3 +372,31 @@ def test_hierarchical_reaches_a_hand_written_per_block_checkpoint_on_a_real_unet
     assert ours.peak_bytes <= hand_written.peak_bytes
     assert fast.plan.recompute_flops <= plan.step_flops  # a plan, not a failure
 
+
+
+def test_a_model_that_checkpoints_itself_is_planned_from_what_it_already_does():
+    """Hugging Face gradient checkpointing: ckptc sees the regions, compares with them, and never does worse."""
+    import copy
+
+    import torch
+
+    import ckptc
+    from tests.helpers import assert_same_training, get_case, measure, step
+
+    case = get_case("gpt2", size="tiny")
+    plain = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
+                       strategy="none", loss_fn=case.loss)
+    case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = copy.deepcopy(case.model)
+    own = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
+                     strategy="none", loss_fn=case.loss)
+    # The model's own checkpointing is what "unoptimized" means now, and it is visible in the plan.
+    assert own.unoptimized_peak_bytes < plain.unoptimized_peak_bytes
+    assert own.values("recomputed")
+    user_had = measure(case, reference).peak_bytes
+    budget = (own.min_feasible_bytes + own.unoptimized_peak_bytes) // 2
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    assert_same_training(case, reference, step(case, fast), step(case, reference))
+    measured = measure(case, fast).peak_bytes
+    assert measured <= budget and measured <= user_had
+    del torch
