@@ -6,10 +6,12 @@ Everything here is a thin alias or adapter: no ckptc logic lives here.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as _pytree
+from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 
 # Joint-graph capture and the AOTAutograd runtime (autograd.Function wrapper,
 # input mutations, aliasing, boxed calling convention).
@@ -31,7 +33,75 @@ __all__ = [
     "DynamoError",
     "compile_limits",
     "outside_fake_mode",
+    "is_op_overload",
+    "op_name",
+    "op_schema_name",
+    "is_mutable_op",
+    "is_random_op",
+    "tree_leaves",
+    "tree_map",
+    "storage_key",
+    "profiler_events",
 ]
+
+
+# Ops, pytrees, storages and profiler events: small named wrappers so the rest
+# of ckptc never spells a private module or attribute.
+
+
+def is_op_overload(target: Any) -> bool:
+    """True if ``target`` is an aten (or custom) op overload such as ``aten.mm.default``."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def op_name(target: Any) -> str:
+    """The short op name of an overload (``"mm"`` for ``aten.mm.default``), else the callable's name."""
+    if is_op_overload(target):
+        return target._opname
+    return getattr(target, "__name__", str(target))
+
+
+def op_schema_name(target: Any) -> str | None:
+    """The schema's qualified name (``"aten::alias"``) of an op overload; ``None`` for anything else."""
+    return target._schema.name if is_op_overload(target) else None
+
+
+def is_mutable_op(target: Any) -> bool:
+    """True if ``target`` is an op overload that writes to one of its arguments (``copy_``, ``add_``)."""
+    return is_op_overload(target) and target._schema.is_mutable
+
+
+def is_random_op(target: Any) -> bool:
+    """True if ``target`` is an op overload that draws from a random number generator (dropout, rand)."""
+    return is_op_overload(target) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """The leaves of a nested structure of tuples, lists and dicts, in order."""
+    return _pytree.tree_leaves(tree, is_leaf=is_leaf)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every leaf, structure unchanged."""
+    return _pytree.tree_map(fn, tree)
+
+
+def storage_key(tensor: torch.Tensor) -> Hashable:
+    """A hashable key equal for tensors sharing one storage (views, tied weights), without keeping it alive.
+
+    Raises ``NotImplementedError`` or ``RuntimeError`` for tensors without a
+    storage (sparse, nested), as ``Tensor.untyped_storage`` does.
+    """
+    return _StorageWeakRef(tensor.untyped_storage())
+
+
+def profiler_events(prof: Any) -> Iterable[Any]:
+    """Every event of a finished ``torch.profiler.profile`` run, memory events included.
+
+    Each has ``name()``, ``start_ns()``, ``end_ns()``, ``nbytes()`` and
+    ``device_type()``; allocator events are named ``"[memory]"``.
+    """
+    return prof.profiler.kineto_results.events()
 
 
 def aot_backend(
@@ -57,7 +127,7 @@ def aot_backend(
         extra["decompositions"] = {
             op: fn
             for op, fn in select_decomp_table().items()
-            if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags)
+            if not is_random_op(op)
         }
     backend = _aot_autograd(
         fw_compiler=fw_compiler,

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 import solvers
+from ckptc._torch_internals import is_mutable_op, op_schema_name, tree_leaves
 from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
 
 # Ops whose recomputation would read state that the forward pass has already
@@ -73,9 +74,9 @@ def joint_to_problem(
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
-    outputs = [a for a in torch.utils._pytree.tree_leaves(output_node.args) if isinstance(a, fx.Node)]
-    forward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
-    backward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
+    outputs = [a for a in tree_leaves(output_node.args) if isinstance(a, fx.Node)]
+    forward_results = [a for a in tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
+    backward_results = [a for a in tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
     output_names = {n.name for n in backward_results}
     # Scalars (the loss) stay alive: the caller holds the loss while calling backward on it.
     output_names |= {n.name for n in forward_results if hold_outputs or _numel(n) <= 1}
@@ -182,7 +183,7 @@ def _numel(node: fx.Node) -> int:
 def _reads_mutated_input(node: fx.Node, mutated_inputs: frozenset[str]) -> bool:
     if not mutated_inputs:
         return False
-    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in _READS_MUTATED_STATE_SAFELY:
+    if op_schema_name(node.target) in _READS_MUTATED_STATE_SAFELY:
         return False
     return any(n.name in mutated_inputs for n in node.all_input_nodes)
 
@@ -197,5 +198,4 @@ def _inputs_mutated_in_graph(joint: fx.GraphModule) -> frozenset[str]:
 
 
 def _is_mutating(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    return is_mutable_op(node.target)
