@@ -2,7 +2,7 @@
 
     python -m bench.run [--models gpt2 llama ...] [--size bench|tiny] [--quick] [--headline] [--out bench/results]
 
-For each model (built by :func:`bench.models.get_case`, random weights), every
+For each model (built by :func:`tests.zoo.get_case`, random weights), every
 alternative of :mod:`bench.alternatives` runs the same training step on a
 fresh copy of the model:
 
@@ -59,7 +59,7 @@ import ckptc
 import solvers
 from bench import report
 from bench.alternatives import Alternative, Runner, Skip, alternatives_for, count_flops, fmt_mib, wrap_blocks
-from bench.models import MODEL_SIZES, ModelCase, get_case
+from tests.zoo import MODEL_SIZES, ModelCase, get_case
 from ckptc.meter import measure_peak, resident_bytes
 from ckptc.policies import STRATEGIES as CKPTC_STRATEGIES
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import ckptc
-from bench.models import ModelCase, get_case
+from tests.zoo import ModelCase, get_case
 from ckptc.meter import MemoryMeasurement, measure_peak, resident_bytes
 
 

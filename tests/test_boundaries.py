@@ -5,6 +5,8 @@
 * ``solvers/`` never imports torch (checked by importing it in a fresh
   interpreter in ``tests/test_solvers_core.py``; here on the source, so a lazy
   import inside a function is caught too).
+* ``tests/`` never imports ``bench`` (the model zoo lives in ``tests/``; the
+  benchmark may import from the tests, not the other way round).
 """
 
 from __future__ import annotations
@@ -150,3 +152,14 @@ def test_solvers_never_import_torch():
     }
     assert not offenders, f"solvers/ must stay torch-free (it is used without torch): {offenders}"
 
+
+def test_tests_never_import_bench():
+    offenders = {
+        str(path.relative_to(REPO)): "bench"
+        for path in _sources("tests")
+        if "bench" in _imports(path.read_text(), str(path))
+    }
+    assert not offenders, (
+        f"tests import the benchmark: {sorted(offenders)}; models the tests need belong in tests/zoo.py "
+        "(bench may import from tests, not the other way round)"
+    )

@@ -403,7 +403,7 @@ def test_ilp_info_fields_on_an_optimal_solve():
 
 # ====================================================================== speed
 def test_dp_is_fast_on_large_graphs():
-    from bench.bench_solvers import random_training_graph
+    from tests.graphs import random_training_graph
 
     for n_nodes, shape, limit in ((1000, "skip", 2.0), (1000, "chain", 2.0), (35000, "chain", 20.0)):
         problem = random_training_graph(n_nodes, shape=shape, seed=1)

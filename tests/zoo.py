@@ -1,4 +1,7 @@
-"""Registry of small, real model cases for ckptc's tests, demo and benchmarks.
+"""The model zoo: small, real model cases for ckptc's tests, demo and benchmarks.
+
+It lives with the tests (they must not depend on the benchmark); ``bench/``
+imports it from here (``from tests.zoo import get_case``).
 
 Every factory ``make_<name>(size="tiny", seq_len=None, batch=None, seed=0)``
 returns a :class:`ModelCase`: a freshly built model in train mode with random
@@ -43,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.hyena import HyenaConfig, HyenaDNA, next_token_loss
+from tests.hyena import HyenaConfig, HyenaDNA, next_token_loss
 
 LossFn = Callable[[Any], Tensor]
 ModelFactory = Callable[..., "ModelCase"]
@@ -367,7 +370,7 @@ _HYENA_SIZES = {
 
 def make_hyena(size: str = "tiny", seq_len: int | None = None, batch: int | None = None,
                seed: int = 0) -> ModelCase:
-    """HyenaDNA-style long-convolution DNA language model (``bench.hyena``), next-nucleotide loss."""
+    """HyenaDNA-style long-convolution DNA language model (``tests.hyena``), next-nucleotide loss."""
     spec = _pick_size("hyena", _HYENA_SIZES, size)
     seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
     config = HyenaConfig(**spec.config, max_seq_len=seq_len)
