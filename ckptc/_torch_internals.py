@@ -11,7 +11,6 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as _pytree
-from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 
 # Joint-graph capture and the AOTAutograd runtime (autograd.Function wrapper,
 # input mutations, aliasing, boxed calling convention).
@@ -19,6 +18,7 @@ from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
 from torch.fx.graph import _BoxedCodeGen
+from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 
 __all__ = [
     "aot_backend",
@@ -226,10 +226,10 @@ def compile_limits():
 
 def outside_fake_mode():
     """Run real tensor code from inside a compiler pass (AOTAutograd's fake mode is active there)."""
+    import contextlib
+
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
-
-    import contextlib
 
     stack = contextlib.ExitStack()
     stack.enter_context(unset_fake_temporarily())

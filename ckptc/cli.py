@@ -205,7 +205,8 @@ def workload_from(result: Any, spec: str) -> Workload:
     elif isinstance(result, Mapping):
         missing = [key for key in ("model", "example_inputs") if key not in result]
         if missing:
-            raise CliError(f"{spec} returned a dict without {' and '.join(repr(k) for k in missing)}; {_EXPECTED_RESULT}")
+            missing_keys = " and ".join(repr(k) for k in missing)
+            raise CliError(f"{spec} returned a dict without {missing_keys}; {_EXPECTED_RESULT}")
         model, inputs = result["model"], result["example_inputs"]
         kwargs = result.get("example_kwargs")
         loss = result.get("loss", result.get("loss_fn"))

@@ -25,7 +25,6 @@ from torch.utils.flop_counter import flop_registry
 
 from ckptc._torch_internals import (
     is_op_overload,
-    is_primal,
     is_random_op,
     is_tangent,
     op_name,
@@ -317,7 +316,8 @@ def _signature(node: fx.Node) -> tuple:
             return ("V", repr(val))
         return repr(v)
 
-    return (node.target, tuple(describe(a) for a in tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))))
+    leaves = tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+    return (node.target, tuple(describe(a) for a in leaves))
 
 
 def measure_scratch(joint: fx.GraphModule) -> int:
@@ -351,7 +351,7 @@ def measure_scratch(joint: fx.GraphModule) -> int:
     with outside_fake_mode(), torch.random.fork_rng(devices=[]), quiet_profiler(), profile(
         activities=[ProfilerActivity.CPU], profile_memory=True
     ) as prof:
-        for i, (sig, nodes) in enumerate(by_signature.items()):
+        for i, nodes in enumerate(by_signature.values()):
             node = nodes[0]
             try:
                 args = torch.fx.node.map_arg(node.args, lambda n: _materialize(n.meta.get("val")))

@@ -149,7 +149,9 @@ def quiet_profiler():
             os.close(stderr_fd)
 
 
-def training_step(model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], *args: Any, **kwargs: Any) -> Callable[[], torch.Tensor]:
+def training_step(
+    model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], *args: Any, **kwargs: Any
+) -> Callable[[], torch.Tensor]:
     """A closure running one forward+backward step from zeroed (``None``) gradients."""
 
     def step() -> torch.Tensor:

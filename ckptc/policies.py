@@ -72,7 +72,8 @@ def solve_under_budget(
         candidates.append((per_block.info["recompute_cost"], per_block.info["predicted_peak_bytes"], per_block))
     if not candidates:
         assert error is not None
-        floor = min(error.min_feasible_bytes or per_block.info["predicted_peak_bytes"], per_block.info["predicted_peak_bytes"])
+        per_block_peak = per_block.info["predicted_peak_bytes"]
+        floor = min(error.min_feasible_bytes or per_block_peak, per_block_peak)
         raise solvers.InfeasibleBudgetError(budget_bytes, floor)
     return min(candidates, key=lambda c: c[:2])[2]
 
@@ -82,7 +83,9 @@ def lowest_known_peak(jp: JointProblem) -> int:
     return min(solvers.min_feasible_budget(jp.problem), keep_module_inputs(jp).info["predicted_peak_bytes"])
 
 
-def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, *, depth: int | None = None, **_: object) -> solvers.Plan:
+def keep_module_inputs(
+    jp: JointProblem, budget_bytes: int | None = None, *, depth: int | None = None, **_: object
+) -> solvers.Plan:
     """Per-block checkpointing, as Hugging Face's ``gradient_checkpointing_enable``.
 
     Blocks are the modules at the repeated level of the hierarchy (e.g.
@@ -110,7 +113,11 @@ def _block(module: str) -> str | None:
     return match.group(1) if match else None
 
 
-_CHEAP_TO_RECOMPUTE = ("softmax", "dropout", "gelu", "relu", "silu", "tanh", "sigmoid", "mul", "add", "div", "sub", "exp", "where", "masked_fill", "pow", "rsqrt", "mean", "neg", "clone", "_to_copy", "native_layer_norm", "native_dropout", "baddbmm", "bmm", "scaled_dot_product")
+_CHEAP_TO_RECOMPUTE = (
+    "softmax", "dropout", "gelu", "relu", "silu", "tanh", "sigmoid", "mul", "add", "div", "sub", "exp", "where",
+    "masked_fill", "pow", "rsqrt", "mean", "neg", "clone", "_to_copy", "native_layer_norm", "native_dropout",
+    "baddbmm", "bmm", "scaled_dot_product",
+)
 
 
 def selective(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
@@ -127,7 +134,8 @@ def selective(jp: JointProblem, budget_bytes: int | None = None, **_: object) ->
         op = str(getattr(node.target, "_opname", node.target))
         if op in ("mm", "addmm", "convolution", "linear", "embedding") or not op.startswith(_CHEAP_TO_RECOMPUTE):
             kept.add(name)
-    return _finish(jp, solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective", budget_bytes=budget_bytes))
+    plan = solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective", budget_bytes=budget_bytes)
+    return _finish(jp, plan)
 
 
 def chen_segments(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
@@ -150,7 +158,8 @@ def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
         plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
     result = solvers.simulate(jp.problem, plan)
     info = dict(plan.info, predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
-    return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info)
+    return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes,
+                        info=info)
 
 
 STRATEGIES: dict[str, Strategy] = {

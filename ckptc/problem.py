@@ -74,7 +74,6 @@ def joint_to_problem(
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
-    outputs = [a for a in tree_leaves(output_node.args) if isinstance(a, fx.Node)]
     forward_results = [a for a in tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
     backward_results = [a for a in tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
     output_names = {n.name for n in backward_results}

@@ -420,7 +420,7 @@ def chain_of_blocks(problem: Problem, *, max_blocks: int | None = None, extra_pi
     segment_lists: list[list[int]] = [[] for _ in range(n_groups + 1)]
     current = n_groups
     assigned: list[int] = []
-    for b, span in zip(problem._backward_idx, spans):
+    for b, span in zip(problem._backward_idx, spans, strict=True):
         if span is not None:
             g = group_of_block[span[0]]
             g2 = group_of_block[span[1]]
@@ -746,7 +746,7 @@ class _Model:
         c_{j-1}, which must be alive; c_j counts as alive when ``tau``).
         """
         chain, problem = self.chain, self.problem
-        fwd_preds, kind = problem._fwd_preds, problem._kind
+        fwd_preds = problem._fwd_preds
         pinned, floating, block_of = chain.pinned, chain.floating, self.block_of
         q0 = chain.segment_start[j]
         base = chain.cut[j - 1] if j > 1 else -1
@@ -898,7 +898,7 @@ class _Model:
         self.fwd_fa_peak = [[0, 0] for _ in range(L + 1)]
         self.out_before = [0] * (L + 2)
         self.fwd_pinned = [0] * (L + 1)
-        nbytes, alias_root, kind = problem._bytes, storage_roots(problem), problem._kind
+        nbytes, alias_root = problem._bytes, storage_roots(problem)
         for j in range(1, L + 1):
             c = chain.cut[j]
             base = chain.cut[j - 1] if j > 1 else -1
@@ -1491,7 +1491,6 @@ def _chain_variants(problem: Problem, max_blocks: int) -> list[tuple[BlockChain,
     and the others kept while floating ones are recomputed once and kept.
     """
     chain = chain_of_blocks(problem, max_blocks=max_blocks)
-    kind, consumers = problem._kind, problem._consumers
     _, _, _, ordered = _pinned_and_relevant(problem)
     shared = [v for v in problem._forward_idx if chain.relevant[v] and not ordered[v]
               and problem._read_by_backward[v]]

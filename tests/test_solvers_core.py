@@ -17,7 +17,6 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-import solvers
 from solvers import (
     METHODS,
     InfeasibleBudgetError,
