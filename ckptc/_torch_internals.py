@@ -42,6 +42,7 @@ __all__ = [
     "tree_map",
     "storage_key",
     "profiler_events",
+    "workaround_decompositions",
 ]
 
 
@@ -104,6 +105,25 @@ def profiler_events(prof: Any) -> Iterable[Any]:
     return prof.profiler.kineto_results.events()
 
 
+def workaround_decompositions() -> dict[Any, Callable]:
+    """Decompositions that ckptc's capture always applies, each working around a PyTorch bug.
+
+    * ``aten.softplus_backward`` (torch 2.13): its fake-tensor kernel lays the
+      result out like ``self`` (the forward input), while the eager kernel
+      follows ``grad_output``.  When the two differ (Mamba's ``dt``, whose
+      incoming gradient is transposed), ops traced after it, such as ``view``,
+      were planned for strides the real tensor does not have, and backward
+      fails with "view size is not compatible with input tensor's size and
+      stride".  Its decomposition into pointwise ops (``exp``, ``mul``,
+      ``div``, ``where``) has fake strides that match eager, and computes the
+      same formula.  ``tests/test_models_ssm.py`` checks that the bug is still
+      there, so it says when this entry can go.
+    """
+    from torch._decomp import get_decompositions
+
+    return get_decompositions([torch.ops.aten.softplus_backward])
+
+
 def aot_backend(
     fw_compiler: Callable[[fx.GraphModule, Sequence[Any]], Callable],
     bw_compiler: Callable[[fx.GraphModule, Sequence[Any]], Callable],
@@ -116,15 +136,16 @@ def aot_backend(
     ``partition_fn(joint_module, joint_inputs, *, num_fwd_outputs, **kw)`` receives
     the aten-level joint forward+backward graph (fake-tensor metadata in
     ``node.meta["val"]``) and returns the forward and backward graph modules.
+    The joint graph is traced with :func:`workaround_decompositions`.
     """
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"decompositions": workaround_decompositions()}
     if for_inductor:
         # Inductor lowers only graphs traced with its own decomposition table.
         from torch._inductor.decomposition import select_decomp_table
 
         # Random ops stay whole (and run eagerly, see inductor_compile) so they draw
         # exactly the numbers eager PyTorch draws.
-        extra["decompositions"] = {
+        extra["decompositions"] |= {
             op: fn
             for op, fn in select_decomp_table().items()
             if not is_random_op(op)

@@ -253,9 +253,11 @@ def make_mamba(size: str = "tiny", seq_len: int | None = None, batch: int | None
     Known issue (torch 2.13): under ``torch.compile(backend="aot_eager")`` the
     backward fails with "view size is not compatible with input tensor's size
     and stride": the fake-tensor kernel of ``aten.softplus_backward`` (used for
-    ``dt``) predicts contiguous strides, while the eager kernel follows the
-    transposed incoming gradient. Backends that decompose it
-    ("aot_eager_decomp_partition", inductor) are unaffected.
+    ``dt``) lays its result out like its input, while the eager kernel follows
+    the transposed incoming gradient. Backends that decompose it
+    ("aot_eager_decomp_partition", inductor) are unaffected, and so is ckptc,
+    which decomposes it (``ckptc._torch_internals.workaround_decompositions``;
+    ``tests/test_models_ssm.py``).
     """
     from transformers import MambaConfig, MambaForCausalLM
 
