@@ -66,7 +66,7 @@ log = logging.getLogger("bench.run")
 
 SEED = 1234
 RTOL, ATOL = 1e-4, 1e-5
-DEFAULT_MODELS = ("gpt2", "llama", "bert", "enformer", "hyena", "vit", "mamba")
+DEFAULT_MODELS = ("gpt2", "llama", "bert", "enformer", "hyena", "vit", "mamba", "caduceus")
 QUICK_MODELS = ("mlp", "gpt2")
 
 ROCKMATE_NOTE = (
