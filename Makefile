@@ -1,10 +1,10 @@
 # One command sets everything up and runs the demo (`make demo`);
-# one sets up and runs the tests (`make test`).  CI runs `make test`.
+# one sets up, lints and runs the tests (`make test`).  CI runs `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench bench-quick clean
+.PHONY: setup demo lint test bench bench-quick clean
 
 setup: $(VENV)/.installed
 
@@ -21,7 +21,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m ckptc.demo
 
-test: setup
+# Lint only (ruff check: pyflakes, pycodestyle, isort, bugbear, pyupgrade); never reformats.
+lint: setup
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: setup

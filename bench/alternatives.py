@@ -68,8 +68,9 @@ def find_block_containers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]]
             if not any(path.startswith(p + ".") for p, _ in found):
                 found.append((path, module))
     if found:
-        return found, "no nn.ModuleList of same-class blocks; outermost nn.Sequential of same-class blocks: " + ", ".join(
-            p for p, _ in found
+        return found, (
+            "no nn.ModuleList of same-class blocks; outermost nn.Sequential of same-class blocks: "
+            + ", ".join(p for p, _ in found)
         )
     return [], "no nn.ModuleList or nn.Sequential whose children are same-class blocks with parameters"
 
@@ -199,7 +200,8 @@ class Alternative:
         if self.family == "library_ckpt":
             if hasattr(model, "use_checkpointing") and hasattr(model, "trunk_checkpointed"):
                 model.use_checkpointing = True
-                return Runner(model, model, {"how": "enformer-pytorch use_checkpointing=True (checkpoint_sequential over transformer blocks)"})
+                return Runner(model, model, {"how": "enformer-pytorch use_checkpointing=True "
+                                                    "(checkpoint_sequential over transformer blocks)"})
             raise Skip("the model's library has no checkpointing switch of its own (other than Hugging Face's)")
         if self.family == "aot_eager":
             compiled = torch.compile(model, backend="aot_eager")
@@ -276,8 +278,9 @@ def alternatives_for(
         alts.append(Alternative("aot_eager", f"aot_eager budget={b:g}", budget_fraction=b, compiled=True))
     for kind, frac, nbytes in ckptc_budgets(unopt, floor, fractions, below, lower):
         for s in solvers:
-            alts.append(Alternative("ckptc", f"ckptc {s} @{fmt_mib(nbytes)}MiB" + (" (floor)" if kind == "range" and frac == 0 else ""), solver=s, budget_bytes=nbytes,
-                                    budget_fraction=frac, budget_kind=kind, compiled=True))
+            floor_note = " (floor)" if kind == "range" and frac == 0 else ""
+            alts.append(Alternative("ckptc", f"ckptc {s} @{fmt_mib(nbytes)}MiB{floor_note}", solver=s,
+                                    budget_bytes=nbytes, budget_fraction=frac, budget_kind=kind, compiled=True))
     for s in strategies:
         alts.append(Alternative("ckptc_strategy", f"ckptc strategy={s}", strategy=s, compiled=True))
     return alts

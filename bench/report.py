@@ -59,21 +59,24 @@ def model_markdown(result: dict[str, Any]) -> str:
     eager = result.get("eager", {})
     probe = result.get("probe", {})
     lines = [f"# {name} ({result.get('size')}): ckptc vs alternatives", ""]
+    machine = result.get("machine", {})
     lines.append(f"Inputs {result.get('input_shapes')}, {result.get('parameters', 0) / 1e6:.2f} M parameters, "
-                 f"torch {result.get('torch')}, {result.get('machine', {}).get('threads')} threads; "
-                 f"load average {result.get('machine', {}).get('load_avg_start')} -> {result.get('machine', {}).get('load_avg_end')}.")
+                 f"torch {result.get('torch')}, {machine.get('threads')} threads; "
+                 f"load average {machine.get('load_avg_start')} -> {machine.get('load_avg_end')}.")
     if eager:
-        lines.append(f"Eager: measured peak {mib(eager.get('peak_bytes'))} MiB (resident {mib(eager.get('baseline_bytes'))} MiB), "
+        lines.append(f"Eager: measured peak {mib(eager.get('peak_bytes'))} MiB "
+                     f"(resident {mib(eager.get('baseline_bytes'))} MiB), "
                      f"{eager.get('flops', 0) / 1e9:.2f} GFLOP per step (FlopCounterMode formulas).")
     if probe.get("status") == "ok":
-        lines.append(f"ckptc capture: {probe['graphs']} graph(s), predicted unoptimized peak {mib(probe['unoptimized_peak_bytes'])} MiB, "
+        lines.append(f"ckptc capture: {probe['graphs']} graph(s), "
+                     f"predicted unoptimized peak {mib(probe['unoptimized_peak_bytes'])} MiB, "
                      f"smallest feasible (Chen family) {mib(probe['min_feasible_bytes'])} MiB.")
     elif probe:
         lines.append(f"ckptc capture failed: {probe.get('error')}")
     if result.get("status") == "error":
         lines.append(f"\n**Model failed:** {result.get('error')}")
-    lines += ["", "| alternative | status | peak MiB | peak vs eager | recompute % | ckptc predicted peak MiB / recompute % "
-              "| step time x eager | first step s (solve s) | = eager |",
+    lines += ["", "| alternative | status | peak MiB | peak vs eager | recompute % "
+              "| ckptc predicted peak MiB / recompute % | step time x eager | first step s (solve s) | = eager |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     eager_peak = eager.get("peak_bytes")
     for p in result.get("points", []):
@@ -85,18 +88,20 @@ def model_markdown(result: dict[str, Any]) -> str:
             first = pct(p.get("first_step_s"))
             if p.get("solve_s") is not None:
                 first += f" ({p['solve_s']:.2f})"
-            match = "yes" if p.get("matches_eager") else f"**no** (max grad diff {p.get('grad_max_abs_diff', float('nan')):.2g})"
+            diff = p.get("grad_max_abs_diff", float("nan"))
+            match = "yes" if p.get("matches_eager") else f"**no** (max grad diff {diff:.2g})"
             note = f" = {p['same_plan_as']}" if p.get("same_plan_as") else ""
             if p.get("within_budget") is False:
                 note += " **over budget**"
-            lines.append(f"| {p['label']} | ok{note} | {mib(p['peak_bytes'])} | {vs} | {pct(p.get('recompute_pct'))} | {pred} "
-                         f"| {pct(p.get('time_ratio'), 2)} | {first} | {match} |")
+            lines.append(f"| {p['label']} | ok{note} | {mib(p['peak_bytes'])} | {vs} | {pct(p.get('recompute_pct'))} "
+                         f"| {pred} | {pct(p.get('time_ratio'), 2)} | {first} | {match} |")
         else:
             why = (p.get("reason") or p.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
             lines.append(f"| {p['label']} | {status}: {why} | - | - | - | - | - | - | - |")
-    lines += ["", "recompute % = (FLOPs of the step - eager's) / eager's, counted with torch.utils.flop_counter's formulas "
-              "(matmul, convolution, attention, FFT ops; pointwise ops count 0). ckptc's predicted recompute % uses its own "
-              "cost model (all ops). '= X': the solver returned the same plan as X, measured once. "
+    lines += ["", "recompute % = (FLOPs of the step - eager's) / eager's, counted with torch.utils.flop_counter's "
+              "formulas (matmul, convolution, attention, FFT ops; pointwise ops count 0). "
+              "ckptc's predicted recompute % uses its own cost model (all ops). "
+              "'= X': the solver returned the same plan as X, measured once. "
               "Step time: median of interleaved repetitions against eager in the same run.", ""]
     for note in result.get("notes", []):
         lines.append(f"* {note}")
@@ -126,7 +131,8 @@ def pareto_plot(result: dict[str, Any], path: Path) -> bool:
         "ckpt_every_other": dict(marker="D", s=60, color="tab:orange"),
         "library_ckpt": dict(marker="P", s=80, color="tab:brown"),
     }
-    solver_colors = {"chen_sqrt": "tab:gray", "chen_greedy": "tab:olive", "hierarchical": "tab:blue", "ilp": "tab:purple",
+    solver_colors = {"chen_sqrt": "tab:gray", "chen_greedy": "tab:olive", "hierarchical": "tab:blue",
+                     "ilp": "tab:purple",
                      "auto": "tab:green"}
     strategy_markers = {"layer": "^", "segment": "v", "selective": "<"}
 
@@ -164,14 +170,16 @@ def pareto_plot(result: dict[str, Any], path: Path) -> bool:
         ps = [p for p in points if p["family"] == "ckptc_strategy" and p.get("strategy") == strat]
         if ps:
             x, y = xy(ps)
-            ax.scatter(x, y, marker=marker, s=70, color="tab:green", edgecolor="black", label=f"ckptc {strat}", zorder=4)
+            ax.scatter(x, y, marker=marker, s=70, color="tab:green", edgecolor="black", label=f"ckptc {strat}",
+                       zorder=4)
             hollow_wrong(ps)
     eager_peak = result.get("eager", {}).get("peak_bytes")
     if eager_peak:
         ax.axhline(eager_peak / MiB, color="black", lw=0.6, ls=":")
     ax.set_xlabel("recompute FLOPs, % of eager step (FlopCounterMode)")
     ax.set_ylabel("measured peak memory of the step (MiB)")
-    ax.set_title(f"{result['model']} ({result.get('size')}): peak memory vs recompute (lower-left is better; x = gradients differ)")
+    ax.set_title(f"{result['model']} ({result.get('size')}): peak memory vs recompute "
+                 "(lower-left is better; x = gradients differ)")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best", framealpha=0.8)
@@ -234,15 +242,17 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     not_dominated = []
     for p in others:
         if not any(dominates(q, p) for q in ck):
-            not_dominated.append({"label": p["label"], "peak_bytes": p["peak_bytes"], "recompute_pct": p["recompute_pct"],
-                                  "matches_eager": p.get("matches_eager"), "why": explain(p, ck)})
+            not_dominated.append({"label": p["label"], "peak_bytes": p["peak_bytes"],
+                                  "recompute_pct": p["recompute_pct"], "matches_eager": p.get("matches_eager"),
+                                  "why": explain(p, ck)})
     wrong = [p["label"] for p in points if not p.get("matches_eager")]
     over = [p["label"] for p in points if p.get("within_budget") is False]
     offline_mismatch = [
         p["label"] for p in points
         if p.get("offline_predicted_peak_bytes") is not None and p.get("predicted_peak_bytes") is not None
         and not p.get("same_plan_as")
-        and abs(p["predicted_peak_bytes"] - p["offline_predicted_peak_bytes"]) > max(64 * 1024, p["predicted_peak_bytes"] // 1000)
+        and abs(p["predicted_peak_bytes"] - p["offline_predicted_peak_bytes"])
+        > max(64 * 1024, p["predicted_peak_bytes"] // 1000)
     ]
     failures = [(p["label"], p["status"], p.get("error") or p.get("reason")) for p in result.get("points", [])
                 if p["status"] not in ("ok", "infeasible")]
@@ -252,8 +262,10 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     for a in [p for p in ck if p.get("solver") == "auto"]:
         for q in ck:
             if (q.get("solver") not in (None, "auto") and q.get("budget_bytes") == a.get("budget_bytes")
-                    and q["recompute_pct"] < a["recompute_pct"] - RECOMPUTE_TOL and q["peak_bytes"] <= a["budget_bytes"]):
-                auto_beaten.append(f"{a['label']} ({a['recompute_pct']:.1f}%) vs {q['label']} ({q['recompute_pct']:.1f}%)")
+                    and q["recompute_pct"] < a["recompute_pct"] - RECOMPUTE_TOL
+                    and q["peak_bytes"] <= a["budget_bytes"]):
+                auto_beaten.append(f"{a['label']} ({a['recompute_pct']:.1f}%) "
+                                   f"vs {q['label']} ({q['recompute_pct']:.1f}%)")
     valid_nd = [nd for nd in not_dominated if nd["matches_eager"]]
     return {"ckptc_points": len(ck), "other_points": len(others), "dominates": not valid_nd and bool(ck),
             "not_dominated_valid": len(valid_nd), "not_dominated_invalid": len(not_dominated) - len(valid_nd),
@@ -264,12 +276,14 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
 
 def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | None = None) -> str:
     lines = ["# ckptc benchmark summary", "",
-             f"ckptc's curve dominates an alternative's point when some ckptc point (any solver or strategy, loss and "
-             f"gradients equal to eager) has a measured peak at most the point's (+{PEAK_TOL:.0%}) and recompute at most "
-             f"its (+{RECOMPUTE_TOL} percentage points). Recompute is counted with torch.utils.flop_counter's formulas; "
+             "ckptc's curve dominates an alternative's point when some ckptc point (any solver or strategy, "
+             f"loss and gradients equal to eager) has a measured peak at most the point's (+{PEAK_TOL:.0%}) "
+             f"and recompute at most its (+{RECOMPUTE_TOL} percentage points). "
+             "Recompute is counted with torch.utils.flop_counter's formulas; "
              "peak with ckptc.meter (allocator events) from the same baseline for every alternative.", ""]
     rock = next((r.get("rockmate") for r in results if r.get("rockmate")), None)
-    lines += ["| model | size | eager peak MiB | ckptc lowest peak MiB (recompute %) | points ok / total | ckptc dominates the valid points? |",
+    lines += ["| model | size | eager peak MiB | ckptc lowest peak MiB (recompute %) | points ok / total "
+              "| ckptc dominates the valid points? |",
               "| --- | --- | ---: | ---: | ---: | --- |"]
     analyses = {}
     for r in results:
@@ -282,7 +296,8 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         invalid = (f"; {a['not_dominated_invalid']} point(s) with gradients != eager not dominated"
                    if a["not_dominated_invalid"] else "")
         verdict = ("model failed" if r.get("status") == "error" and not ck else
-                   ("yes" if a["dominates"] else f"no ({a['not_dominated_valid']} valid point(s) not dominated)") + invalid
+                   ("yes" if a["dominates"]
+                    else f"no ({a['not_dominated_valid']} valid point(s) not dominated)") + invalid
                    if ck else "no ckptc point ran")
         lines.append(f"| {r['model']} | {r.get('size')} | {mib(r.get('eager', {}).get('peak_bytes'))} | {low_s} | "
                      f"{len(ok)} / {len(r.get('points', []))} | {verdict} |")
@@ -294,7 +309,8 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         if a["dominates"] and not a["not_dominated"]:
             lines.append(f"* ckptc's curve dominates all {a['other_points']} points of the other alternatives.")
         elif a["dominates"]:
-            lines.append(f"* ckptc's curve dominates every point of the other alternatives whose gradients equal eager's.")
+            lines.append("* ckptc's curve dominates every point of the other alternatives "
+                         "whose gradients equal eager's.")
         for nd in a["not_dominated"]:
             flag = "" if nd["matches_eager"] else " (its gradients differ from eager's)"
             lines.append(f"* not dominated: **{nd['label']}**{flag} ({mib(nd['peak_bytes'])} MiB, "
@@ -304,9 +320,11 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         if a["over_budget"]:
             lines.append(f"* ckptc measured peak over its budget: {', '.join(a['over_budget'])}.")
         if a["offline_mismatch"]:
-            lines.append(f"* the run's plan differs from the offline decision (dedupe may be off): {', '.join(a['offline_mismatch'])}.")
+            mismatch = ", ".join(a["offline_mismatch"])
+            lines.append(f"* the run's plan differs from the offline decision (dedupe may be off): {mismatch}.")
         if a["auto_beaten"]:
-            lines.append(f"* ckptc auto beaten by another ckptc solver at the same budget: {'; '.join(a['auto_beaten'])}.")
+            lines.append("* ckptc auto beaten by another ckptc solver at the same budget: "
+                         f"{'; '.join(a['auto_beaten'])}.")
         if a["infeasible"]:
             lines.append(f"* infeasible (InfeasibleBudgetError): {', '.join(a['infeasible'])}.")
         grouped: dict[tuple[str, str], list[str]] = {}
@@ -326,10 +344,12 @@ def headline_markdown(result: dict[str, Any], level: int = 1) -> str:
     h = "#" * level
     budget = result["budget_bytes"]
     lines = [f"{h} Headline: longest sequence under {budget / 2**30:g} GiB", "",
-             "Doubling then bisection over sequence length; a length fits when the step's peak is at most the budget.", ""]
+             "Doubling then bisection over sequence length; "
+             "a length fits when the step's peak is at most the budget.", ""]
     for method, note in result.get("method_notes", {}).items():
         lines.append(f"* {method}: {note}")
-    lines += ["", "| model | no checkpointing | per-block checkpointing | ckptc | ckptc verified (measured peak MiB, within budget) |",
+    lines += ["", "| model | no checkpointing | per-block checkpointing | ckptc "
+              "| ckptc verified (measured peak MiB, within budget) |",
               "| --- | ---: | ---: | ---: | --- |"]
     for name, entry in result.get("models", {}).items():
         cells = []
@@ -346,8 +366,10 @@ def headline_markdown(result: dict[str, Any], level: int = 1) -> str:
                 cell += " [time limit]"
             cells.append(cell)
         v = entry.get("ckptc", {}).get("verified") or {}
-        vcell = (f"{mib(v.get('measured_peak_bytes'))} MiB, {'yes' if v.get('within_budget') else '**no**'}, "
-                 f"recompute {v.get('recompute_pct_predicted', 0):.1f}% (predicted)") if "measured_peak_bytes" in v else v.get("error", "-")
+        within = "yes" if v.get("within_budget") else "**no**"
+        vcell = (f"{mib(v.get('measured_peak_bytes'))} MiB, {within}, "
+                 f"recompute {v.get('recompute_pct_predicted', 0):.1f}% (predicted)"
+                 ) if "measured_peak_bytes" in v else v.get("error", "-")
         lines.append(f"| {name} | {' | '.join(cells)} | {vcell} |")
     if "seconds" in result:
         lines += ["", f"Total time: {result['seconds'] / 60:.1f} min."]

@@ -2,7 +2,7 @@
 
     python -m bench.run [--models gpt2 llama ...] [--size bench|tiny] [--quick] [--headline] [--out bench/results]
 
-For each model (built by :func:`bench.models.get_case`, random weights), every
+For each model (built by :func:`tests.zoo.get_case`, random weights), every
 alternative of :mod:`bench.alternatives` runs the same training step on a
 fresh copy of the model:
 
@@ -44,7 +44,6 @@ import gc
 import importlib
 import json
 import logging
-import math
 import os
 import platform
 import signal
@@ -61,15 +60,15 @@ import ckptc
 import solvers
 from bench import report
 from bench.alternatives import Alternative, Runner, Skip, alternatives_for, count_flops, fmt_mib, wrap_blocks
-from bench.models import MODEL_SIZES, ModelCase, get_case
-from ckptc.meter import measure_peak, resident_bytes
 from ckptc.compiler import CheckpointCompiler
+from ckptc.meter import measure_peak, resident_bytes
+from tests.zoo import MODEL_SIZES, ModelCase, get_case
 
 log = logging.getLogger("bench.run")
 
 SEED = 1234
 RTOL, ATOL = 1e-4, 1e-5
-DEFAULT_MODELS = ("gpt2", "llama", "bert", "enformer", "hyena", "vit", "mamba")
+DEFAULT_MODELS = ("gpt2", "llama", "bert", "enformer", "hyena", "vit", "mamba", "caduceus")
 QUICK_MODELS = ("mlp", "gpt2")
 
 ROCKMATE_NOTE = (
@@ -275,7 +274,8 @@ class ModelBench:
         shapes = {k: list(v.shape) for k, v in [(f"input{i}", t) for i, t in enumerate(case.example_inputs)]
                   + list(case.example_kwargs.items())}
         self.result = {
-            "model": self.key, "case": self.name, "size": self.size, "case_kwargs": self.case_kwargs, "input_shapes": shapes,
+            "model": self.key, "case": self.name, "size": self.size, "case_kwargs": self.case_kwargs,
+            "input_shapes": shapes,
             "parameters": case.num_parameters(), "torch": torch.__version__, "ckptc": ckptc.__version__,
             "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                         "cpus": os.cpu_count(), "load_avg_start": _loadavg()},
@@ -296,11 +296,13 @@ class ModelBench:
             step()
         self.eager_flops = tally.total
         zero_grads(case.model)
-        _, eager_peak = measure_peak(step, baseline_bytes=resident_bytes(case.model, case.example_inputs, case.example_kwargs))
+        baseline = resident_bytes(case.model, case.example_inputs, case.example_kwargs)
+        _, eager_peak = measure_peak(step, baseline_bytes=baseline)
         self.result["eager"] = {"flops": self.eager_flops, "peak_bytes": eager_peak.peak_bytes,
                                 "baseline_bytes": eager_peak.baseline_bytes, "first_step_s": first_s,
                                 "loss": float(ref_loss)}
-        self.log(f"eager: peak {fmt_mib(eager_peak.peak_bytes)} MiB, {self.eager_flops / 1e9:.2f} GFLOP, first step {first_s:.1f}s")
+        self.log(f"eager: peak {fmt_mib(eager_peak.peak_bytes)} MiB, {self.eager_flops / 1e9:.2f} GFLOP, "
+                 f"first step {first_s:.1f}s")
 
         # probe: capture the step once with ckptc (keep everything) for the budget range
         self.problems: list[Any] | None = None
@@ -316,7 +318,9 @@ class ModelBench:
         unopt = probe.get("unoptimized_peak_bytes") or eager_peak.peak_bytes
         floor = probe.get("min_feasible_bytes") or unopt // 2
         # Hard lower bound of any plan: parameters, buffers, inputs and every gradient.
-        lower = eager_peak.baseline_bytes + sum(p.numel() * p.element_size() for p in case.model.parameters() if p.requires_grad)
+        lower = eager_peak.baseline_bytes + sum(
+            p.numel() * p.element_size() for p in case.model.parameters() if p.requires_grad
+        )
         self.result["lower_bound_bytes"] = lower
         alts = alternatives_for(case.model, unopt, floor, lower=lower, **self.alt_options)
         alts = _order(alts)
@@ -340,7 +344,8 @@ class ModelBench:
         # ckptc at exactly the peaks the hand-written alternatives measured: the like-for-like
         # comparison (recompute and step time at the same memory), interleaved in this run.
         for family, name in (("ckpt_every", "per-block"), ("ckpt_every_other", "every-other-block")):
-            reference = next((p for p in self.result["points"] if p.get("family") == family and p.get("status") == "ok"), None)
+            reference = next((p for p in self.result["points"]
+                              if p.get("family") == family and p.get("status") == "ok"), None)
             if reference is None or probe_failed:
                 continue
             alt = Alternative("ckptc", f"ckptc auto @{name} peak", solver="auto", budget_bytes=reference["peak_bytes"],
@@ -358,7 +363,8 @@ class ModelBench:
         if status == "ok":
             self.log(f"{point['label']:<38} peak {fmt_mib(point['peak_bytes']):>8} MiB  recompute "
                      f"{point['recompute_pct']:6.2f}%  time x{point.get('time_ratio', float('nan')):.2f}  "
-                     f"match={point['matches_eager']}" + (f"  (= {point['same_plan_as']})" if point.get("same_plan_as") else ""))
+                     f"match={point['matches_eager']}"
+                     + (f"  (= {point['same_plan_as']})" if point.get("same_plan_as") else ""))
         else:
             self.log(f"{point['label']:<38} {status}: {point.get('reason') or point.get('error')}")
 
@@ -475,7 +481,8 @@ class ModelBench:
                 kept=len(plan.values("kept")), recomputed=len(plan.values("recomputed")),
                 partition_s=sum(r.solve_seconds for r in records),
                 solve_s=sum(float(r.plan.info.get("solve_seconds", 0.0)) for r in records),
-                auto_choice=[(g.plan.info.get("auto") or {}).get("chosen") for g in plan.graphs] if alt.solver == "auto" else None,
+                auto_choice=([(g.plan.info.get("auto") or {}).get("chosen") for g in plan.graphs]
+                             if alt.solver == "auto" else None),
             )
             if "offline_predicted_peak_bytes" in point:
                 # Scratch memory is measured by running ops, so predictions may differ by a few KiB.
@@ -485,7 +492,9 @@ class ModelBench:
         with count_flops() as tally:  # second warm-up step
             step()
         point["flops"] = tally.total
-        point["recompute_pct"] = 100.0 * (tally.total - self.eager_flops) / self.eager_flops if self.eager_flops else 0.0
+        point["recompute_pct"] = (
+            100.0 * (tally.total - self.eager_flops) / self.eager_flops if self.eager_flops else 0.0
+        )
         zero_grads(runner.module)
         baseline = resident_bytes(runner.module, case.example_inputs, case.example_kwargs)
         _, measurement = measure_peak(step, baseline_bytes=baseline)
@@ -652,14 +661,15 @@ def headline(out: Path, budget_gb: float = 1.0, time_budget_s: float = 900.0,
                                   "none": "eager PyTorch, measured peak of the first step",
                                   "per_block": "torch.utils.checkpoint(use_reentrant=False) on every repeated block "
                                                "(bench.alternatives.wrap_blocks), measured peak of the first step",
-                                  "ckptc": "ckptc's smallest feasible budget (predicted from the captured step) <= budget; "
-                                           "the longest length found is then trained under the budget and measured"}}
+                                  "ckptc": "ckptc's smallest feasible budget (predicted from the captured step) "
+                                           "<= budget; the longest length found is then trained under the budget "
+                                           "and measured"}}
     methods = ("none", "per_block", "ckptc")
     share = time_budget_s / (len(models) * len(methods))
     for name in models:
         start_len, grain = HEADLINE_MODELS[name]
         entry: dict[str, Any] = {}
-        for i, method in enumerate(methods):
+        for method in methods:
             deadline_at = time.perf_counter() + share
             entry[method] = longest_fitting(name, method, budget, deadline_at, start_len, grain)
         best = entry["ckptc"]["longest_fitting"]
@@ -732,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     alt_options: dict[str, Any] = {
         "fractions": _fractions(n_budgets),
         "below": {0: (), 1: (0.5,), 2: (0.5, 0.85)}.get(n_below, (0.3, 0.6, 0.9)),
-        "aot_budgets": tuple(args.aot_budgets) if args.aot_budgets is not None else ((0.0, 0.5, 1.0) if args.quick else (0.0, 0.25, 0.5, 0.75, 1.0)),
+        "aot_budgets": (tuple(args.aot_budgets) if args.aot_budgets is not None
+                        else ((0.0, 0.5, 1.0) if args.quick else (0.0, 0.25, 0.5, 0.75, 1.0))),
     }
     if args.solvers:
         alt_options["solvers"] = tuple(args.solvers)
@@ -752,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
         bench = ModelBench(name, size, out, reps=args.reps, point_timeout=args.point_timeout,
                            model_budget_s=None if args.model_minutes is None else args.model_minutes * 60,
                            ilp_time_limit=args.ilp_time_limit, dedupe=not args.no_dedupe, alt_options=alt_options,
-                           seq_len=shape["seq_len"], batch=shape["batch"], resume=args.resume, file_suffix=args.file_suffix)
+                           seq_len=shape["seq_len"], batch=shape["batch"], resume=args.resume,
+                           file_suffix=args.file_suffix)
         try:
             result = bench.run()
         except Exception as error:  # noqa: BLE001 - one model failing must not lose the others

@@ -6,10 +6,11 @@ Everything here is a thin alias or adapter: no ckptc logic lives here.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as _pytree
 
 # Joint-graph capture and the AOTAutograd runtime (autograd.Function wrapper,
 # input mutations, aliasing, boxed calling convention).
@@ -17,6 +18,7 @@ from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
 from torch.fx.graph import _BoxedCodeGen
+from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 
 __all__ = [
     "aot_backend",
@@ -31,7 +33,100 @@ __all__ = [
     "DynamoError",
     "compile_limits",
     "outside_fake_mode",
+    "is_op_overload",
+    "op_name",
+    "op_schema_name",
+    "is_mutable_op",
+    "is_random_op",
+    "tree_leaves",
+    "tree_map",
+    "storage_key",
+    "profiler_events",
+    "workaround_decompositions",
 ]
+
+
+# Ops, pytrees, storages and profiler events: small named wrappers so the rest
+# of ckptc never spells a private module or attribute.
+
+
+def is_op_overload(target: Any) -> bool:
+    """True if ``target`` is an aten (or custom) op overload such as ``aten.mm.default``."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def op_name(target: Any) -> str:
+    """The short op name of an overload (``"mm"`` for ``aten.mm.default``), else the callable's name."""
+    if is_op_overload(target):
+        return target._opname
+    return getattr(target, "__name__", str(target))
+
+
+def op_schema_name(target: Any) -> str | None:
+    """The schema's qualified name (``"aten::alias"``) of an op overload; ``None`` for anything else."""
+    return target._schema.name if is_op_overload(target) else None
+
+
+def is_mutable_op(target: Any) -> bool:
+    """True if ``target`` is an op overload that writes to one of its arguments (``copy_``, ``add_``)."""
+    return is_op_overload(target) and target._schema.is_mutable
+
+
+def is_random_op(target: Any) -> bool:
+    """True if ``target`` is an op overload that draws from a random number generator (dropout, rand)."""
+    return is_op_overload(target) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """The leaves of a nested structure of tuples, lists and dicts, in order."""
+    return _pytree.tree_leaves(tree, is_leaf=is_leaf)
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of a nested structure and a description of its structure (printable, comparable)."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every leaf, structure unchanged."""
+    return _pytree.tree_map(fn, tree)
+
+
+def storage_key(tensor: torch.Tensor) -> Hashable:
+    """A hashable key equal for tensors sharing one storage (views, tied weights), without keeping it alive.
+
+    Raises ``NotImplementedError`` or ``RuntimeError`` for tensors without a
+    storage (sparse, nested), as ``Tensor.untyped_storage`` does.
+    """
+    return _StorageWeakRef(tensor.untyped_storage())
+
+
+def profiler_events(prof: Any) -> Iterable[Any]:
+    """Every event of a finished ``torch.profiler.profile`` run, memory events included.
+
+    Each has ``name()``, ``start_ns()``, ``end_ns()``, ``nbytes()`` and
+    ``device_type()``; allocator events are named ``"[memory]"``.
+    """
+    return prof.profiler.kineto_results.events()
+
+
+def workaround_decompositions() -> dict[Any, Callable]:
+    """Decompositions that ckptc's capture always applies, each working around a PyTorch bug.
+
+    * ``aten.softplus_backward`` (torch 2.13): its fake-tensor kernel lays the
+      result out like ``self`` (the forward input), while the eager kernel
+      follows ``grad_output``.  When the two differ (Mamba's ``dt``, whose
+      incoming gradient is transposed), ops traced after it, such as ``view``,
+      were planned for strides the real tensor does not have, and backward
+      fails with "view size is not compatible with input tensor's size and
+      stride".  Its decomposition into pointwise ops (``exp``, ``mul``,
+      ``div``, ``where``) has fake strides that match eager, and computes the
+      same formula.  ``tests/test_models_ssm.py`` checks that the bug is still
+      there, so it says when this entry can go.
+    """
+    from torch._decomp import get_decompositions
+
+    return get_decompositions([torch.ops.aten.softplus_backward])
 
 
 def aot_backend(
@@ -46,18 +141,19 @@ def aot_backend(
     ``partition_fn(joint_module, joint_inputs, *, num_fwd_outputs, **kw)`` receives
     the aten-level joint forward+backward graph (fake-tensor metadata in
     ``node.meta["val"]``) and returns the forward and backward graph modules.
+    The joint graph is traced with :func:`workaround_decompositions`.
     """
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"decompositions": workaround_decompositions()}
     if for_inductor:
         # Inductor lowers only graphs traced with its own decomposition table.
         from torch._inductor.decomposition import select_decomp_table
 
         # Random ops stay whole (and run eagerly, see inductor_compile) so they draw
         # exactly the numbers eager PyTorch draws.
-        extra["decompositions"] = {
+        extra["decompositions"] |= {
             op: fn
             for op, fn in select_decomp_table().items()
-            if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags)
+            if not is_random_op(op)
         }
     backend = _aot_autograd(
         fw_compiler=fw_compiler,
@@ -156,10 +252,10 @@ def compile_limits():
 
 def outside_fake_mode():
     """Run real tensor code from inside a compiler pass (AOTAutograd's fake mode is active there)."""
+    import contextlib
+
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
-
-    import contextlib
 
     stack = contextlib.ExitStack()
     stack.enter_context(unset_fake_temporarily())

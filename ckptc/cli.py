@@ -8,7 +8,7 @@
 ``FILE.py:FACTORY`` names a function in the user's own Python file, called
 with no arguments.  It returns ``(model, example_inputs)``,
 ``(model, example_inputs, example_kwargs)``, a dict, or an object (such as
-``bench.models.ModelCase``) with ``model``, ``example_inputs`` and optionally
+``tests.zoo.ModelCase``) with ``model``, ``example_inputs`` and optionally
 ``example_kwargs`` and ``loss``.  Running that file is running the user's code
 on purpose; plan files, by contrast, are JSON and never executed.
 
@@ -172,7 +172,7 @@ def load_workload(spec: str) -> Workload:
     """Run the factory named by ``FILE.py:FACTORY`` and check what it returned."""
     path, factory_name = split_factory_spec(spec)
     # A factory under tests/ or scripts/ usually imports its project's packages
-    # (tests/factories.py imports bench.models), so the project root joins the
+    # (tests/factories.py imports tests.zoo), so the project root joins the
     # folders `python FILE.py` and `python -m` would search.
     with _import_paths(path.parent, _project_root(path), Path.cwd()):
         module = load_factory_module(path)
@@ -205,7 +205,8 @@ def workload_from(result: Any, spec: str) -> Workload:
     elif isinstance(result, Mapping):
         missing = [key for key in ("model", "example_inputs") if key not in result]
         if missing:
-            raise CliError(f"{spec} returned a dict without {' and '.join(repr(k) for k in missing)}; {_EXPECTED_RESULT}")
+            missing_keys = " and ".join(repr(k) for k in missing)
+            raise CliError(f"{spec} returned a dict without {missing_keys}; {_EXPECTED_RESULT}")
         model, inputs = result["model"], result["example_inputs"]
         kwargs = result.get("example_kwargs")
         loss = result.get("loss", result.get("loss_fn"))

@@ -17,15 +17,23 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from ckptc._torch_internals import is_primal, is_tangent
+from ckptc._torch_internals import (
+    is_op_overload,
+    is_random_op,
+    is_tangent,
+    op_name,
+    op_schema_name,
+    profiler_events,
+    storage_key,
+    tree_leaves,
+    tree_map,
+)
 
 log = logging.getLogger("ckptc.costs")
 
@@ -83,7 +91,7 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
     ``make_fx`` graphs carry.  Returns the same mapping for convenience.
     """
     tangent_dependent: set[fx.Node] = set()
-    storage_owner: dict[StorageWeakRef, str] = {}
+    storage_owner: dict[Hashable, str] = {}
     root_of: dict[str, str] = {}
     name_counts: Counter[str] = Counter()
     costs: dict[fx.Node, NodeCost] = {}
@@ -132,14 +140,11 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
 
 def is_random(node: fx.Node) -> bool:
     """True for ops that draw from a random number generator."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags
-    )
+    return is_random_op(node.target)
 
 
 def _storage_bytes(
-    node: fx.Node, storage_owner: dict[StorageWeakRef, str]
+    node: fx.Node, storage_owner: dict[Hashable, str]
 ) -> tuple[int, str | None]:
     """Bytes of storage first allocated by ``node``, and the node it aliases.
 
@@ -149,13 +154,13 @@ def _storage_bytes(
     ``part_of`` in :class:`NodeCost`), so outputs die one by one.
     """
     val = node.meta.get("val")
-    tensors = [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
     multi_output = isinstance(val, (tuple, list))
     new_bytes = 0
     aliased: str | None = None
     for t in tensors:
         try:
-            ref = StorageWeakRef(t.untyped_storage())
+            ref = storage_key(t)
             nbytes = t.untyped_storage().nbytes()
         except (NotImplementedError, RuntimeError):  # e.g. sparse or nested tensors
             new_bytes += t.numel() * t.element_size()
@@ -208,9 +213,7 @@ def _op_name(node: fx.Node) -> str:
     target = node.target
     if target is operator.getitem:
         return "getitem"
-    if isinstance(target, torch._ops.OpOverload):
-        return target._opname
-    return getattr(target, "__name__", str(target))
+    return op_name(target)
 
 
 def _vals(args: Any) -> Any:
@@ -225,7 +228,7 @@ def count_flops(node: fx.Node) -> int:
     pointwise ops and reductions are cheap but never free.  Views cost 0.
     """
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not is_op_overload(target):
         return 0
     out = node.meta.get("val")
     formula = flop_registry.get(target.overloadpacket)
@@ -235,12 +238,12 @@ def count_flops(node: fx.Node) -> int:
             return int(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not fit this overload's arguments
             log.debug("flop formula failed for %s", target, exc_info=True)
-    if "scaled_dot_product" in target._opname:
-        return _attention_flops(target._opname, args)
-    if target.is_view or target._schema.name in ("aten::alias",):
+    if "scaled_dot_product" in op_name(target):
+        return _attention_flops(op_name(target), args)
+    if target.is_view or op_schema_name(target) in ("aten::alias",):
         return 0
     touched = 0
-    for t in tree_flatten((args, kwargs, out))[0]:
+    for t in tree_leaves((args, kwargs, out)):
         if isinstance(t, torch.Tensor):
             touched += t.numel()
     return touched
@@ -278,7 +281,7 @@ def _measure_runtimes(joint: fx.GraphModule, repeats: int) -> None:
         if cost is None or node.op == "output":
             continue
         if node.op != "call_function" or cost.kind != FORWARD:
-            real[node] = torch.utils._pytree.tree_map(materialize, node.meta.get("val"))
+            real[node] = tree_map(materialize, node.meta.get("val"))
             continue
         args = torch.fx.node.map_arg(node.args, lambda n: real[n])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: real[n])
@@ -316,7 +319,8 @@ def _signature(node: fx.Node) -> tuple:
             return ("V", repr(val))
         return repr(v)
 
-    return (node.target, tuple(describe(a) for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))))
+    leaves = tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+    return (node.target, tuple(describe(a) for a in leaves))
 
 
 def measure_scratch(joint: fx.GraphModule) -> int:
@@ -338,7 +342,7 @@ def measure_scratch(joint: fx.GraphModule) -> int:
 
     by_signature: dict[tuple, list[fx.Node]] = {}
     for node in joint.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and "ckptc" in node.meta:
+        if node.op == "call_function" and is_op_overload(node.target) and "ckptc" in node.meta:
             if node.target.is_view:
                 continue
             by_signature.setdefault(_signature(node), []).append(node)
@@ -350,7 +354,7 @@ def measure_scratch(joint: fx.GraphModule) -> int:
     with outside_fake_mode(), torch.random.fork_rng(devices=[]), quiet_profiler(), profile(
         activities=[ProfilerActivity.CPU], profile_memory=True
     ) as prof:
-        for i, (sig, nodes) in enumerate(by_signature.items()):
+        for i, nodes in enumerate(by_signature.values()):
             node = nodes[0]
             try:
                 args = torch.fx.node.map_arg(node.args, lambda n: _materialize(n.meta.get("val")))
@@ -367,7 +371,7 @@ def measure_scratch(joint: fx.GraphModule) -> int:
                 continue
             labels[label] = nodes
             del args, kwargs
-    events = prof.profiler.kineto_results.events()
+    events = list(profiler_events(prof))
     windows = sorted(
         (e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels
     )

@@ -84,12 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     for p in params + eager_params:  # each step starts from None gradients
         p.grad = None
     _, measured = measure_peak(lambda: _step(optimized, batch, params), baseline_bytes=resident_bytes(model, batch))
-    _, measured_eager = measure_peak(lambda: _step(eager, batch, eager_params), baseline_bytes=resident_bytes(eager, batch))
+    _, measured_eager = measure_peak(lambda: _step(eager, batch, eager_params),
+                                     baseline_bytes=resident_bytes(eager, batch))
 
     eager_times, ckptc_times = [], []
     for _ in range(args.steps):  # interleaved, so machine noise hits both alike
-        t0 = time.perf_counter(); _step(eager, batch, eager_params); eager_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); _step(optimized, batch, params); ckptc_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _step(eager, batch, eager_params)
+        eager_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _step(optimized, batch, params)
+        ckptc_times.append(time.perf_counter() - t0)
     ratio = statistics.median(ckptc_times) / statistics.median(eager_times)
 
     rows = [

@@ -18,10 +18,11 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from ckptc._torch_internals import profiler_events, storage_key
 
 log = logging.getLogger("ckptc.meter")
 
@@ -49,16 +50,15 @@ def resident_bytes(*objects: Any) -> int:
     Tensors sharing a storage (tied weights, views) are counted once; gradients
     already present on parameters are included.
     """
-    seen: set[StorageWeakRef] = set()
+    seen: set[Hashable] = set()
     total = 0
     for tensor in _tensors(objects):
         if tensor.is_meta:
             continue
-        storage = tensor.untyped_storage()
-        ref = StorageWeakRef(storage)
+        ref = storage_key(tensor)
         if ref not in seen:
             seen.add(ref)
-            total += storage.nbytes()
+            total += tensor.untyped_storage().nbytes()
     return total
 
 
@@ -100,7 +100,7 @@ def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, Memor
         result = fn()
     events = [
         e
-        for e in prof.profiler.kineto_results.events()
+        for e in profiler_events(prof)
         if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     ]
     events.sort(key=lambda e: e.start_ns())
@@ -183,7 +183,7 @@ def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...]]:
 
     events = [
         e
-        for e in prof.profiler.kineto_results.events()
+        for e in profiler_events(prof)
         if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     ]
     events.sort(key=lambda e: e.start_ns())
@@ -227,7 +227,9 @@ def quiet_profiler():
             os.close(stderr_fd)
 
 
-def training_step(model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], *args: Any, **kwargs: Any) -> Callable[[], torch.Tensor]:
+def training_step(
+    model: torch.nn.Module, loss_fn: Callable[[Any], torch.Tensor], *args: Any, **kwargs: Any
+) -> Callable[[], torch.Tensor]:
     """A closure running one forward+backward step from zeroed (``None``) gradients."""
 
     def step() -> torch.Tensor:

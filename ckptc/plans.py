@@ -159,7 +159,9 @@ class ModelPlan:
             f"ModelPlan(graphs={len(self.graphs)}, budget={budget}, "
             f"predicted_peak={solvers.format_bytes(self.predicted_peak_bytes)}, "
             f"unoptimized_peak={solvers.format_bytes(self.unoptimized_peak_bytes)}, "
-            + ("" if self.measured_peak_bytes is None else f"measured_peak={solvers.format_bytes(self.measured_peak_bytes)}, ")
+            + (""
+               if self.measured_peak_bytes is None
+               else f"measured_peak={solvers.format_bytes(self.measured_peak_bytes)}, ")
             + f"recompute={self.recompute_percent:.1f}% of step FLOPs, "
             f"kept={len(self.values('kept'))}, recomputed={len(self.values('recomputed'))}, "
             f"strategy={self.strategy!r}, solver={self.solver!r})"
@@ -289,7 +291,8 @@ def _inputs(jp: "JointProblem") -> list[list[Any]]:
     for node in jp.nodes.values():
         if node.op == "placeholder":
             desc = _describe(node.meta.get("val"))
-            described.append([list(desc[0]), desc[1]] if isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], tuple) else [desc])
+            pair = isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], tuple)
+            described.append([list(desc[0]), desc[1]] if pair else [desc])
     return described
 
 
@@ -322,7 +325,9 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     )
     forward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.forward_nodes))
     backward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.backward_nodes))
-    recomputed_steps = [s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"]
+    recomputed_steps = [
+        s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"
+    ]
     recompute_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(recomputed_steps))
     return GraphPlan(
         fingerprint=fingerprint(jp),
@@ -341,7 +346,11 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
 
 def _json_safe(info: dict[str, Any]) -> dict[str, Any]:
     # solve times differ run to run; keep files byte-identical for the same plan
-    return {k: v for k, v in sorted(info.items()) if k not in ("solve_seconds",) and isinstance(v, (int, float, str, bool, type(None)))}
+    return {
+        k: v
+        for k, v in sorted(info.items())
+        if k not in ("solve_seconds",) and isinstance(v, (int, float, str, bool, type(None)))
+    }
 
 
 def plan_source_for(model_plan: ModelPlan) -> Callable[[int, "JointProblem"], solvers.Plan]:
@@ -365,7 +374,11 @@ def plan_source_for(model_plan: ModelPlan) -> Callable[[int, "JointProblem"], so
         expected = model_plan.graphs[index]
         inputs = _inputs(jp)
         if inputs != expected.inputs:
-            diffs = [f"input {i}: plan {a}, model {b}" for i, (a, b) in enumerate(zip(expected.inputs, inputs)) if a != b]
+            diffs = [
+                f"input {i}: plan {a}, model {b}"
+                for i, (a, b) in enumerate(zip(expected.inputs, inputs, strict=False))
+                if a != b
+            ]
             if len(inputs) != len(expected.inputs):
                 diffs.insert(0, f"plan has {len(expected.inputs)} inputs, model has {len(inputs)}")
             raise PlanMismatchError(
@@ -381,7 +394,10 @@ def plan_source_for(model_plan: ModelPlan) -> Callable[[int, "JointProblem"], so
         saved = expected.plan
         plan = solvers.Plan(
             kept=frozenset(by_stable[k] for k in saved.kept),
-            schedule=None if saved.schedule is None else tuple(solvers.Step(by_stable[s.node], s.phase) for s in saved.schedule),
+            schedule=(
+                None if saved.schedule is None
+                else tuple(solvers.Step(by_stable[s.node], s.phase) for s in saved.schedule)
+            ),
             method=saved.method,
             budget_bytes=saved.budget_bytes,
             info=dict(saved.info, applied_from_file=True),

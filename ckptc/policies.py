@@ -21,9 +21,8 @@ import solvers
 from ckptc.problem import JointProblem
 from solvers.chen import keep_all_plan
 from solvers.graph import own_checkpoint_mask
-from solvers.simulator import names_of
 from solvers.hierarchical import per_block_plan
-from solvers.simulator import honour_policies
+from solvers.simulator import honour_policies, names_of
 
 log = logging.getLogger("ckptc.policies")
 
@@ -75,7 +74,11 @@ def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, **_: o
     return _finish(jp, dataclasses.replace(plan, method="layer", budget_bytes=budget_bytes))
 
 
-_CHEAP_TO_RECOMPUTE = ("softmax", "dropout", "gelu", "relu", "silu", "tanh", "sigmoid", "mul", "add", "div", "sub", "exp", "where", "masked_fill", "pow", "rsqrt", "mean", "neg", "clone", "_to_copy", "native_layer_norm", "native_dropout", "baddbmm", "bmm", "scaled_dot_product")
+_CHEAP_TO_RECOMPUTE = (
+    "softmax", "dropout", "gelu", "relu", "silu", "tanh", "sigmoid", "mul", "add", "div", "sub", "exp", "where",
+    "masked_fill", "pow", "rsqrt", "mean", "neg", "clone", "_to_copy", "native_layer_norm", "native_dropout",
+    "baddbmm", "bmm", "scaled_dot_product",
+)
 
 
 def selective(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
@@ -92,7 +95,8 @@ def selective(jp: JointProblem, budget_bytes: int | None = None, **_: object) ->
         op = str(getattr(node.target, "_opname", node.target))
         if op in ("mm", "addmm", "convolution", "linear", "embedding") or not op.startswith(_CHEAP_TO_RECOMPUTE):
             kept.add(name)
-    return _finish(jp, solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective", budget_bytes=budget_bytes))
+    plan = solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective", budget_bytes=budget_bytes)
+    return _finish(jp, plan)
 
 
 def chen_segments(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
@@ -115,7 +119,8 @@ def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
         plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
     result = solvers.simulate(jp.problem, plan)
     info = dict(plan.info, predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
-    return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info)
+    return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes,
+                        info=info)
 
 
 STRATEGIES: dict[str, Strategy] = {

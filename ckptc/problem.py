@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import solvers
-from ckptc._torch_internals import is_tangent
+from ckptc._torch_internals import is_mutable_op, is_tangent, op_schema_name, tree_leaves
 from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
 
 # Ops whose recomputation would read state that the forward pass has already
@@ -82,9 +82,8 @@ def joint_to_problem(
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
-    outputs = [a for a in torch.utils._pytree.tree_leaves(output_node.args) if isinstance(a, fx.Node)]
-    forward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
-    backward_results = [a for a in torch.utils._pytree.tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
+    forward_results = [a for a in tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
+    backward_results = [a for a in tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
     output_names = {n.name for n in backward_results}
     if hold_outputs is None:
         hold_outputs = not returns_own_loss(forward_results)
@@ -180,7 +179,7 @@ def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_o
     grads = list(output_node.args[0][num_fwd_outputs:])
     if len(grads) != len(primals):  # unexpected layout: treat everything as differentiable
         return set(joint.graph.nodes)
-    flowing = {p for p, g in zip(primals, grads) if g is not None}
+    flowing = {p for p, g in zip(primals, grads, strict=False) if g is not None}
     for node in joint.graph.nodes:
         if node.op == "call_function" and any(a in flowing for a in node.all_input_nodes):
             flowing.add(node)
@@ -241,7 +240,7 @@ def _numel(node: fx.Node) -> int:
 def _reads_mutated_input(node: fx.Node, mutated_inputs: frozenset[str]) -> bool:
     if not mutated_inputs:
         return False
-    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in _READS_MUTATED_STATE_SAFELY:
+    if op_schema_name(node.target) in _READS_MUTATED_STATE_SAFELY:
         return False
     return any(n.name in mutated_inputs for n in node.all_input_nodes)
 
@@ -256,5 +255,4 @@ def _inputs_mutated_in_graph(joint: fx.GraphModule) -> frozenset[str]:
 
 
 def _is_mutating(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    return is_mutable_op(node.target)

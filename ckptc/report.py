@@ -64,7 +64,7 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, left_
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
             cell.ljust(width) if i < left_columns else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths))
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=False))
         ).rstrip()
 
     rule = "  ".join("-" * width for width in widths)
@@ -324,8 +324,10 @@ def memory_timelines(
 
     unoptimized_results = [solvers.simulate(r.problem, keep_everything(r.joint_problem)) for r in records]
     series = [
-        TimelineSeries("unoptimized, predicted", tuple(step_timeline(unoptimized_results)), optimized=False, measured=False),
-        TimelineSeries("plan, predicted", tuple(step_timeline([r.result for r in records])), optimized=True, measured=False),
+        TimelineSeries("unoptimized, predicted", tuple(step_timeline(unoptimized_results)),
+                       optimized=False, measured=False),
+        TimelineSeries("plan, predicted", tuple(step_timeline([r.result for r in records])),
+                       optimized=True, measured=False),
     ]
     for measurement, label, is_plan in ((measured_eager, "unoptimized (eager PyTorch), measured", False),
                                          (measured_plan, "plan, measured", True)):
@@ -427,7 +429,9 @@ def pareto_points(
             message = f"{solver} at {format_bytes(budget)}"
             report(done, message)
             start = done
-            inner = None if progress is None else (lambda f, m, start=start: report(start + f, f"{message}: {m}"))
+            inner = None if progress is None else (
+                lambda f, m, start=start, message=message: report(start + f, f"{message}: {m}")
+            )
             try:
                 model_plan = plan(model, example_inputs, example_kwargs, budget_bytes=budget, loss_fn=loss_fn,
                                   solver=solver, strategy="auto", progress=inner, **options)
@@ -504,7 +508,8 @@ def memory_timeline_plot(
     x = [(i + 0.5) / points for i in range(points)]
     for series in report.series:
         color = "tab:blue" if series.optimized else "tab:orange"
-        style = dict(linestyle="--", linewidth=1.0, alpha=0.85) if series.measured else dict(linestyle="-", linewidth=1.8)
+        style = (dict(linestyle="--", linewidth=1.0, alpha=0.85) if series.measured
+                 else dict(linestyle="-", linewidth=1.8))
         values = resample_peaks(series.values, points)
         axes.plot(x, [v / scale for v in values], color=color,
                   label=f"{series.label} (peak {format_bytes(series.peak_bytes)})", **style)

@@ -13,7 +13,8 @@
   run in between, of any shape and any number of calls, shares one account
   (``active``), so a second call before backward counts what the first keeps;
 * measures the first step of every plan after the one that planned it (planning
-  profiles ops itself), from the start of forward to the end of backward (:class:`ckptc.meter.StepMeter`); if the peak exceeds the
+  profiles ops itself), from the start of forward to the end of backward
+  (:class:`ckptc.meter.StepMeter`); if the peak exceeds the
   budget, the next call of that shape plans again with the measured excess
   added to every graph's baseline, at most :data:`MAX_REPLANS` times, then
   raises :class:`~ckptc.errors.BudgetExceededError`;
@@ -366,7 +367,8 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 def _is_scalar_loss(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point and value.requires_grad
+    return (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point
+            and value.requires_grad)
 
 
 def _carries_loss(output: Any, depth: int = 0) -> bool:
@@ -384,7 +386,7 @@ def _carries_loss(output: Any, depth: int = 0) -> bool:
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
     """What selects a plan: structure, shapes, dtypes, devices of the inputs, and autocast."""
-    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    leaves, spec = internals.tree_flatten((args, kwargs))
     described: list[Any] = [str(spec)]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

@@ -17,6 +17,8 @@ from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError,
 from solvers.plan import Plan, Step
 from solvers.problem import BACKWARD, FORWARD, INPUT, RECOMPUTE, SAVE, Node, Problem
 from solvers.simulator import SimResult, schedule, simulate
+
+# isort: split
 from solvers.api import METHODS, lowest_peak_plan, min_feasible_budget, solve
 
 __all__ = [

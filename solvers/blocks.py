@@ -144,7 +144,7 @@ def find_blocks(problem: Problem) -> BlockChain:
     labels = [_label(problem, run) for run in runs]
     signatures: dict[tuple, int] = {}
     klass_of = []
-    for b, nodes_b in enumerate(members):
+    for nodes_b in members:
         nodes_b.sort()
         sig = _signature(problem, nodes_b, fixed)
         klass_of.append(signatures.setdefault(sig, len(signatures)))

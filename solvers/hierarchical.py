@@ -132,9 +132,8 @@ def block_options(problem: Problem, chain: BlockChain, *, time_limit: float = MI
         local = {v: k for k, v in enumerate(nodes)}
         found: dict[frozenset[int], str] = {}
 
-        def add(name: str, kept: set[int]) -> None:
-            key = frozenset(local[v] for v in kept)
-            found.setdefault(key, name)
+        def add(name: str, kept: set[int], local=local, found=found) -> None:
+            found.setdefault(frozenset(local[v] for v in kept), name)
 
         keep_all = _keep_all(problem, nodes, chain.fixed)
         add("keep_all", keep_all)
@@ -217,7 +216,8 @@ def _pareto(rows: list[tuple[int, int, float]]) -> list[int]:
     keep = []
     for j, r in enumerate(rows):
         dominated = any(
-            k != j and all(a <= b for a, b in zip(rows[k], r)) and (rows[k] != r or k < j) for k in range(len(rows))
+            k != j and all(a <= b for a, b in zip(rows[k], r, strict=True)) and (rows[k] != r or k < j)
+            for k in range(len(rows))
         )
         if not dominated:
             keep.append(j)

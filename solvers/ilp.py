@@ -73,10 +73,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from solvers.errors import InfeasibleBudgetError, SolverError, format_bytes
-from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, Step
 from solvers.graph import storage_roots
+from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, Step
 from solvers.problem import Problem
-from solvers.simulator import evaluate_mask, honour_policies_mask, names_of, simulate
+from solvers.simulator import simulate
 
 __all__ = ["ilp", "build_model", "MAX_VARIABLES"]
 
@@ -227,7 +227,7 @@ class _Model:
         self.aux: list[tuple[Any, list[Any]]] = []
         g = graph
         F, B = len(g.forward), len(g.backward)
-        nbytes, output = problem._bytes, problem._output
+        nbytes = problem._bytes
         self.estimated = self._estimate(max_variables)
         lp = pulp.LpProblem("ckptc_remat", pulp.LpMinimize)
         self.lp = lp
@@ -353,7 +353,7 @@ class _Model:
             lp.addConstraint(pulp.lpSum(total) + extra + const <= cap)
 
         # Forward phase: liveness of i at the step of k (i before k).
-    
+
         roots = storage_roots(problem)
         scratch = _scratch(problem)
         resident_fwd = problem.resident_bytes
@@ -510,8 +510,6 @@ def _make_solver(time_limit: float, start: dict[str, float] | None, threads: int
         """pulp's HiGHS, created quietly and optionally given a starting solution."""
 
         def createAndConfigureSolver(self, lp):  # noqa: N802 (pulp's name)
-            import highspy
-
             with _quiet_stdout():
                 super().createAndConfigureSolver(lp)
             lp.solverModel.setOptionValue("output_flag", False)
@@ -599,7 +597,7 @@ def _solve(model: _Model, time_limit: float, start: dict[str, float] | None, thr
 # ============================================================== plans
 def _prune(problem: Problem, graph: _Graph, kept: set[int], rec: list[list[int]]) -> tuple[set[int], list[list[int]]]:
     """Drop recomputations nobody reads and kept values backward never reads (both only free memory)."""
-    fwd_preds, output = problem._fwd_preds, problem._output
+    fwd_preds = problem._fwd_preds
     g = graph
     B = len(g.backward)
     changed = True
@@ -690,8 +688,7 @@ def _start_from_plan(problem: Problem, model: _Model, plan: Plan) -> dict[str, f
         if not isinstance(var, int):
             values[var.name] = 1.0 if i in forward_done else 0.0
     # Liveness S from reads: an instance is alive entering stage t if read at or after t before being replaced.
-    alive: dict[int, int] = {}  # pos -> last stage it must be alive entering
-    fwd_preds, output = problem._fwd_preds, problem._output
+    fwd_preds = problem._fwd_preds
     latest_stage: dict[int, int] = {i: 0 for i in kept}  # stage the current instance appeared (0: kept)
     holds: list[tuple[int, int, int]] = []  # (pos, from_stage_exclusive_or_0, read_stage)
     for t in range(B):
@@ -836,7 +833,7 @@ def ilp(
     target = budget_bytes
     last_error = None
     solving_spent = 0.0
-    for attempt in range(_RETRIES):
+    for _attempt in range(_RETRIES):
         build_started = time.perf_counter()
         if progress is not None:
             progress(0.05, "ilp: building the MILP")
@@ -863,8 +860,8 @@ def ilp(
                 log.info("ilp: the MILP found no schedule within the budget; keep-all fits, returning it")
                 return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
                                {"status": "fallback", "gap": None, "bound": None, "candidate": "keep_all"})
-            lowest = _min_feasible(problem, graph, max_variables, max(1.0, time_limit - (time.perf_counter() - started)),
-                                   threads, keep_all_core.peak_bytes)
+            remaining = max(1.0, time_limit - (time.perf_counter() - started))
+            lowest = _min_feasible(problem, graph, max_variables, remaining, threads, keep_all_core.peak_bytes)
             raise InfeasibleBudgetError(
                 budget_bytes, lowest,
                 f"ilp: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest feasible "

@@ -11,8 +11,8 @@ from torch import nn
 
 
 def gpt2():
-    """Hugging Face GPT-2 (tiny config, random weights) as a bench.models.ModelCase (object form)."""
-    from bench.models import get_case
+    """Hugging Face GPT-2 (tiny config, random weights) as a tests.zoo.ModelCase (object form)."""
+    from tests.zoo import get_case
 
     case = get_case("gpt2")
     return case

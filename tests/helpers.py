@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 import ckptc
-from bench.models import ModelCase, get_case
 from ckptc.meter import MemoryMeasurement, measure_peak, resident_bytes
+from tests.zoo import ModelCase, get_case
 
 
 def step(case: ModelCase, model: Any, seed: int = 1234) -> torch.Tensor:
@@ -37,7 +37,8 @@ def assert_same_training(case: ModelCase, reference: torch.nn.Module, loss: torc
             )
     our_buffers = dict(case.model.named_buffers())
     for name, ref in reference.named_buffers():
-        assert torch.equal(our_buffers[name], ref) or torch.allclose(our_buffers[name].float(), ref.float(), rtol=rtol, atol=atol), name
+        mine = our_buffers[name]
+        assert torch.equal(mine, ref) or torch.allclose(mine.float(), ref.float(), rtol=rtol, atol=atol), name
 
 
 @dataclass

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
-import re
 import fnmatch
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -48,7 +48,8 @@ def test_eager_backend_dropout_gradients_equal_eager(fraction: float) -> None:
     # (pytorch/pytorch#190758); ckptc replays the generator state instead.
     case = get_case("gpt2")
     reference = copy.deepcopy(case.model)
-    compiled = torch.compile(case.model, backend=ckptc.backend(budget_bytes=budget_bounds(case).at(fraction)), dynamic=False)
+    backend = ckptc.backend(budget_bytes=budget_bounds(case).at(fraction))
+    compiled = torch.compile(case.model, backend=backend, dynamic=False)
     assert_same_training(case, reference, step(case, compiled), step(case, reference))
 
 
@@ -81,7 +82,8 @@ def test_graph_breaks_share_one_budget() -> None:
     reference = copy.deepcopy(model)
     unoptimized = ckptc.plan(copy.deepcopy(model), (x,), strategy="none")
     assert len(unoptimized.graphs) == 2
-    budget = max(unoptimized.min_feasible_bytes, (unoptimized.min_feasible_bytes + unoptimized.unoptimized_peak_bytes) // 2)
+    halfway = (unoptimized.min_feasible_bytes + unoptimized.unoptimized_peak_bytes) // 2
+    budget = max(unoptimized.min_feasible_bytes, halfway)
     optimized = ckptc.optimize(model, budget_bytes=budget)
 
     class Case:  # the shape tests.helpers expects

@@ -1,28 +1,42 @@
 """Smoke test of the benchmark (bench.run): one tiny model, two budgets, files written.
 
 Nothing here is timed: the benchmark's numbers are not checked, only that
-every alternative ran (or said why not) and the outputs were written.
+every alternative ran (or said why not) and the outputs were written.  The
+tests never import ``bench`` (``tests/test_boundaries.py``): the benchmark
+runs as users run it, ``python -m bench.run`` from the repository root, in a
+subprocess.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parent.parent
 
-from bench import run
-from bench.alternatives import count_flops, find_block_containers, wrap_blocks
-from bench.models import get_case
+
+def _run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root; fails the test with its stderr if it exits non-zero."""
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"python {' '.join(args)} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return done
+
+
+def test_bench_run_help_works_from_the_repository_root():
+    assert "--models" in _run_python("-m", "bench.run", "--help").stdout
 
 
 def test_bench_run_writes_results_for_every_alternative(tmp_path):
     out = tmp_path / "results"
-    code = run.main([
+    _run_python(
+        "-m", "bench.run",
         "--models", "mlp", "--size", "tiny", "--out", str(out),
         "--budgets", "2", "--below", "0", "--solvers", "hierarchical", "--strategies",
         "--aot-budgets", "0.5", "--reps", "1",
-    ])
-    assert code == 0
+    )
     data = json.loads((out / "mlp.json").read_text())
     families = {p["family"] for p in data["points"]}
     assert {"eager", "ckpt_every", "ckpt_every_other", "aot_eager", "ckptc"} <= families
@@ -47,17 +61,28 @@ def test_bench_run_writes_results_for_every_alternative(tmp_path):
 
 
 def test_block_helper_and_flop_counter_on_a_tiny_model():
-    case = get_case("gpt2", size="tiny")
-    containers, _ = find_block_containers(case.model)
-    assert [path for path, _ in containers] == ["transformer.h"]
-    assert find_block_containers(get_case("mlp", size="tiny").model)[0] == []
-    with count_flops() as eager:
-        case.forward_loss().backward()
-    with torch.utils.flop_counter.FlopCounterMode(display=False) as reference:
-        case.forward_loss().backward()
-    assert eager.total == reference.get_total_flops() > 0
-    wrapped, _ = wrap_blocks(case.model, every=2)
-    assert wrapped == ["transformer.h.0"]
-    with count_flops() as checkpointed:
-        case.forward_loss().backward()
-    assert checkpointed.total > eager.total  # block 0's forward runs again in backward
+    """bench.alternatives' block finder, per-block wrapper and FLOP counter, in a fresh interpreter."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from bench.alternatives import count_flops, find_block_containers, wrap_blocks
+        from tests.zoo import get_case
+
+        case = get_case("gpt2", size="tiny")
+        containers, _ = find_block_containers(case.model)
+        assert [path for path, _ in containers] == ["transformer.h"], containers
+        assert find_block_containers(get_case("mlp", size="tiny").model)[0] == []
+        with count_flops() as eager:
+            case.forward_loss().backward()
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as reference:
+            case.forward_loss().backward()
+        assert eager.total == reference.get_total_flops() > 0, (eager.total, reference.get_total_flops())
+        wrapped, _ = wrap_blocks(case.model, every=2)
+        assert wrapped == ["transformer.h.0"], wrapped
+        with count_flops() as checkpointed:
+            case.forward_loss().backward()
+        assert checkpointed.total > eager.total  # block 0's forward runs again in backward
+        print("ok")
+        """
+    )
+    assert _run_python("-c", script).stdout.strip().endswith("ok")

@@ -113,9 +113,9 @@ def test_random_models_train_like_eager_within_budget(blocks, fraction: float, s
     loss = train(optimized, model.parameters())
     ref_loss = train(reference, reference.parameters())
     assert torch.allclose(loss, ref_loss, rtol=1e-4, atol=1e-6)
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5), name
-    for (name, a), b in zip(model.named_buffers(), reference.buffers()):
+    for (name, a), b in zip(model.named_buffers(), reference.buffers(), strict=True):
         assert torch.allclose(a.float(), b.float()), name
 
     assert optimized.plan.predicted_peak_bytes <= budget

@@ -116,7 +116,7 @@ def block_chains(draw, max_layers: int = 5) -> Problem:
     layers = draw(st.integers(1, max_layers), label="layers")
     alike = draw(st.booleans(), label="alike")
     shapes = []
-    for i in range(layers):
+    for _ in range(layers):
         if alike and shapes:
             shapes.append(shapes[0])
             continue
@@ -137,7 +137,7 @@ def block_chains(draw, max_layers: int = 5) -> Problem:
     previous = "embed"
     for i, (sizes, costs, residual) in enumerate(shapes):
         layer_input = previous
-        for k, (b, c) in enumerate(zip(sizes, costs)):
+        for k, (b, c) in enumerate(zip(sizes, costs, strict=False)):
             preds = (previous, "w") if k == 0 else (previous,)
             if residual and k == len(sizes) - 1 and k > 0:
                 preds = (previous, layer_input)
@@ -200,7 +200,8 @@ def _layered(layers: int = 3) -> Problem:
     forward = []
     for i in range(layers):
         nodes.append(Node(f"a{i}", 32, 100.0, "forward", (previous, "w"), module=f"layers.{i}.attn", op="mm"))
-        nodes.append(Node(f"v{i}", 0, 0.0, "forward", (f"a{i}",), alias_of=f"a{i}", module=f"layers.{i}.attn", op="view"))
+        nodes.append(Node(f"v{i}", 0, 0.0, "forward", (f"a{i}",), alias_of=f"a{i}", module=f"layers.{i}.attn",
+                          op="view"))
         nodes.append(Node(f"s{i}", 32, 4.0, "forward", (f"v{i}", "mask"), module=f"layers.{i}.attn", op="softmax"))
         nodes.append(Node(f"c{i}", 32, 1.0, "forward", (f"s{i}",), module=f"layers.{i}", op="clone"))
         nodes.append(Node(f"o{i}", 8, 50.0, "forward", (f"c{i}", previous), module=f"layers.{i}.mlp", op="mm"))
@@ -256,7 +257,7 @@ def test_a_kept_view_pins_its_base_in_the_block_menu():
     menu = build_menu(problem)
     layer = 1
     names = menu.names[layer]
-    kept_bytes = dict(zip(names, menu.kept_bytes[layer]))
+    kept_bytes = dict(zip(names, menu.kept_bytes[layer], strict=False))
     # keep-everything in a layer keeps s (32 B) and the view v of a (pins a's 32 B), plus the fixed output o (8 B)
     assert kept_bytes["keep_all"] == 32 + 32 + 8
     assert kept_bytes["input_only"] == 8
@@ -343,7 +344,7 @@ def test_hierarchical_reaches_a_hand_written_per_block_checkpoint_on_a_real_unet
             for block in self.down:
                 h = self.run(block, h)
                 skips.append(h)
-            for block, skip in zip(self.up, reversed(skips)):
+            for block, skip in zip(self.up, reversed(skips), strict=False):
                 h = self.run(block, torch.cat([h, skip], dim=1))
             return self.head(h).float().pow(2).mean()
 

@@ -1,4 +1,4 @@
-"""Smoke tests for the model registry in ``bench.models`` (tiny sizes only; a few seconds in total)."""
+"""Smoke tests for the model zoo in ``tests.zoo`` (tiny sizes only; a few seconds in total)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from bench.hyena import HyenaConfig, HyenaDNA, fft_causal_conv
-from bench.models import MODEL_SIZES, MODELS, ModelCase, get_case
+from tests.hyena import HyenaConfig, HyenaDNA, fft_causal_conv
+from tests.zoo import MODEL_SIZES, MODELS, ModelCase, get_case
 
 ALL_MODELS = sorted(MODELS)
 HF_ATTENTION_MODELS = ["gpt2", "llama", "bert", "vit"]

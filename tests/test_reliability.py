@@ -104,10 +104,10 @@ def test_gradient_accumulation_over_micro_batches() -> None:
         for p in params:
             p.grad = None
         torch.manual_seed(7)
-        for micro in range(3):
+        for _micro in range(3):
             out = model(*case.example_inputs, **case.example_kwargs)
             (case.loss(out) / 3).backward()
-    for (name, a), (_, b) in zip(case.model.named_parameters(), reference.named_parameters()):
+    for (name, a), (_, b) in zip(case.model.named_parameters(), reference.named_parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5), name
 
 
@@ -133,7 +133,7 @@ def test_in_place_ops_and_called_twice_in_one_step() -> None:
     optimized = ckptc.optimize(model, strategy="segment")
     (optimized(x1).sum() + optimized(x2).pow(2).mean()).backward()
     (reference(x1).sum() + reference(x2).pow(2).mean()).backward()
-    for a, b in zip(model.parameters(), reference.parameters()):
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
@@ -163,7 +163,7 @@ def test_keyword_inputs_dict_dataclass_and_non_tensor_outputs() -> None:
     assert out["n"] == 3 and out["out"].note == "ok"
     out["out"].loss.backward()
     reference(x, scale=scale)["out"].loss.backward()
-    for a, b in zip(model.parameters(), reference.parameters()):
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
@@ -188,7 +188,7 @@ def test_manual_seed_reproducibility_across_two_optimized_runs() -> None:
         losses.append(step(case, optimized, seed=99))
         grads.append([p.grad.clone() for p in case.model.parameters() if p.grad is not None])
     assert torch.equal(losses[0], losses[1])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_code_capture_cannot_handle_runs_eagerly_between_planned_graphs() -> None:
@@ -211,6 +211,6 @@ def test_code_capture_cannot_handle_runs_eagerly_between_planned_graphs() -> Non
     optimized = ckptc.optimize(model, strategy="segment")
     optimized(x).backward()
     reference(x).backward()
-    for a, b in zip(model.parameters(), reference.parameters()):
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
     assert len(optimized.plan.graphs) >= 2

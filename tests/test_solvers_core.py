@@ -11,13 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import networkx as nx
 import pytest
 
-import solvers
 from solvers import (
     METHODS,
     InfeasibleBudgetError,

@@ -13,9 +13,8 @@ Runtime: about a minute on 2 cores (hypothesis is derandomized).
 from __future__ import annotations
 
 import itertools
-import math
 import logging
-import time
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -13,8 +13,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solvers import METHODS, InfeasibleBudgetError, InvalidPlanError, Plan, Problem, Step, min_feasible_budget
-from solvers import schedule, simulate, solve
+from solvers import (
+    METHODS,
+    InfeasibleBudgetError,
+    InvalidPlanError,
+    Plan,
+    Problem,
+    Step,
+    min_feasible_budget,
+    schedule,
+    simulate,
+    solve,
+)
 from solvers.chen import chen_sqrt, keep_all_plan
 from solvers.chen import lowest_peak_plan as chen_lowest_peak
 from solvers.hierarchical import lowest_peak_plan as hierarchical_lowest_peak

@@ -1,4 +1,7 @@
-"""Registry of small, real model cases for ckptc's tests, demo and benchmarks.
+"""The model zoo: small, real model cases for ckptc's tests, demo and benchmarks.
+
+It lives with the tests (they must not depend on the benchmark); ``bench/``
+imports it from here (``from tests.zoo import get_case``).
 
 Every factory ``make_<name>(size="tiny", seq_len=None, batch=None, seed=0)``
 returns a :class:`ModelCase`: a freshly built model in train mode with random
@@ -43,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.hyena import HyenaConfig, HyenaDNA, next_token_loss
+from tests.caduceus import MASK_ID, NUCLEOTIDES, TOKEN_ID, BiMambaDNA, masked_lm_loss
+from tests.hyena import HyenaConfig, HyenaDNA, next_token_loss
 
 LossFn = Callable[[Any], Tensor]
 ModelFactory = Callable[..., "ModelCase"]
@@ -250,9 +254,11 @@ def make_mamba(size: str = "tiny", seq_len: int | None = None, batch: int | None
     Known issue (torch 2.13): under ``torch.compile(backend="aot_eager")`` the
     backward fails with "view size is not compatible with input tensor's size
     and stride": the fake-tensor kernel of ``aten.softplus_backward`` (used for
-    ``dt``) predicts contiguous strides, while the eager kernel follows the
-    transposed incoming gradient. Backends that decompose it
-    ("aot_eager_decomp_partition", inductor) are unaffected.
+    ``dt``) lays its result out like its input, while the eager kernel follows
+    the transposed incoming gradient. Backends that decompose it
+    ("aot_eager_decomp_partition", inductor) are unaffected, and so is ckptc,
+    which decomposes it (``ckptc._torch_internals.workaround_decompositions``;
+    ``tests/test_models_ssm.py``).
     """
     from transformers import MambaConfig, MambaForCausalLM
 
@@ -298,7 +304,7 @@ def make_vit(size: str = "tiny", seq_len: int | None = None, batch: int | None =
 
 
 # --------------------------------------------------------------------------- #
-# Genomics: Enformer (enformer-pytorch) and our HyenaDNA-style model            #
+# Genomics: Enformer (enformer-pytorch), our HyenaDNA- and Caduceus-style models #
 # --------------------------------------------------------------------------- #
 
 _ENFORMER_SIZES = {
@@ -367,7 +373,7 @@ _HYENA_SIZES = {
 
 def make_hyena(size: str = "tiny", seq_len: int | None = None, batch: int | None = None,
                seed: int = 0) -> ModelCase:
-    """HyenaDNA-style long-convolution DNA language model (``bench.hyena``), next-nucleotide loss."""
+    """HyenaDNA-style long-convolution DNA language model (``tests.hyena``), next-nucleotide loss."""
     spec = _pick_size("hyena", _HYENA_SIZES, size)
     seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
     config = HyenaConfig(**spec.config, max_seq_len=seq_len)
@@ -381,6 +387,52 @@ def make_hyena(size: str = "tiny", seq_len: int | None = None, batch: int | None
 
 def _next_token_loss_on(logits: Tensor, *, input_ids: Tensor) -> Tensor:
     return next_token_loss(logits, input_ids)
+
+
+_CADUCEUS_SIZES = {
+    # The slow path traces a Python loop over time steps, twice (both strands): a short tiny sequence.
+    "tiny": _Size(dict(hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4),
+                  seq_len=16, batch=2),
+    # As mamba's "long": the stock CPU path's backward grows with L^2 (see make_mamba), and each
+    # step runs the backbone twice (both strands).
+    "bench": _Size(dict(hidden_size=64, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4),
+                   seq_len=512, batch=1),
+}
+
+
+def make_caduceus(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
+                  *, mask_prob: float = 0.15) -> ModelCase:
+    """Caduceus-style bidirectional Mamba DNA model (``tests.caduceus.BiMambaDNA``), masked-LM loss.
+
+    Input is random nucleotides (A, C, G, T, a few N) as token ids of the
+    12-token Caduceus vocabulary; about ``mask_prob`` of them are replaced by
+    ``[MASK]`` and are the only positions with a label (position 1 of every row
+    is always masked, so the loss is never an empty mean).  Built on
+    transformers' ``MambaModel`` without CUDA kernels (the slow path).
+    """
+    from transformers import MambaConfig
+
+    spec = _pick_size("caduceus", _CADUCEUS_SIZES, size)
+    seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
+    config = MambaConfig(**spec.config, vocab_size=len(TOKEN_ID), pad_token_id=TOKEN_ID["[PAD]"],
+                         use_cache=False, use_mambapy=False)
+    nucleotide_ids = torch.tensor([TOKEN_ID[n] for n in NUCLEOTIDES])
+    with _seeded(seed):
+        model = BiMambaDNA(config).train()
+        # N (unknown base) is rare in real genomes: 1 in 50 here.
+        bases = torch.multinomial(torch.tensor([0.245, 0.245, 0.245, 0.245, 0.02]), batch * seq_len,
+                                  replacement=True).view(batch, seq_len)
+        tokens = nucleotide_ids[bases]
+        masked = torch.rand(batch, seq_len) < mask_prob
+    masked[:, min(1, seq_len - 1)] = True
+    labels = tokens.masked_fill(~masked, -100)
+    input_ids = tokens.masked_fill(masked, MASK_ID)
+    return ModelCase("caduceus", model, (input_ids,), {},
+                     loss=functools.partial(_masked_lm_loss_on, labels=labels))
+
+
+def _masked_lm_loss_on(logits: Tensor, *, labels: Tensor) -> Tensor:
+    return masked_lm_loss(logits, labels)
 
 
 # --------------------------------------------------------------------------- #
@@ -491,6 +543,7 @@ MODELS: dict[str, ModelFactory] = {
     "vit": make_vit,
     "enformer": make_enformer,
     "hyena": make_hyena,
+    "caduceus": make_caduceus,
     "mlp": make_mlp,
     "convnet": make_convnet,
 }
@@ -498,7 +551,8 @@ MODELS: dict[str, ModelFactory] = {
 MODEL_SIZES: dict[str, tuple[str, ...]] = {
     "gpt2": tuple(_GPT2_SIZES), "llama": tuple(_LLAMA_SIZES), "bert": tuple(_BERT_SIZES),
     "mamba": tuple(_MAMBA_SIZES), "vit": tuple(_VIT_SIZES), "enformer": tuple(_ENFORMER_SIZES),
-    "hyena": tuple(_HYENA_SIZES), "mlp": tuple(_MLP_SIZES), "convnet": tuple(_CONVNET_SIZES),
+    "hyena": tuple(_HYENA_SIZES), "caduceus": tuple(_CADUCEUS_SIZES), "mlp": tuple(_MLP_SIZES),
+    "convnet": tuple(_CONVNET_SIZES),
 }
 
 
