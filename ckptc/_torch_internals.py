@@ -62,6 +62,11 @@ def op_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def is_view_op(target: Any) -> bool:
+    """True if ``target`` is an op overload whose output views its input (``view``, ``expand``...)."""
+    return is_op_overload(target) and bool(target.is_view)
+
+
 def op_schema_name(target: Any) -> str | None:
     """The schema's qualified name (``"aten::alias"``) of an op overload; ``None`` for anything else."""
     return target._schema.name if is_op_overload(target) else None

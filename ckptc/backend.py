@@ -25,9 +25,14 @@ import torch
 import torch.fx as fx
 
 from ckptc.compiler import CheckpointCompiler
+from ckptc.errors import PlanMismatchError
 from ckptc.plans import ModelPlan, load_plan, plan_source_for
+from solvers import format_bytes
 
 GiB = 1024**3
+# Allocators count bytes in 64-bit integers: a larger budget is a mistake in
+# units (budget_bytes given as GiB, a typo in the exponent), not a real limit.
+MAX_BUDGET_BYTES = 2**63 - 1
 
 
 def budget_to_bytes(budget_gb: float | None, budget_bytes: int | None) -> int | None:
@@ -39,11 +44,25 @@ def budget_to_bytes(budget_gb: float | None, budget_bytes: int | None) -> int | 
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{unit} must be a number, not {type(value).__name__}")
+    units = "GiB" if unit == "budget_gb" else "bytes"
     if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{unit} must be a finite number of {'GiB' if unit == 'budget_gb' else 'bytes'}, got {value}")
+        raise ValueError(f"{unit} must be a finite number of {units}, got {value!r}")
     if value <= 0:
-        raise ValueError(f"{unit} must be positive, got {value}")
-    return int(value * GiB) if unit == "budget_gb" else int(value)
+        raise ValueError(f"{unit} must be positive, got {value!r}")
+    # A float budget_gb of 1e300 overflows to inf here; that compares above the cap.
+    scaled = value * GiB if unit == "budget_gb" else value
+    if scaled > MAX_BUDGET_BYTES:
+        raise ValueError(
+            f"{unit}={value!r} is more than any device's memory (over 2**63 bytes); "
+            f"give the budget in {units}, e.g. budget_gb=40"
+        )
+    nbytes = int(scaled)
+    if nbytes < 1:
+        raise ValueError(
+            f"{unit}={value!r} is less than one byte; give the budget in {units} "
+            "(budget_gb=40 means 40 GiB, as does budget_bytes=40 * 2**30)"
+        )
+    return nbytes
 
 
 _OPTION_NAMES = {
@@ -94,7 +113,17 @@ def backend(
     source = None
     if plan is not None:
         model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
-        source = plan_source_for(model_plan)
+        if budget is not None and model_plan.predicted_peak_bytes > budget:
+            # A plan does not adapt to a budget: it would silently break the promise.
+            raise PlanMismatchError(
+                f"the plan predicts a peak of {format_bytes(model_plan.predicted_peak_bytes)} "
+                f"({model_plan.predicted_peak_bytes} bytes), over the budget given with it, "
+                f"{format_bytes(budget)} ({budget} bytes). Plan again for this budget, or "
+                "apply the plan without a budget."
+            )
+        # An explicit budget is also checked against each graph as applied (the
+        # peak is simulated again on the captured graph).
+        source = plan_source_for(model_plan, budget)
         if budget is None:
             budget = model_plan.budget_bytes
     return CheckpointCompiler(

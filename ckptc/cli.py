@@ -39,6 +39,7 @@ import torch
 import ckptc
 import solvers
 from ckptc import report
+from ckptc.backend import budget_to_bytes
 from ckptc.errors import CkptcError
 from ckptc.policies import STRATEGIES
 from solvers import format_bytes
@@ -46,7 +47,6 @@ from solvers import format_bytes
 log = logging.getLogger("ckptc.cli")
 
 PROG = "ckptc"
-GiB = 1024**3
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -55,7 +55,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # --------------------------------------------------------------------------- #
 
 
-class CliError(Exception):
+class CliError(CkptcError):
     """A failure with a message meant for the user as is (no traceback)."""
 
     exit_code = EXIT_FAILURE
@@ -252,8 +252,14 @@ def _positive_finite(text: str, unit: str) -> float:
 
 
 def budget_gb_type(text: str) -> float:
-    """argparse type of ``--budget-gb``: a positive finite number of GiB."""
-    return _positive_finite(text, "GiB")
+    """argparse type of ``--budget-gb``: a positive finite number of GiB, at least one byte
+    and at most 2**63 bytes."""
+    value = _positive_finite(text, "GiB")
+    try:
+        budget_to_bytes(value, None)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"got '{text}': {error}") from None
+    return value
 
 
 def budget_bytes_type(text: str) -> int:
@@ -261,7 +267,10 @@ def budget_bytes_type(text: str) -> int:
     value = _positive_finite(text, "bytes")
     if not value.is_integer():
         raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got '{text}'")
-    return int(value)
+    try:
+        return budget_to_bytes(None, int(value))  # type: ignore[return-value]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"got '{text}': {error}") from None
 
 
 def positive_int_type(text: str) -> int:
@@ -277,9 +286,7 @@ def positive_int_type(text: str) -> int:
 
 def budget_from(args: argparse.Namespace) -> int | None:
     """The budget in bytes from ``--budget-gb`` / ``--budget-bytes`` (None if neither was given)."""
-    if args.budget_gb is not None:
-        return int(args.budget_gb * GiB)
-    return args.budget_bytes
+    return budget_to_bytes(args.budget_gb, args.budget_bytes)
 
 
 def _add_common(parser: argparse.ArgumentParser, *, top_level: bool = False) -> None:
@@ -441,6 +448,8 @@ def _ensure_writable(path: str) -> Path:
     target = Path(path)
     if not target.parent.exists():
         raise CliError(f"{target}: folder {target.parent} does not exist")
+    if not target.parent.is_dir():
+        raise CliError(f"{target}: {target.parent} is a file, not a folder")
     if target.is_dir():
         raise CliError(f"{target}: is a folder; give a file name")
     return target

@@ -1,12 +1,28 @@
-"""Errors raised by ckptc.  Each message says what went wrong and what to do next."""
+"""Errors raised by ckptc.  Each message says what went wrong and what to do next.
+
+Every error ckptc raises derives from :class:`CkptcError`, which is defined in
+:mod:`solvers.errors` (so ``solvers`` stays importable without ckptc) and is
+also the base of the solvers' errors, ``InfeasibleBudgetError`` included.
+
+Errors about the value of an argument are also :class:`ValueError`, so code
+that guards a call with ``except ValueError`` keeps working:
+
+* ``InfeasibleBudgetError``: the budget is below the smallest feasible one;
+* ``CorruptPlanError``: the plan file's content is not a valid plan;
+* ``PlanMismatchError``: the plan belongs to another model, other inputs,
+  another torch version, or does not fit the budget given with it.
+
+``UntraceableModelError`` is not: the model's code, not an argument's value,
+is what capture could not handle.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from solvers.errors import CkptcError
 
-class CkptcError(Exception):
-    """Base class of ckptc's own errors."""
+__all__ = ["CkptcError", "UntraceableModelError", "PlanMismatchError", "CorruptPlanError"]
 
 
 class UntraceableModelError(CkptcError):
@@ -25,12 +41,13 @@ class UntraceableModelError(CkptcError):
         )
 
 
-class PlanMismatchError(CkptcError):
+class PlanMismatchError(CkptcError, ValueError):
     """A plan file does not belong to this model, these inputs or this torch version."""
 
 
-class CorruptPlanError(CkptcError):
-    """A plan file cannot be read: truncated, not JSON, or not a ckptc plan."""
+class CorruptPlanError(CkptcError, ValueError):
+    """A plan file cannot be read: truncated, not JSON, not a ckptc plan, or a
+    field with a wrong type or value (the message names the field)."""
 
 
 class BudgetExceededError(CkptcError):

@@ -12,15 +12,18 @@ and budget give a byte-identical file.  Loading never runs code.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
 import torch
 
 import solvers
+import solvers.plan
+from ckptc._torch_internals import is_op_overload
 from ckptc.errors import CorruptPlanError, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -75,19 +78,25 @@ class GraphPlan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "GraphPlan":
+    def from_dict(cls, data: Any, *, source: str = "plan", where: str = "graphs[0]") -> "GraphPlan":
+        """Read one graph's entry of a plan file; :class:`CorruptPlanError` names a bad field."""
+        r = _Reader(source)
+        data = r.mapping(data, where)
+        values = r.get(data, "values", where, default=[])
         return cls(
-            fingerprint=str(data["fingerprint"]),
-            inputs=list(data["inputs"]),
-            plan=solvers.Plan.from_dict(data["plan"]),
-            predicted_peak_bytes=int(data["predicted_peak_bytes"]),
-            unoptimized_peak_bytes=int(data["unoptimized_peak_bytes"]),
-            min_feasible_bytes=int(data["min_feasible_bytes"]),
-            baseline_bytes=int(data["baseline_bytes"]),
-            recompute_flops=float(data["recompute_flops"]),
-            forward_flops=float(data["forward_flops"]),
-            backward_flops=float(data["backward_flops"]),
-            values=[KeptValue(**v) for v in data.get("values", [])],
+            fingerprint=r.string(r.get(data, "fingerprint", where), f"{where}.fingerprint"),
+            inputs=r.inputs(r.get(data, "inputs", where), f"{where}.inputs"),
+            plan=r.plan(r.get(data, "plan", where), f"{where}.plan"),
+            predicted_peak_bytes=r.count(r.get(data, "predicted_peak_bytes", where), f"{where}.predicted_peak_bytes"),
+            unoptimized_peak_bytes=r.count(
+                r.get(data, "unoptimized_peak_bytes", where), f"{where}.unoptimized_peak_bytes"
+            ),
+            min_feasible_bytes=r.count(r.get(data, "min_feasible_bytes", where), f"{where}.min_feasible_bytes"),
+            baseline_bytes=r.count(r.get(data, "baseline_bytes", where), f"{where}.baseline_bytes"),
+            recompute_flops=r.number(r.get(data, "recompute_flops", where), f"{where}.recompute_flops"),
+            forward_flops=r.number(r.get(data, "forward_flops", where), f"{where}.forward_flops"),
+            backward_flops=r.number(r.get(data, "backward_flops", where), f"{where}.backward_flops"),
+            values=[r.kept_value(v, f"{where}.values[{i}]") for i, v in enumerate(r.array(values, f"{where}.values"))],
         )
 
 
@@ -205,26 +214,194 @@ class ModelPlan:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> "ModelPlan":
+        """Read plan-file data (parsed JSON).
+
+        Every field is checked for its type and range before use, so damaged
+        or edited content raises :class:`CorruptPlanError` naming the field,
+        never a ``KeyError`` or ``TypeError`` from deep inside ckptc.
+        """
         if not isinstance(data, dict) or data.get("format") != "ckptc-plan":
             raise CorruptPlanError(f"{source} is not a ckptc plan file (no 'format': 'ckptc-plan' field)")
-        if data.get("schema_version") != SCHEMA_VERSION:
+        if data.get("schema_version") != SCHEMA_VERSION or isinstance(data.get("schema_version"), bool):
             raise CorruptPlanError(
-                f"{source} has plan schema version {data.get('schema_version')!r}; this ckptc "
+                f"{source} has plan schema version {_show(data.get('schema_version'))}; this ckptc "
                 f"reads version {SCHEMA_VERSION}. Plan the model again with this version."
             )
-        try:
-            return cls(
-                graphs=[GraphPlan.from_dict(g) for g in data["graphs"]],
-                budget_bytes=data["budget_bytes"],
-                strategy=str(data["strategy"]),
-                solver=str(data["solver"]),
-                torch_version=str(data["torch_version"]),
-                ckptc_version=str(data["ckptc_version"]),
-                parameter_bytes=_optional_int(data.get("parameter_bytes")),
-                gradient_bytes=_optional_int(data.get("gradient_bytes")),
+        r = _Reader(source)
+        graphs = r.array(r.get(data, "graphs"), "graphs")
+        if not graphs:
+            raise CorruptPlanError(
+                f"{source} holds no graphs (field 'graphs' is empty): there are no decisions to "
+                "apply or show. Plan the model again."
             )
-        except (KeyError, TypeError, ValueError) as error:
-            raise CorruptPlanError(f"{source} is damaged: missing or invalid field {error}") from None
+        model_plan = cls(
+            graphs=[GraphPlan.from_dict(g, source=source, where=f"graphs[{i}]") for i, g in enumerate(graphs)],
+            budget_bytes=r.budget(r.get(data, "budget_bytes"), "budget_bytes"),
+            strategy=r.string(r.get(data, "strategy"), "strategy"),
+            solver=r.string(r.get(data, "solver"), "solver"),
+            torch_version=r.string(r.get(data, "torch_version"), "torch_version"),
+            ckptc_version=r.string(r.get(data, "ckptc_version"), "ckptc_version"),
+            parameter_bytes=r.optional_count(data.get("parameter_bytes"), "parameter_bytes"),
+            gradient_bytes=r.optional_count(data.get("gradient_bytes"), "gradient_bytes"),
+        )
+        if "predicted_peak_bytes" in data:
+            # Derived from the graphs; a different figure means the file was edited.
+            peak = r.count(data["predicted_peak_bytes"], "predicted_peak_bytes")
+            if peak != model_plan.predicted_peak_bytes:
+                r.fail("predicted_peak_bytes", f"is {peak} but its graphs peak at {model_plan.predicted_peak_bytes}")
+        if "recompute_flops" in data:
+            r.number(data["recompute_flops"], "recompute_flops")
+        return model_plan
+
+
+# -- reading plan files ----------------------------------------------------------
+# Sizes that no real plan reaches: a larger file or a deeper "inputs" entry is
+# damage, refused before it can exhaust memory or the recursion limit.
+MAX_PLAN_FILE_BYTES = 1 << 30
+MAX_INPUT_NESTING = 16
+MAX_BYTES = 2**63 - 1  # allocators count bytes in 64-bit integers
+DECISIONS = ("kept", "recomputed", "free")
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, shortened: a damaged field may hold a huge string or list."""
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return f"a {len(str(abs(value)))}-digit number"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Reader:
+    """Checked access to the fields of a plan file; errors name the field."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, field: str, problem: str) -> NoReturn:
+        raise CorruptPlanError(
+            f"{self.source} is damaged: field '{field}' {problem}. "
+            "Plan files are written by ckptc and not meant to be edited; plan the model again."
+        )
+
+    def get(self, data: dict[str, Any], key: str, where: str = "", default: Any = ...) -> Any:
+        if key in data:
+            return data[key]
+        if default is not ...:
+            return default
+        self.fail(f"{where}.{key}" if where else key, "is missing")
+
+    def mapping(self, value: Any, field: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.fail(field, f"must be a JSON object, got {_show(value)}")
+        return value
+
+    def array(self, value: Any, field: str) -> list[Any]:
+        if not isinstance(value, list):
+            self.fail(field, f"must be a JSON array, got {_show(value)}")
+        return value
+
+    def string(self, value: Any, field: str) -> str:
+        if not isinstance(value, str):
+            self.fail(field, f"must be a string, got {_show(value)}")
+        return value
+
+    def count(self, value: Any, field: str) -> int:
+        """A whole number of bytes (or FLOPs), from 0 to 2**63 - 1."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
+            self.fail(field, f"must be a whole number from 0 to 2**63-1, got {_show(value)}")
+        return value
+
+    def optional_count(self, value: Any, field: str) -> int | None:
+        return None if value is None else self.count(value, field)
+
+    def budget(self, value: Any, field: str) -> int | None:
+        """None (no limit) or a positive whole number of bytes."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_BYTES:
+            self.fail(field, f"must be null or a positive whole number of bytes below 2**63, got {_show(value)}")
+        return value
+
+    def number(self, value: Any, field: str) -> float:
+        """A finite, non-negative number (FLOPs, recompute cost)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e300:
+            self.fail(field, f"must be a finite number >= 0, got {_show(value)}")
+        return float(value)
+
+    def inputs(self, value: Any, field: str) -> list[list[Any]]:
+        entries = self.array(value, field)
+        for i, entry in enumerate(entries):
+            self.array(entry, f"{field}[{i}]")
+            self._shallow_json(entry, f"{field}[{i}]", MAX_INPUT_NESTING)
+        return entries
+
+    def _shallow_json(self, value: Any, field: str, depth: int) -> None:
+        # Iterative, so a deeply nested entry fails here, not with a RecursionError.
+        stack = [(value, depth)]
+        while stack:
+            item, left = stack.pop()
+            if isinstance(item, list):
+                if left == 0:
+                    self.fail(field, f"is nested more than {MAX_INPUT_NESTING} levels deep")
+                stack.extend((x, left - 1) for x in item)
+            elif isinstance(item, bool) or not isinstance(item, (str, int)) or (
+                isinstance(item, int) and abs(item) > MAX_BYTES
+            ):
+                self.fail(field, f"must hold shapes (whole numbers) and dtype names, got {_show(item)}")
+
+    def plan(self, value: Any, field: str) -> solvers.Plan:
+        data = self.mapping(value, field)
+        kept = self.array(self.get(data, "kept", field), f"{field}.kept")
+        for i, name in enumerate(kept):
+            self.string(name, f"{field}.kept[{i}]")
+        schedule = self.get(data, "schedule", field, default=None)
+        steps = None
+        if schedule is not None:
+            steps = []
+            for i, step in enumerate(self.array(schedule, f"{field}.schedule")):
+                where = f"{field}.schedule[{i}]"
+                if not isinstance(step, list) or len(step) != 2:
+                    self.fail(where, f"must be a [node, phase] pair, got {_show(step)}")
+                node, phase = step
+                self.string(node, f"{where}[0]")
+                if phase not in solvers.plan.PHASES:
+                    self.fail(f"{where}[1]", f"must be one of {list(solvers.plan.PHASES)}, got {_show(phase)}")
+                steps.append(solvers.Step(node, phase))
+        info = self.mapping(self.get(data, "info", field, default={}), f"{field}.info")
+        for key, item in info.items():
+            if isinstance(item, (dict, list)):
+                self.fail(f"{field}.info.{key}", f"must be a number, string, boolean or null, got {_show(item)}")
+        # Plan.__repr__ formats these two as numbers.
+        if "predicted_peak_bytes" in info:
+            self.count(info["predicted_peak_bytes"], f"{field}.info.predicted_peak_bytes")
+        if "recompute_cost" in info:
+            self.number(info["recompute_cost"], f"{field}.info.recompute_cost")
+        return solvers.Plan(
+            kept=frozenset(kept),
+            schedule=None if steps is None else tuple(steps),
+            method=self.string(self.get(data, "method", field), f"{field}.method"),
+            budget_bytes=self.budget(self.get(data, "budget_bytes", field, default=None), f"{field}.budget_bytes"),
+            info=info,
+        )
+
+    def kept_value(self, value: Any, field: str) -> KeptValue:
+        data = self.mapping(value, field)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(KeptValue)})
+        if unknown:
+            self.fail(f"{field}.{unknown[0]}", "is not a field of a value")
+        decision = self.string(self.get(data, "decision", field), f"{field}.decision")
+        if decision not in DECISIONS:
+            self.fail(f"{field}.decision", f"must be one of {list(DECISIONS)}, got {_show(decision)}")
+        return KeptValue(
+            name=self.string(self.get(data, "name", field), f"{field}.name"),
+            module=self.string(self.get(data, "module", field), f"{field}.module"),
+            op=self.string(self.get(data, "op", field), f"{field}.op"),
+            bytes=self.count(self.get(data, "bytes", field), f"{field}.bytes"),
+            flops=self.count(self.get(data, "flops", field), f"{field}.flops"),
+            decision=decision,
+        )
 
 
 def _parameter_sizes(model: torch.nn.Module | None) -> dict[str, int | None]:
@@ -238,12 +415,17 @@ def _parameter_sizes(model: torch.nn.Module | None) -> dict[str, int | None]:
     }
 
 
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
 def load_plan(path: str | os.PathLike[str]) -> ModelPlan:
     """Read a plan file.  Raises :class:`CorruptPlanError` with the reason if it is unusable."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        size = 0  # let open() report the missing file with its own error
+    if size > MAX_PLAN_FILE_BYTES:
+        raise CorruptPlanError(
+            f"{path} is {size} bytes, more than any plan file ({MAX_PLAN_FILE_BYTES} bytes at most); "
+            "it is not a plan written by ckptc. Plan the model again."
+        )
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -256,12 +438,22 @@ def load_plan(path: str | os.PathLike[str]) -> ModelPlan:
             f"{path} is not valid JSON ({error.msg} at line {error.lineno}); "
             "the file is truncated or corrupt. Plan the model again."
         ) from None
+    except RecursionError:
+        raise CorruptPlanError(
+            f"{path} is JSON nested too deeply to be a plan file; it is corrupt. Plan the model again."
+        ) from None
+    except ValueError as error:  # e.g. an integer with more digits than Python converts
+        raise CorruptPlanError(f"{path} is not a usable JSON document ({error}). Plan the model again.") from None
     return ModelPlan.from_dict(data, source=str(path))
 
 
 # -- graph <-> plan ------------------------------------------------------
 def fingerprint(jp: "JointProblem") -> str:
-    """A hash of the joint graph's structure: ops, shapes, dtypes and edges in order."""
+    """A hash of the joint graph's structure: ops, shapes, dtypes and edges in order.
+
+    It holds nothing that differs between processes (no memory addresses, no
+    timings), so a plan saved by one process is accepted by another.
+    """
     h = hashlib.sha256()
     for name, node in jp.nodes.items():
         val = node.meta.get("val")
@@ -269,13 +461,29 @@ def fingerprint(jp: "JointProblem") -> str:
             repr(
                 (
                     jp.stable_names[name],
-                    str(node.target) if node.op == "call_function" else node.op,
+                    target_name(node.target) if node.op == "call_function" else node.op,
                     _describe(val),
                     tuple(jp.stable_names[n.name] for n in node.all_input_nodes),
                 )
             ).encode()
         )
     return h.hexdigest()
+
+
+def target_name(target: Any) -> str:
+    """A process-independent name for an FX node's target.
+
+    ``str()`` of an aten op is its name (``aten.mm.default``), but ``str()`` of a
+    plain Python function (ckptc's ``capture_rng_state``, inserted before every
+    dropout) includes its memory address, which differs in every process.
+    """
+    if is_op_overload(target):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    if qualname is None:
+        return type(target).__qualname__
+    return f"{module}.{qualname}" if module else qualname
 
 
 def _describe(val: Any) -> Any:
@@ -345,19 +553,26 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
 
 
 def _json_safe(info: dict[str, Any]) -> dict[str, Any]:
-    # solve times differ run to run; keep files byte-identical for the same plan
+    # Timings (solve_seconds, the MILP's build_seconds and milp_seconds) differ
+    # run to run; dropping them keeps files byte-identical for the same plan.
     return {
         k: v
         for k, v in sorted(info.items())
-        if k not in ("solve_seconds",) and isinstance(v, (int, float, str, bool, type(None)))
+        if not k.endswith("seconds") and isinstance(v, (int, float, str, bool, type(None)))
     }
 
 
-def plan_source_for(model_plan: ModelPlan) -> Callable[[int, "JointProblem"], solvers.Plan]:
+def plan_source_for(
+    model_plan: ModelPlan, budget_bytes: int | None = None
+) -> Callable[[int, "JointProblem"], solvers.Plan]:
     """A ``plan_source`` that applies ``model_plan`` to freshly captured graphs.
 
     Refuses, with what differs, a graph whose torch version, fingerprint or
-    input shapes do not match the plan.
+    input shapes do not match the plan (:class:`PlanMismatchError`), and a plan
+    whose decisions name nodes the graph does not have or break the execution
+    rules (:class:`CorruptPlanError`: the file was edited).  With
+    ``budget_bytes`` (a budget given next to the plan), a graph whose plan
+    peaks above it is refused too.
     """
 
     def source(index: int, jp: "JointProblem") -> solvers.Plan:
@@ -372,7 +587,8 @@ def plan_source_for(model_plan: ModelPlan) -> Callable[[int, "JointProblem"], so
                 "graph(s): it was made for another model or other inputs. Plan again."
             )
         expected = model_plan.graphs[index]
-        inputs = _inputs(jp)
+        # Through JSON, as the file stores them (tuples become lists).
+        inputs = json.loads(json.dumps(_inputs(jp)))
         if inputs != expected.inputs:
             diffs = [
                 f"input {i}: plan {a}, model {b}"
@@ -391,18 +607,45 @@ def plan_source_for(model_plan: ModelPlan) -> Callable[[int, "JointProblem"], so
                 "(the model's code or configuration changed). Plan again."
             )
         by_stable = {s: n for n, s in jp.stable_names.items()}
+        where = f"graphs[{index}].plan"
+
+        def node(name: str, field: str) -> str:
+            try:
+                return by_stable[name]
+            except KeyError:
+                raise CorruptPlanError(
+                    f"the plan is damaged: field '{field}' names node {_show(name)}, which graph "
+                    f"#{index + 1} does not have although its fingerprint matches (the file was "
+                    "edited). Plan the model again."
+                ) from None
+
         saved = expected.plan
         plan = solvers.Plan(
-            kept=frozenset(by_stable[k] for k in saved.kept),
-            schedule=(
-                None if saved.schedule is None
-                else tuple(solvers.Step(by_stable[s.node], s.phase) for s in saved.schedule)
+            kept=frozenset(node(k, f"{where}.kept") for k in sorted(saved.kept)),
+            schedule=None
+            if saved.schedule is None
+            else tuple(
+                solvers.Step(node(s.node, f"{where}.schedule[{i}]"), s.phase) for i, s in enumerate(saved.schedule)
             ),
             method=saved.method,
             budget_bytes=saved.budget_bytes,
             info=dict(saved.info, applied_from_file=True),
         )
-        solvers.simulate(jp.problem, plan)  # validates the plan against this graph
+        try:
+            result = solvers.simulate(jp.problem, plan)  # validates the plan against this graph
+        except solvers.InvalidPlanError as error:
+            field = f"{where}.schedule" if plan.schedule is not None else f"{where}.kept"
+            raise CorruptPlanError(
+                f"the plan is damaged: field '{field}' does not give a valid execution of graph "
+                f"#{index + 1} ({error}). Plan the model again."
+            ) from None
+        if budget_bytes is not None and result.peak_bytes > budget_bytes:
+            raise PlanMismatchError(
+                f"graph #{index + 1}: the plan peaks at {solvers.format_bytes(result.peak_bytes)} "
+                f"({result.peak_bytes} bytes), over the budget given with it, "
+                f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes). Plan again for this "
+                "budget, or apply the plan without a budget."
+            )
         return plan
 
     return source

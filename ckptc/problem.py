@@ -7,6 +7,7 @@ mapping back to nodes and the stable, readable names used in plan files.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -16,8 +17,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import solvers
-from ckptc._torch_internals import is_mutable_op, is_tangent, op_schema_name, tree_leaves
+from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
 from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
+
+log = logging.getLogger("ckptc.problem")
 
 # Ops whose recomputation would read state that the forward pass has already
 # mutated are saved instead.  BatchNorm in training mode reads its running
@@ -91,6 +94,7 @@ def joint_to_problem(
     output_names |= {n.name for n in forward_results if hold_outputs or _numel(n) <= 1}
 
     mutated_inputs = frozenset(mutated_inputs) | _inputs_mutated_in_graph(joint)
+    reads_mutated = _readers_of_mutated_inputs(joint, mutated_inputs)
     for node in joint.graph.nodes:
         state = node.meta.get("ckptc_rng_state")
         if state is not None:
@@ -116,7 +120,14 @@ def joint_to_problem(
         elif cost.kind == FORWARD and _random_without_replay(node):
             # No captured generator state to replay it with: its output must be kept.
             policy = "save"
-        if cost.kind == FORWARD and policy is None and _reads_mutated_input(node, mutated_inputs):
+        if node.name in reads_mutated and policy != "save" and not isinstance(node.meta.get("val"), (tuple, list)):
+            # Recomputed in backward, it would read the input's new values: a
+            # silently wrong gradient.  Saving wins even over must_recompute.
+            if policy == "recompute" and not _is_mutating(node):
+                log.warning(
+                    "%s reads a buffer that the forward pass updates in place; it is saved, not "
+                    "recomputed (must_recompute is ignored for it)", cost.stable_name,
+                )
             policy = "save"
         graph.add_node(
             node.name,
@@ -237,12 +248,34 @@ def _numel(node: fx.Node) -> int:
     return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
-def _reads_mutated_input(node: fx.Node, mutated_inputs: frozenset[str]) -> bool:
+def _readers_of_mutated_inputs(joint: fx.GraphModule, mutated_inputs: frozenset[str]) -> set[str]:
+    """Forward nodes that read an input the graph mutates, directly or through views.
+
+    A view (``mean[None, :]``, ``mean.view(1, -1)``, chains of them) shares
+    the input's storage, so it sees the update too: keeping the view protects
+    nothing.  Every forward node reading the input or any view of it is
+    returned (views included, and the getitems of a multi-output reader),
+    so that its output, computed before the update, is what backward uses.
+    """
     if not mutated_inputs:
-        return False
-    if op_schema_name(node.target) in _READS_MUTATED_STATE_SAFELY:
-        return False
-    return any(n.name in mutated_inputs for n in node.all_input_nodes)
+        return set()
+    aliases = set(mutated_inputs)  # the mutated inputs and every view of them
+    readers: set[str] = set()
+    for node in joint.graph.nodes:
+        cost: NodeCost | None = node.meta.get("ckptc")
+        if cost is None or node.op != "call_function":
+            continue
+        inputs = {n.name for n in node.all_input_nodes}
+        is_view = cost.alias_of is not None or is_view_op(node.target)
+        if is_view and (cost.alias_of in aliases or (cost.alias_of is None and inputs & aliases)):
+            aliases.add(node.name)
+        if cost.kind != FORWARD:
+            continue
+        if op_schema_name(node.target) in _READS_MUTATED_STATE_SAFELY:
+            continue
+        if inputs & aliases or cost.part_of in readers:
+            readers.add(node.name)
+    return readers
 
 
 def _inputs_mutated_in_graph(joint: fx.GraphModule) -> frozenset[str]:

@@ -29,9 +29,14 @@ def capture_rng_state(device: torch.device) -> torch.Tensor:
 
 
 def replay_with_rng_state(
-    state: torch.Tensor, device: torch.device, op: Callable[..., Any], *args: Any, **kwargs: Any
+    state: torch.Tensor, device: torch.device, op: Callable[..., Any], /, *args: Any, **kwargs: Any
 ) -> Any:
-    """Run the random ``op`` as it ran when ``state`` was captured."""
+    """Run the random ``op`` as it ran when ``state`` was captured.
+
+    The first three parameters are positional-only: the op's own keyword
+    arguments (``torch.randn(..., device=...)`` has a ``device`` too) pass
+    through ``kwargs`` without clashing with them.
+    """
     generator = _generator(device)
     current = generator.get_state()
     generator.set_state(state)

@@ -1,12 +1,20 @@
 """Exceptions raised by the solvers package.
 
 All of them derive from :class:`SolverError`, so callers that only want to
-know "did checkpoint planning work?" can catch that one class.
+know "did checkpoint planning work?" can catch that one class.  SolverError
+derives from :class:`CkptcError`, the one base class of every error that
+ckptc and its solvers raise (``ckptc.CkptcError`` is this class): it lives
+here so that ``solvers`` stays importable without ckptc and torch.
+
+Errors about the value of an argument (a budget no plan fits, a plan that
+breaks the rules) are also :class:`ValueError`, so ``except ValueError``
+catches them as it catches a negative budget.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CkptcError",
     "SolverError",
     "InvalidPlanError",
     "InfeasibleBudgetError",
@@ -34,7 +42,15 @@ def human_bytes(num_bytes: int | float) -> str:
     return f"{num_bytes:g} B"
 
 
-class SolverError(Exception):
+class CkptcError(Exception):
+    """Base class of every error raised by ckptc and by :mod:`solvers`.
+
+    Re-exported as ``ckptc.CkptcError``; ``except ckptc.CkptcError`` catches
+    budget, plan-file, capture and solver errors alike.
+    """
+
+
+class SolverError(CkptcError):
     """Base class of every error raised by :mod:`solvers`."""
 
 
@@ -46,8 +62,10 @@ class InvalidPlanError(SolverError, ValueError):
     """
 
 
-class InfeasibleBudgetError(SolverError):
+class InfeasibleBudgetError(SolverError, ValueError):
     """No plan the chosen method can build fits in ``budget_bytes``.
+
+    A :class:`ValueError` too: the budget argument is too small.
 
     Attributes
     ----------

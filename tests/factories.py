@@ -43,3 +43,18 @@ def not_a_model() -> tuple[str, tuple]:
 def wrong_shape() -> int:
     """A broken factory: returns neither a tuple, a dict nor a case."""
     return 42
+
+
+def mlp_dropout() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A tiny MLP with dropout, built deterministically, as (model, example_inputs).
+
+    Dropout puts ckptc's generator-state captures into the graph, whose
+    fingerprint must not depend on the process (plan files move between runs).
+    """
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(),
+                          nn.Dropout(0.1), nn.Linear(64, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model.train(), (torch.randn(64, 32, generator=generator),)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptc
-from tests.zoo import ModelCase
 from ckptc.meter import measure_peak, resident_bytes
 from tests.helpers import assert_same_training, budget_bounds, get_case, measure, step
+from tests.zoo import ModelCase
 
 
 def _mlp(width: int = 256, depth: int = 6) -> nn.Sequential:

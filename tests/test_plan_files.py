@@ -1,0 +1,300 @@
+"""Plan files are a promise too: the same bytes in every process, no silent wrong
+answer from damaged content, no plan applied under a budget it does not fit;
+and ckptc's errors share one base class and are ValueErrors where a value is wrong.
+
+A tiny MLP with dropout (tests/factories.py:mlp_dropout) keeps the file fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptc
+import solvers
+from ckptc import report
+from ckptc.cli import main
+from ckptc.plans import MAX_PLAN_FILE_BYTES, ModelPlan, plan_source_for
+from tests.factories import mlp_dropout
+
+REPO = Path(__file__).resolve().parents[1]
+FACTORIES = REPO / "tests" / "factories.py"
+
+_SAVE_PLAN = textwrap.dedent(
+    """
+    import sys
+    import ckptc
+    from tests.factories import mlp_dropout
+
+    model, inputs = mlp_dropout()
+    ckptc.plan(model, inputs, budget_bytes=int(sys.argv[2])).save(sys.argv[1])
+    """
+)
+
+
+def _eager_equal_step(optimized: torch.nn.Module, model: torch.nn.Module, reference: torch.nn.Module,
+                      inputs: tuple[torch.Tensor, ...]) -> None:
+    losses = []
+    for m in (optimized, reference):
+        torch.manual_seed(5)
+        loss = m(*inputs).sum()
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=False):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
+def _planned(budget_fraction: float = 0.5) -> tuple[ckptc.OptimizedModule, dict[str, Any]]:
+    """An optimized mlp_dropout after one step, and its plan as file data."""
+    model, inputs = mlp_dropout()
+    none = ckptc.plan(copy.deepcopy(model), inputs, strategy="none")
+    budget = int(none.min_feasible_bytes + budget_fraction * (none.unoptimized_peak_bytes - none.min_feasible_bytes))
+    optimized = ckptc.optimize(model, budget_bytes=budget)
+    optimized(*inputs).sum().backward()
+    return optimized, json.loads(optimized.plan.to_json())
+
+
+@pytest.fixture(scope="module")
+def planned() -> tuple[dict[str, Any], Any]:
+    """(plan file data, the captured graph's JointProblem) to apply damaged plans to without compiling."""
+    optimized, data = _planned()
+    assert optimized.plan.values("recomputed"), "the budget must force recomputation"
+    return data, optimized.compiler.records[0].joint_problem
+
+
+# -- the same file in every process ---------------------------------------------------
+def test_plan_files_are_byte_identical_across_processes_and_apply_in_another(tmp_path: Path) -> None:
+    model, inputs = mlp_dropout()
+    none = ckptc.plan(copy.deepcopy(model), inputs, strategy="none")
+    budget = (none.min_feasible_bytes + none.unoptimized_peak_bytes) // 2
+    paths = [tmp_path / f"plan{i}.json" for i in range(2)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    runs = [subprocess.Popen([sys.executable, "-c", _SAVE_PLAN, str(path), str(budget)], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for path in paths]
+    for run in runs:
+        _, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr[-2000:]
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert "0x" not in paths[0].read_text()  # no memory address anywhere
+
+    # a third process (this one) accepts it: the fingerprint does not depend on the process
+    reference = copy.deepcopy(model)
+    applied = ckptc.optimize(model, plan=paths[0])
+    _eager_equal_step(applied, model, reference, inputs)
+    assert applied.plan.values("recomputed")
+    assert applied.plan.graphs[0].plan.info.get("applied_from_file")
+
+
+# -- a plan and a budget it does not fit -------------------------------------------------
+def test_plan_with_an_explicit_budget_it_does_not_fit_is_refused_with_both_figures(tmp_path: Path) -> None:
+    optimized, data = _planned()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    peak = data["predicted_peak_bytes"]
+    model, inputs = mlp_dropout()
+    with pytest.raises(ckptc.PlanMismatchError) as info:
+        ckptc.optimize(model, budget_bytes=peak - 1, plan=path)
+    assert str(peak) in str(info.value) and str(peak - 1) in str(info.value)
+    assert isinstance(info.value, ValueError)
+    # a budget the plan fits is accepted and trains like eager
+    reference = copy.deepcopy(model)
+    _eager_equal_step(ckptc.optimize(model, budget_bytes=peak, plan=path), model, reference, inputs)
+
+
+# -- damaged content: CorruptPlanError naming the field, never another exception --------
+def _write(tmp_path: Path, data: Any) -> Path:
+    path = tmp_path / "plan.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("budget", [0, -1, -5.0, "1GB", 1.5, True, [], {}, 2**70, "NaN", "Infinity", "-Infinity"])
+def test_budget_in_a_plan_file_must_be_a_positive_whole_number(planned, tmp_path: Path, budget: Any) -> None:
+    data = copy.deepcopy(planned[0])
+    data["budget_bytes"] = budget
+    text = json.dumps(data)
+    if budget in ("NaN", "Infinity", "-Infinity"):  # JSON's non-standard literals, which json.loads accepts
+        text = text.replace(f'"budget_bytes": "{budget}"', f'"budget_bytes": {budget}')
+    with pytest.raises(ckptc.CorruptPlanError, match="'budget_bytes'"):
+        ckptc.load_plan(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("predicted_peak_bytes", "lots"),
+        ("min_feasible_bytes", -1),
+        ("recompute_flops", float("nan")),
+        ("fingerprint", 42),
+        ("inputs", "x"),
+        ("plan", []),
+        ("values", {}),
+    ],
+)
+def test_wrong_types_in_a_graph_are_named(planned, tmp_path: Path, field: str, value: Any) -> None:
+    data = copy.deepcopy(planned[0])
+    data["graphs"][0][field] = value
+    with pytest.raises(ckptc.CorruptPlanError, match=rf"'graphs\[0\]\.{field}'"):
+        ckptc.load_plan(_write(tmp_path, data))
+
+
+def test_missing_fields_are_named(planned, tmp_path: Path) -> None:
+    data = copy.deepcopy(planned[0])
+    del data["graphs"][0]["plan"]["kept"]
+    with pytest.raises(ckptc.CorruptPlanError, match=r"'graphs\[0\]\.plan\.kept' is missing"):
+        ckptc.load_plan(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize("field", ["kept", "schedule"])
+def test_unknown_node_names_are_refused_when_applied(planned, field: str) -> None:
+    data, jp = planned
+    data = copy.deepcopy(data)
+    plan = data["graphs"][0]["plan"]
+    if field == "kept":
+        plan["kept"].append("no.such.node")
+    else:
+        if plan["schedule"] is None:  # a derived schedule: give it an explicit one
+            plan["schedule"] = [[jp.stable_names[s.node], s.phase]
+                                for s in solvers.schedule(jp.problem, solvers.Plan(kept=frozenset()))]
+        plan["schedule"][0][0] = "no.such.node"
+    source = plan_source_for(ModelPlan.from_dict(data))
+    with pytest.raises(ckptc.CorruptPlanError, match=rf"'graphs\[0\]\.plan\.{field}.*no\.such\.node"):
+        source(0, jp)
+
+
+def test_deeply_nested_huge_and_oversized_documents_are_refused(planned, tmp_path: Path) -> None:
+    nested = _write(tmp_path, "[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ckptc.CorruptPlanError, match="nested too deeply"):
+        ckptc.load_plan(nested)
+
+    data = copy.deepcopy(planned[0])
+    data["graphs"][0]["inputs"][0] = json.loads("[" * 500 + "]" * 500)
+    with pytest.raises(ckptc.CorruptPlanError, match=r"'graphs\[0\]\.inputs\[0\]' is nested"):
+        ckptc.load_plan(_write(tmp_path, data))
+
+    huge_number = json.dumps(planned[0]).replace('"baseline_bytes": ', '"baseline_bytes": 9' + "9" * 5000, 1)
+    with pytest.raises(ckptc.CorruptPlanError):
+        ckptc.load_plan(_write(tmp_path, huge_number))
+
+    oversized = tmp_path / "huge.json"
+    with open(oversized, "wb") as f:
+        f.truncate(MAX_PLAN_FILE_BYTES + 1)  # sparse: costs no disk space
+    with pytest.raises(ckptc.CorruptPlanError, match="more than any plan file"):
+        ckptc.load_plan(oversized)
+
+
+def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every path to a value inside a JSON document."""
+    found = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found += _paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value[:8]):  # the first few elements of long lists are enough
+            found += _paths(v, prefix + (i,))
+    return found
+
+
+_JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["forward", "backward", "kept", "no.such.node", "input.primals_1", "float32", ""]),
+    st.lists(st.one_of(st.integers(-3, 3), st.text(max_size=3)), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    st.integers(min_value=20, max_value=200).map(lambda n: json.loads("[" * n + "]" * n)),
+)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_damaged_plan_is_refused_with_a_corrupt_plan_error_or_applies(planned, data) -> None:
+    valid, jp = planned
+    document = copy.deepcopy(valid)
+    paths = _paths(document)
+    path = data.draw(st.sampled_from(paths), label="path")
+    parent = document
+    for key in path[:-1]:
+        parent = parent[key]
+    if data.draw(st.booleans(), label="delete"):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = data.draw(_JSON_VALUES, label="value")
+    try:
+        loaded = ModelPlan.from_dict(json.loads(json.dumps(document)), source="plan.json")
+        # what `ckptc show` and applying the plan do with it
+        repr(loaded)
+        report.summary_line(loaded)
+        report.plan_table(loaded)
+        for index in range(len(loaded.graphs)):
+            plan_source_for(loaded, loaded.budget_bytes)(index, jp)
+    except (ckptc.CorruptPlanError, ckptc.PlanMismatchError) as error:
+        assert "plan" in str(error)
+
+
+# -- errors: one base class, ValueError for wrong values -----------------------------------
+def test_every_error_shares_one_base_class_and_value_errors_are_value_errors() -> None:
+    for error in (ckptc.InfeasibleBudgetError, ckptc.CorruptPlanError, ckptc.PlanMismatchError,
+                  ckptc.UntraceableModelError, solvers.SolverError, solvers.InvalidPlanError):
+        assert issubclass(error, ckptc.CkptcError), error
+    for error in (ckptc.InfeasibleBudgetError, ckptc.CorruptPlanError, ckptc.PlanMismatchError):
+        assert issubclass(error, ValueError), error
+    assert ckptc.CkptcError is solvers.errors.CkptcError
+
+
+def test_solvers_import_without_torch_or_ckptc() -> None:
+    script = "import sys, solvers; assert 'torch' not in sys.modules and 'ckptc' not in sys.modules; " \
+             "assert issubclass(solvers.InfeasibleBudgetError, solvers.errors.CkptcError)"
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "kwargs, quoted",
+    [
+        ({"budget_gb": 1e300}, "1e+300"),
+        ({"budget_gb": 10**300}, "1000000"),
+        ({"budget_bytes": 2**64}, str(2**64)),
+        ({"budget_gb": 1e-12}, "1e-12"),
+        ({"budget_bytes": 0.5}, "0.5"),
+    ],
+)
+def test_budgets_out_of_range_are_value_errors_quoting_the_value(kwargs: dict[str, float], quoted: str) -> None:
+    model, _ = mlp_dropout()
+    with pytest.raises(ValueError, match=r"budget_(gb|bytes)=") as info:
+        ckptc.optimize(model, **kwargs)
+    assert quoted in str(info.value)
+
+
+# -- CLI -----------------------------------------------------------------------------------
+def _cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def test_cli_budget_too_large_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = _cli(capsys, "plan", f"{FACTORIES}:mlp", "--budget-gb", "1e300", "-o", tmp_path / "p.json")
+    assert code != 0 and err.count("\n") == 1 and "1e300" in err, err
+
+
+def test_cli_show_of_a_plan_without_graphs_says_so(capsys: pytest.CaptureFixture[str], planned, tmp_path: Path) -> None:
+    data = copy.deepcopy(planned[0])
+    data["graphs"] = []
+    code, err = _cli(capsys, "show", _write(tmp_path, data))
+    assert code != 0 and err.count("\n") == 1 and "no graphs" in err, err
