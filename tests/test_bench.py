@@ -34,7 +34,7 @@ def test_bench_run_writes_results_for_every_alternative(tmp_path):
     _run_python(
         "-m", "bench.run",
         "--models", "mlp", "--size", "tiny", "--out", str(out),
-        "--budgets", "2", "--below", "0", "--solvers", "hierarchical", "--strategies",
+        "--budgets", "2", "--below", "0", "--solvers", "auto", "--strategies",
         "--aot-budgets", "0.5", "--reps", "1",
     )
     data = json.loads((out / "mlp.json").read_text())
@@ -53,7 +53,7 @@ def test_bench_run_writes_results_for_every_alternative(tmp_path):
     assert by_family["aot_eager"]["status"] == "ok"
     assert any(p["status"] == "ok" and p["matches_eager"] for p in ckptc_points)
     table = (out / "mlp.md").read_text()
-    for label in ("eager", "ckpt every block", "ckpt every other block", "aot_eager budget=0.5", "ckptc hierarchical"):
+    for label in ("eager", "ckpt every block", "ckpt every other block", "aot_eager budget=0.5", "ckptc auto"):
         assert label in table
     assert (out / "mlp_pareto.png").exists()
     assert "mlp" in (out / "SUMMARY.md").read_text()
