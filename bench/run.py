@@ -98,7 +98,11 @@ def provenance() -> dict[str, Any]:
             dirty = bool(status.strip())
         except (OSError, subprocess.SubprocessError):
             commit = None
-    return {"commit": commit, "code_modified_since_commit": dirty, "ckptc_path": os.path.dirname(ckptc.__file__)}
+    # Relative to the repository: results never record this machine's paths.
+    root = Path(__file__).resolve().parent.parent
+    package = Path(ckptc.__file__).resolve().parent
+    where = str(package.relative_to(root)) if package.is_relative_to(root) else "installed package"
+    return {"commit": commit, "code_modified_since_commit": dirty, "ckptc_path": where}
 
 
 def rockmate_status() -> dict[str, Any]:
