@@ -8,6 +8,14 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
+# The demo needs only ckptc and transformers; the tests need the dev extra.
+$(VENV)/.demo-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[demo]"
+	touch $@
+
 # torch is pinned to exactly 2.13.0 (a CPU build lies on the build machines'
 # disk; an unpinned torch would pull a multi-GB CUDA build).  Never add
 # torchvision or timm: PyPI's torchvision fails to import beside torch 2.13.0.
@@ -18,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-demo: setup
+demo: $(VENV)/.demo-installed
 	$(PY) -m ckptc.demo
 
 # Lint only (ruff check: pyflakes, pycodestyle, isort, bugbear, pyupgrade); never reformats.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,10 +31,13 @@ import solvers
 from ckptc import _torch_internals as internals
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.meter import resident_bytes
-from ckptc.policies import STRATEGIES, lowest_known_peak, policies_from_patterns
+from ckptc.policies import STRATEGIES, policies_from_patterns
 from ckptc.problem import JointProblem, joint_to_problem
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
+
+if TYPE_CHECKING:
+    from ckptc.plans import ModelPlan
 
 log = logging.getLogger("ckptc.compiler")
 
@@ -59,12 +62,20 @@ class GraphRecord:
     solve_seconds: float
     input_ids: frozenset[int] = field(default=frozenset(), repr=False)
     held_output_bytes: int = 0
+    floor_peak_bytes: int = 0
+    floor_kept_bytes: int = 0
+    infeasible: bool = False
 
     @property
     def step_bytes(self) -> int:
         """What this graph leaves alive for the rest of the step after its forward:
         values kept for its backward plus the results the caller holds."""
         return self.result.kept_bytes + self.held_output_bytes
+
+    @property
+    def slack_bytes(self) -> int:
+        """How much less this graph would leave alive for later graphs under its lowest-peak plan."""
+        return max(0, self.result.kept_bytes - self.floor_kept_bytes)
 
     @property
     def problem(self) -> solvers.Problem:
@@ -101,6 +112,12 @@ class CheckpointCompiler:
             excess a measured step showed over the prediction (eager code
             between graphs, memory the cost model misses).
         progress: ``(fraction, message)`` callback for long solves.
+        graph_budgets: budgets of single graphs (by index in the step), lower
+            than ``budget_bytes``: set by :class:`ckptc.step.StepRuntime` when
+            an earlier graph kept so much that a later one could not fit.
+        defer_infeasible: when a graph cannot fit, plan it at its lowest peak,
+            mark its record ``infeasible`` and go on, so the whole step is seen
+            before deciding (:class:`ckptc.step.StepRuntime` sets this).
     """
 
     def __init__(
@@ -120,6 +137,8 @@ class CheckpointCompiler:
         time_limit: float | None = None,
         progress: Callable[[float, str], None] | None = None,
         extra_baseline_bytes: int = 0,
+        graph_budgets: dict[int, int] | None = None,
+        defer_infeasible: bool = False,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
@@ -141,6 +160,8 @@ class CheckpointCompiler:
         self.time_limit = time_limit
         self.progress = progress
         self.extra_baseline_bytes = int(extra_baseline_bytes)
+        self.graph_budgets = dict(graph_budgets or {})
+        self.defer_infeasible = defer_infeasible
         # Set by ckptc.step.StepRuntime, which ends steps when backward ends;
         # without it a graph running again means a new step began.
         self.track_steps = False
@@ -152,7 +173,7 @@ class CheckpointCompiler:
 
     _CONFIG = ("budget_bytes", "strategy", "solver", "model", "compiler", "must_save", "must_recompute",
                "plan_source", "measure_time", "measure_scratch", "hold_outputs", "time_limit", "progress",
-               "extra_baseline_bytes")
+               "extra_baseline_bytes", "graph_budgets", "defer_infeasible")
 
     def spawn(self, **changes: Any) -> "CheckpointCompiler":
         """A fresh compiler with this one's options (and ``changes``), no graphs planned."""
@@ -179,6 +200,19 @@ class CheckpointCompiler:
             f"CheckpointCompiler(budget={budget}, strategy={self.strategy!r}, "
             f"solver={self.solver!r}, compiler={self.compiler!r}, graphs={len(self.records)})"
         )
+
+    @property
+    def plan(self) -> ModelPlan | None:
+        """The plan of every graph this backend has planned (None before the first).
+
+        Under ``torch.compile(model, backend=b)`` with ``b = ckptc.backend(...)``,
+        ``b.plan`` is how to read what was kept and recomputed.
+        """
+        if not self.records:
+            return None
+        from ckptc.plans import ModelPlan  # plans imports this module
+
+        return ModelPlan.from_records(self.records, self)
 
     def reset(self) -> None:
         """Forget the graphs planned so far (new input shapes plan again)."""
@@ -277,7 +311,26 @@ class CheckpointCompiler:
             policies=policies,
             hold_outputs=self.hold_outputs,
         )
-        plan = self._decide(index, jp)
+        floor_plan = solvers.lowest_peak_plan(jp.problem)
+        floor_result = solvers.simulate(jp.problem, floor_plan)
+        # The step's floor at this graph: earlier graphs at their own lowest-peak
+        # plans leave `slack` fewer bytes alive than they do under their plans.
+        step_floor = max(
+            [budget_for_planning_floor(floor_result.peak_bytes - sum(r.slack_bytes for r in self.active))]
+            + [r.min_feasible_bytes for r in self.active]
+        )
+        infeasible = False
+        try:
+            plan = self._decide(index, jp)
+        except solvers.InfeasibleBudgetError as error:
+            fits_alone = floor_result.peak_bytes <= planning_budget(self.budget_bytes or 0)
+            if index in self.graph_budgets and fits_alone:
+                plan = floor_plan  # asked to keep less than its budget allows: as little as it can
+            elif self.defer_infeasible and self.plan_source is None:
+                infeasible = True
+                plan = floor_plan
+            else:
+                raise solvers.InfeasibleBudgetError(error.budget_bytes, step_floor) from None
         result = solvers.simulate(jp.problem, plan)
         unoptimized = solvers.simulate(jp.problem, STRATEGIES["none"](jp)).peak_bytes
         record = GraphRecord(
@@ -287,10 +340,13 @@ class CheckpointCompiler:
             result=result,
             baseline_bytes=jp.problem.baseline_bytes,
             unoptimized_peak_bytes=unoptimized,
-            min_feasible_bytes=budget_for_planning_floor(lowest_known_peak(jp)),
+            min_feasible_bytes=step_floor,
             solve_seconds=time.perf_counter() - start,
             input_ids=input_ids,
             held_output_bytes=jp.held_output_bytes,
+            floor_peak_bytes=floor_result.peak_bytes,
+            floor_kept_bytes=floor_result.kept_bytes,
+            infeasible=infeasible,
         )
         self.records.append(record)
         self._just_planned = record
@@ -318,13 +374,11 @@ class CheckpointCompiler:
                 options["time_limit"] = self.time_limit
         if self.budget_bytes is None:
             return STRATEGIES[self.strategy](jp, None, **options)
+        budget = min(self.budget_bytes, self.graph_budgets.get(index, self.budget_bytes))
         try:
-            return STRATEGIES[self.strategy](jp, planning_budget(self.budget_bytes), **options)
-        except solvers.InfeasibleBudgetError as error:
-            floor = error.min_feasible_bytes
-            raise solvers.InfeasibleBudgetError(
-                self.budget_bytes, None if floor is None else budget_for_planning_floor(floor)
-            ) from None
+            return STRATEGIES[self.strategy](jp, planning_budget(budget), **options)
+        except solvers.InfeasibleBudgetError:
+            raise solvers.InfeasibleBudgetError(self.budget_bytes, None) from None
 
 
 def planning_budget(budget_bytes: int) -> int:

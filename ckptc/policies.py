@@ -58,11 +58,6 @@ def solve_under_budget(
     return solvers.solve(jp.problem, budget_bytes, method=solver, progress=progress, **options)
 
 
-def lowest_known_peak(jp: JointProblem) -> int:
-    """The smallest peak any plan ckptc can build reaches (:func:`solvers.min_feasible_budget`)."""
-    return solvers.min_feasible_budget(jp.problem)
-
-
 def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
     """Per-block checkpointing, as Hugging Face's ``gradient_checkpointing_enable``.
 

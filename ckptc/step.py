@@ -37,13 +37,14 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc.compiler import CheckpointCompiler, GraphRecord
+from ckptc.compiler import CheckpointCompiler, GraphRecord, budget_for_planning_floor
 from ckptc.errors import BudgetExceededError, UntraceableModelError
 from ckptc.meter import StepMeter, resident_bytes
 
 log = logging.getLogger("ckptc.step")
 
 MAX_REPLANS = 3
+MAX_STEP_RETRIES = 2
 MAX_DISTINCT_SIGNATURES = 256
 
 
@@ -61,6 +62,7 @@ class ShapePlan:
     needs_replan: bool = False
     measured_peak_bytes: int | None = None
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
+    graph_budgets: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class StepRuntime:
@@ -131,26 +133,16 @@ class StepRuntime:
         before = len(self.active)
         planned = len(shape.compiler.records)
         try:
-            with internals.compile_limits():
-                try:
-                    output = shape.compiled(*args, **kwargs)
-                except internals.BackendCompilerFailed as error:
-                    # Our own backend raised (an infeasible budget, a plan that does
-                    # not match): surface that error, not Dynamo's wrapper.
-                    inner = getattr(error, "inner_exception", None)
-                    if inner is None:
-                        raise
-                    raise inner from None
-                except internals.DynamoError as error:
-                    raise UntraceableModelError.from_exception(self.model, error) from error
-                except solvers.InfeasibleBudgetError as error:
-                    if not shape.correction_bytes or error.min_feasible_bytes is None:
-                        raise
-                    # Planning again with the measured excess counted no longer fits.
-                    self.plans.pop(shape.key, None)
-                    raise BudgetExceededError(
-                        shape.measured_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
-                    ) from error
+            try:
+                output = self._run(shape, args, kwargs)
+            except solvers.InfeasibleBudgetError as error:
+                if not shape.correction_bytes or error.min_feasible_bytes is None:
+                    raise
+                # Planning again with the measured excess counted no longer fits.
+                self.plans.pop(shape.key, None)
+                raise BudgetExceededError(
+                    shape.measured_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
+                ) from error
             if len(self.active) == before:
                 raise UntraceableModelError(
                     f"ckptc could not run the training step of {type(self.model).__name__} under a plan: "
@@ -176,6 +168,63 @@ class StepRuntime:
         self._handles.append(internals.on_backward_end(tensors, self._backward_ended))
         self._check_output_assumption(output, shape, self.active[before:])
         return output
+
+    def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
+        """Run the call; on a call that plans, make the plans of its graphs fit together.
+
+        Graphs after a break are captured only when the forward reaches them, so an
+        earlier graph is planned without knowing what later ones need.  Compilers
+        spawned here plan a graph that cannot fit at its lowest peak and mark it
+        (``defer_infeasible``); the call then knows every graph.  If the step's
+        floor fits the budget, the forward's effects on buffers and the random
+        state are undone and the call runs again with earlier graphs told to keep
+        less (``graph_budgets``); otherwise the budget is refused with the floor
+        of the whole step.
+        """
+        before = len(self.active)
+        saved = _ForwardState(self.model) if not shape.compiler.records else None
+        for attempt in range(MAX_STEP_RETRIES + 1):
+            output = self._run_once(shape, args, kwargs)
+            ran = self.active[before:]
+            short = [r for r in ran if r.infeasible]
+            if not short:
+                return output
+            del output
+            del self.active[before:]
+            assert saved is not None  # only a call that plans marks graphs infeasible
+            saved.restore()
+            budget = self.template.budget_bytes
+            assert budget is not None
+            floor = max(r.min_feasible_bytes for r in ran)
+            if floor > budget or attempt == MAX_STEP_RETRIES:
+                self.plans.pop(shape.key, None)
+                raise solvers.InfeasibleBudgetError(budget, floor if floor > budget else None)
+            last = max(r.index for r in short)
+            if attempt == 0:
+                need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget for r in short)
+                tighter = {j: budget - need for j in range(last)}
+            else:  # keep as little as possible before the last graph that did not fit
+                tighter = {j: 0 for j in range(last)}
+            shape.graph_budgets = {j: min(b, shape.graph_budgets.get(j, b)) for j, b in tighter.items()}
+            log.info("graph %d of %s did not fit after earlier graphs' plans; planning the step again with "
+                     "earlier graphs keeping less (budgets %s)", last, type(self.model).__name__,
+                     shape.graph_budgets)
+            self._compile(shape)
+        raise AssertionError("unreachable")
+
+    def _run_once(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
+        with internals.compile_limits():
+            try:
+                return shape.compiled(*args, **kwargs)
+            except internals.BackendCompilerFailed as error:
+                # Our own backend raised (an infeasible budget, a plan that does
+                # not match): surface that error, not Dynamo's wrapper.
+                inner = getattr(error, "inner_exception", None)
+                if inner is None:
+                    raise
+                raise inner from None
+            except internals.DynamoError as error:
+                raise UntraceableModelError.from_exception(self.model, error) from error
 
     # -- plans -----------------------------------------------------------------
     def _plan_for(self, key: tuple) -> ShapePlan:
@@ -206,7 +255,8 @@ class StepRuntime:
     def _compile(self, shape: ShapePlan) -> None:
         """Give ``shape`` a fresh compiler and ``torch.compile`` of the model (plans on its next call)."""
         compiler = self.template.spawn(
-            extra_baseline_bytes=shape.correction_bytes, hold_outputs=shape.hold_outputs
+            extra_baseline_bytes=shape.correction_bytes, hold_outputs=shape.hold_outputs,
+            graph_budgets=shape.graph_budgets, defer_infeasible=self.template.budget_bytes is not None,
         )
         compiler.active = self.active
         compiler.track_steps = True
@@ -298,21 +348,25 @@ class StepRuntime:
             log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
             return
         excess = peak - budget
+        predicted = max((r.result.peak_bytes for r in self.active), default=0)
+        # What the prediction missed (eager code between graphs, allocator effects) is
+        # counted in full: correcting by the excess over the budget alone under-counts
+        # whenever the plan did not fill the budget, and the loop would creep.
+        unseen = max(excess, peak - predicted)
         for shape in self._step_plans:
             if shape.needs_replan:
                 continue  # planned again anyway (its outputs turned out to be held)
             shape.replans += 1
-            shape.correction_bytes += excess
+            shape.correction_bytes += unseen
             shape.needs_replan = True
             if shape.replans > MAX_REPLANS:
                 floors = [r.min_feasible_bytes for r in shape.last_records] or [budget]
-                self._pending = BudgetExceededError(peak, budget, max(floors) + excess, MAX_REPLANS)
+                self._pending = BudgetExceededError(peak, budget, max(floors) + unseen, MAX_REPLANS)
                 self.plans.pop(shape.key, None)
         message = (
             f"ckptc: the measured training step of {type(self.model).__name__} peaked at {peak} bytes, "
-            f"{excess} bytes above the budget of {budget} bytes (predicted "
-            f"{max((r.result.peak_bytes for r in self.active), default=0)} bytes); the next call plans "
-            "again with the excess counted."
+            f"{excess} bytes above the budget of {budget} bytes (predicted {predicted} bytes); the next "
+            f"call plans again with the {unseen} bytes the prediction missed counted."
         )
         log.warning(message)
 
@@ -343,6 +397,25 @@ class StepRuntime:
 
 
 # -- helpers -----------------------------------------------------------------
+class _ForwardState:
+    """What a forward pass may change outside its results: buffers (running
+    statistics) and the random state.  Saved before a call that plans, so the
+    call can run again as if the first attempt never happened."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.cpu_rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, value in self.buffers:
+                buffer.copy_(value)
+        torch.random.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
 def _device_of(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device

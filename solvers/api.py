@@ -34,7 +34,7 @@ Method = Callable[..., Plan]
 # the graph, so it is only tried on small graphs and with a short time limit.
 AUTO_ILP_MAX_FORWARD_NODES = 60
 AUTO_ILP_MAX_NODES = 5000
-AUTO_ILP_TIME_LIMIT = 10.0
+AUTO_ILP_TIME_LIMIT = 3.0
 
 
 def lowest_peak_plan(problem: Problem) -> Plan:

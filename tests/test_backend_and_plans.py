@@ -49,8 +49,12 @@ def test_eager_backend_dropout_gradients_equal_eager(fraction: float) -> None:
     case = get_case("gpt2")
     reference = copy.deepcopy(case.model)
     backend = ckptc.backend(budget_bytes=budget_bounds(case).at(fraction))
+    assert backend.plan is None  # nothing planned before the first call
     compiled = torch.compile(case.model, backend=backend, dynamic=False)
     assert_same_training(case, reference, step(case, compiled), step(case, reference))
+    plan = backend.plan  # the documented way to read the plan under torch.compile
+    assert plan is not None and plan.predicted_peak_bytes <= backend.budget_bytes
+    assert plan.values("kept") and (fraction > 0.5 or plan.values("recomputed"))
 
 
 @pytest.mark.parametrize("fraction", [0.2, 0.8])

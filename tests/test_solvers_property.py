@@ -205,7 +205,7 @@ def test_broken_schedules_are_rejected_or_still_exact(problem, data):
 # keep-all peak, a random budget between them and one below. MILP-backed
 # methods (ilp, hierarchical, and auto, which calls both) get smaller graphs
 # and one of those budgets per example, drawn, to keep the suite fast.
-EXAMPLES = 1000
+EXAMPLES = 400
 MAX_FORWARD = 8
 MILP_MAX_FORWARD = 4
 CHEAP = ("chen_sqrt", "chen_greedy")

@@ -124,9 +124,6 @@ def _eager_case() -> ModelCase:
                      (torch.randn(512, 128, generator=torch.Generator().manual_seed(3)),), {}, loss=lambda out: out)
 
 
-@pytest.mark.xfail(strict=True, reason="open: the correction does not converge when eager code between graph breaks "
-                   "dominates the peak, and the first plan at budgets near the floor of a graph-break model is "
-                   "infeasible (earlier graphs keep more than their floor plan); see the step-budget report")
 def test_closed_loop_corrects_a_step_that_exceeds_the_budget() -> None:
     case = _eager_case()
     reference = copy.deepcopy(case.model)
@@ -143,9 +140,6 @@ def test_closed_loop_corrects_a_step_that_exceeds_the_budget() -> None:
     assert optimized.plan.predicted_peak_bytes <= budget
 
 
-@pytest.mark.xfail(strict=True, reason="open: the correction does not converge when eager code between graph breaks "
-                   "dominates the peak, and the first plan at budgets near the floor of a graph-break model is "
-                   "infeasible (earlier graphs keep more than their floor plan); see the step-budget report")
 def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:
     case = _eager_case()
     budget = budget_bounds(case).at(0.9)

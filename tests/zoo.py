@@ -231,7 +231,7 @@ def make_bert(size: str = "tiny", seq_len: int | None = None, batch: int | None 
 
 _MAMBA_SIZES = {
     "tiny": _Size(dict(hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=256, expand=2,
-                       conv_kernel=4), seq_len=32, batch=2),
+                       conv_kernel=4), seq_len=16, batch=2),
     # Small width on purpose: the stock CPU path's backward costs O(layers * L^2 * d_inner * state)
     # (see make_mamba); at this width one eager step at L=1024 takes a few seconds.
     "long": _Size(dict(hidden_size=64, state_size=8, num_hidden_layers=4, vocab_size=256, expand=2,
