@@ -18,7 +18,7 @@ import torch
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.plans import ModelPlan
-from ckptc.step import StepRuntime
+from ckptc.step import ForwardState, StepRuntime
 
 log = logging.getLogger("ckptc.api")
 
@@ -232,17 +232,13 @@ def training_state_restored(model: torch.nn.Module) -> Iterator[None]:
     """Run trial steps on ``model`` and then put back its gradients, buffers
     (BatchNorm statistics) and the global random state, so nothing is lost."""
     saved_grads = {p: p.grad for p in model.parameters()}
-    saved_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = torch.random.get_rng_state()
+    saved = ForwardState(model)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for p, g in saved_grads.items():
-                p.grad = g
-            for name, b in model.named_buffers():
-                b.copy_(saved_buffers[name])
-        torch.random.set_rng_state(rng)
+        for p, g in saved_grads.items():
+            p.grad = g
+        saved.restore()
 
 
 def _default_loss(output: Any) -> torch.Tensor:

@@ -331,7 +331,7 @@ class CheckpointCompiler:
                 plan = floor_plan
             else:
                 raise solvers.InfeasibleBudgetError(error.budget_bytes, step_floor) from None
-        result = solvers.simulate(jp.problem, plan)
+        result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
         unoptimized = solvers.simulate(jp.problem, STRATEGIES["none"](jp)).peak_bytes
         record = GraphRecord(
             index=index,
@@ -377,8 +377,11 @@ class CheckpointCompiler:
         budget = min(self.budget_bytes, self.graph_budgets.get(index, self.budget_bytes))
         try:
             return STRATEGIES[self.strategy](jp, planning_budget(budget), **options)
-        except solvers.InfeasibleBudgetError:
-            raise solvers.InfeasibleBudgetError(self.budget_bytes, None) from None
+        except solvers.InfeasibleBudgetError as error:
+            floor = error.min_feasible_bytes
+            raise solvers.InfeasibleBudgetError(
+                self.budget_bytes, None if floor is None else budget_for_planning_floor(floor)
+            ) from None
 
 
 def planning_budget(budget_bytes: int) -> int:

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [
         ("eager PyTorch peak (measured)", format_bytes(measured_eager.peak_bytes)),
+        # Below eager's peak: ckptc keeps one copy of each storage where eager autograd
+        # may save a view and a contiguous copy of it.
         ("ckptc keeping everything (predicted)", format_bytes(unoptimized)),
         ("smallest feasible budget", format_bytes(floor)),
         ("budget", format_bytes(budget)),
@@ -114,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     ]
     width = max(len(r[0]) for r in rows)
     print()
-    # Keeping everything under ckptc peaks below eager: ckptc keeps one copy of each storage
-    # where eager autograd may save a view and a contiguous copy of it.
     for label, value in rows:
         print(f"  {label:<{width}}  {value}")
     within = measured.peak_bytes <= budget

@@ -182,7 +182,7 @@ class StepRuntime:
         of the whole step.
         """
         before = len(self.active)
-        saved = _ForwardState(self.model) if not shape.compiler.records else None
+        saved = ForwardState(self.model) if not shape.compiler.records else None
         for attempt in range(MAX_STEP_RETRIES + 1):
             output = self._run_once(shape, args, kwargs)
             ran = self.active[before:]
@@ -397,10 +397,11 @@ class StepRuntime:
 
 
 # -- helpers -----------------------------------------------------------------
-class _ForwardState:
+class ForwardState:
     """What a forward pass may change outside its results: buffers (running
     statistics) and the random state.  Saved before a call that plans, so the
-    call can run again as if the first attempt never happened."""
+    call can run again as if the first attempt never happened, and around
+    :func:`ckptc.plan`'s trial step."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
