@@ -214,16 +214,23 @@ class Alternative:
                     return compiled(*args, **kwargs)
 
             return Runner(call, model, {"activation_memory_budget": budget})
-        if self.family == "ckptc":
-            options: dict[str, Any] = {}
-            if time_limit is not None and self.solver in ("ilp", "auto"):
-                options["time_limit"] = time_limit
-            fast = ckptc.optimize(model, budget_bytes=self.budget_bytes, solver=self.solver or "auto", **options)
-            return Runner(fast, model, {}, optimized=fast)
-        if self.family == "ckptc_strategy":
-            fast = ckptc.optimize(model, budget_bytes=self.budget_bytes, strategy=self.strategy or "auto")
+        if self.family in ("ckptc", "ckptc_strategy"):
+            fast = ckptc.optimize(model, **self.ckptc_options(time_limit))
             return Runner(fast, model, {}, optimized=fast)
         raise ValueError(f"unknown family {self.family!r}")
+
+    def ckptc_options(self, time_limit: float | None = None) -> dict[str, Any]:
+        """How this point configures ckptc: the options of ``ckptc.optimize`` and of the offline
+        plan (:meth:`ckptc.CapturedStep.plan`) alike, so both decide the same plan."""
+        if self.family == "ckptc":
+            options: dict[str, Any] = {"budget_bytes": self.budget_bytes, "strategy": "auto",
+                                       "solver": self.solver or "auto"}
+            if time_limit is not None and self.solver in ("ilp", "auto"):
+                options["time_limit"] = time_limit
+            return options
+        if self.family == "ckptc_strategy":
+            return {"budget_bytes": self.budget_bytes, "strategy": self.strategy or "auto"}
+        raise ValueError(f"{self.family!r} is not a ckptc point")
 
 
 SOLVERS = ("chen_sqrt", "chen_greedy", "hierarchical", "ilp", "auto")

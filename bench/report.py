@@ -70,7 +70,7 @@ def model_markdown(result: dict[str, Any]) -> str:
     if probe.get("status") == "ok":
         lines.append(f"ckptc capture: {probe['graphs']} graph(s), "
                      f"predicted unoptimized peak {mib(probe['unoptimized_peak_bytes'])} MiB, "
-                     f"smallest feasible (Chen family) {mib(probe['min_feasible_bytes'])} MiB.")
+                     f"smallest feasible (ckptc's floor) {mib(probe['min_feasible_bytes'])} MiB.")
     elif probe:
         lines.append(f"ckptc capture failed: {probe.get('error')}")
     if result.get("status") == "error":

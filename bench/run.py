@@ -21,193 +21,51 @@ interleaved repetitions, median; wall time of the first step (capture, solve,
 compile) and ckptc's solve time; whether loss and every gradient equal eager's
 (``torch.allclose``, rtol 1e-4, atol 1e-5, same seed before every step).
 
-ckptc points are first decided on the problem captured once per model, by
-ckptc's own decision code (``CheckpointCompiler._decide``, as at its first
-step; each measured point records whether its real plan's predicted peak
-equals the offline one, ``offline_matches_run``): a budget no
-plan fits is recorded as infeasible without running it, and a (solver, budget)
-whose plan is identical to one already measured shares that measurement
-(``same_plan_as``).  Models captured as several graphs run every point.
+ckptc points are first decided on the step captured once per model, by
+ckptc's own planner (:mod:`bench.sweep`; each measured point records whether
+its real plan's predicted peak equals the offline one, ``offline_matches_run``):
+a budget no plan fits is recorded as infeasible without running it, and a
+(solver, budget) whose plan is identical to one already measured shares that
+measurement (``same_plan_as``).
+
+Files: this module is the command line and the orchestration (resume, order,
+time budgets); :mod:`bench.points` measures one point; :mod:`bench.sweep`
+decides ckptc's points on one capture; :mod:`bench.headline` is the
+longest-sequence experiment; :mod:`bench.report` writes the tables and plots.
 
 Writes ``<out>/<model>.json`` (all points, rewritten after each), ``<model>.md``,
-``<model>_pareto.png`` and ``SUMMARY.md`` (:mod:`bench.report`).  ``--headline``
-runs the longest-sequence experiment (:func:`headline`) instead, writing
-``headline.json`` and ``headline.md``.
+``<model>_pareto.png`` and ``SUMMARY.md``.  ``--headline`` runs the
+longest-sequence experiment instead, writing ``headline.json`` and ``headline.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import gc
-import importlib
 import json
 import logging
 import os
 import platform
-import signal
-import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 import ckptc
-import solvers
 from bench import report
-from bench.alternatives import Alternative, Runner, Skip, alternatives_for, count_flops, fmt_mib, wrap_blocks
-from ckptc.compiler import CheckpointCompiler
+from bench.alternatives import Alternative, alternatives_for, count_flops, fmt_mib
+from bench.environment import loadavg, provenance, rockmate_status
+from bench.headline import headline
+from bench.points import ATOL, RTOL, SEED, Reference, error_text, grads_of, run_point, timed, zero_grads
+from bench.sweep import Sweep, capture_step
 from ckptc.meter import measure_peak, resident_bytes
-from tests.zoo import MODEL_SIZES, ModelCase, get_case
+from tests.zoo import MODEL_SIZES, get_case
 
 log = logging.getLogger("bench.run")
 
-SEED = 1234
-RTOL, ATOL = 1e-4, 1e-5
 DEFAULT_MODELS = ("gpt2", "llama", "bert", "enformer", "hyena", "vit", "mamba", "caduceus")
 QUICK_MODELS = ("mlp", "gpt2")
-
-ROCKMATE_NOTE = (
-    "Rockmate not included. `pip install rockmate==2.0.0` (tried once) installs rockmate 2.0.0 and rkgb 2.0.0 "
-    "but pins pulp==2.7.0, downgrading PuLP 3.3.2 below ckptc's requirement pulp>=2.8; after restoring "
-    "PuLP 3.3.2, `import rockmate` fails with \"ModuleNotFoundError: No module named 'rkgb.core'\": the "
-    "rkgb 2.0.0 wheel on PyPI ships only rkgb/__init__.py and rkgb/rkgb.py, without the rkgb.core and "
-    "rkgb.lowlevel subpackages its __init__ imports. It was uninstalled again (with the dependencies it "
-    "added); the environment is as before (pip check clean, transformers imports)."
-)
-
-
-def provenance() -> dict[str, Any]:
-    """Which code produced the results: the commit (``BENCH_SOURCE_COMMIT`` when run from a
-    snapshot of the tree, else ``git rev-parse HEAD``) and where ckptc was imported from."""
-    commit = os.environ.get("BENCH_SOURCE_COMMIT")
-    dirty = None
-    if not commit:
-        import subprocess
-
-        root = Path(__file__).resolve().parent.parent
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                    timeout=10).stdout.strip() or None
-            status = subprocess.run(["git", "status", "--porcelain", "--", "ckptc", "solvers", "bench/*.py"],
-                                    cwd=root, capture_output=True, text=True, timeout=10).stdout
-            dirty = bool(status.strip())
-        except (OSError, subprocess.SubprocessError):
-            commit = None
-    # Relative to the repository: results never record this machine's paths.
-    root = Path(__file__).resolve().parent.parent
-    package = Path(ckptc.__file__).resolve().parent
-    where = str(package.relative_to(root)) if package.is_relative_to(root) else "installed package"
-    return {"commit": commit, "code_modified_since_commit": dirty, "ckptc_path": where}
-
-
-def rockmate_status() -> dict[str, Any]:
-    """Whether Rockmate can be used here, checked at run time, with the known reason if not."""
-    try:
-        importlib.import_module("rockmate")
-    except Exception as error:  # noqa: BLE001 - any import failure means "not usable"
-        return {"usable": False, "import_error": f"{type(error).__name__}: {error}", "note": ROCKMATE_NOTE}
-    return {"usable": False, "import_error": None,
-            "note": "rockmate imports, but this benchmark has no Rockmate runner (the install attempt failed); "
-                    + ROCKMATE_NOTE}
-
-
-# --------------------------------------------------------------------------- #
-# One training step                                                            #
-# --------------------------------------------------------------------------- #
-
-
-def zero_grads(module: torch.nn.Module) -> None:
-    for p in module.parameters():
-        p.grad = None
-
-
-def make_step(case: ModelCase, call: Callable[..., Any], module: torch.nn.Module) -> Callable[[], torch.Tensor]:
-    def step() -> torch.Tensor:
-        zero_grads(module)
-        torch.manual_seed(SEED)
-        loss = case.loss(call(*case.example_inputs, **case.example_kwargs))
-        loss.backward()
-        return loss.detach()
-
-    return step
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
-
-
-def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
-
-
-def compare(loss: torch.Tensor, module: torch.nn.Module, ref_loss: torch.Tensor,
-            ref_grads: dict[str, torch.Tensor | None]) -> dict[str, Any]:
-    """Loss and every gradient against eager's, with the largest differences."""
-    out: dict[str, Any] = {"loss_equal": bool(torch.allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)),
-                           "loss_abs_diff": float((loss - ref_loss).abs().max())}
-    mismatched, worst, worst_name = [], 0.0, None
-    for name, p in module.named_parameters():
-        ref = ref_grads.get(name)
-        if (p.grad is None) != (ref is None):
-            mismatched.append(name)
-            continue
-        if ref is None:
-            continue
-        diff = float((p.grad - ref).abs().max())
-        if diff > worst:
-            worst, worst_name = diff, name
-        if not torch.allclose(p.grad, ref, rtol=RTOL, atol=ATOL):
-            mismatched.append(name)
-    out.update(grads_equal=not mismatched, grad_mismatches=mismatched[:5], n_grad_mismatches=len(mismatched),
-               grad_max_abs_diff=worst, grad_max_abs_diff_param=worst_name)
-    out["matches_eager"] = out["loss_equal"] and out["grads_equal"]
-    return out
-
-
-# --------------------------------------------------------------------------- #
-# Time limits                                                                  #
-# --------------------------------------------------------------------------- #
-
-
-class PointTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def deadline(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`PointTimeout` in the main thread after ``seconds`` (between bytecodes)."""
-    if not seconds or not hasattr(signal, "SIGALRM") or sys.platform == "win32":
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise PointTimeout(f"point exceeded its time limit of {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def error_text(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return " ".join(lines[:3])[:400]
-
-
-def reset_compiler_state() -> None:
-    torch._dynamo.reset()
-    gc.collect()
 
 
 # --------------------------------------------------------------------------- #
@@ -222,11 +80,6 @@ def size_for(name: str, size: str) -> str:
     if size == "bench" and "long" in sizes:  # mamba's larger size is "long"
         return "long"
     return "tiny"
-
-
-def plan_signature(plan: solvers.Plan) -> tuple[Any, ...]:
-    schedule = None if plan.schedule is None else tuple((s.node, s.phase) for s in plan.schedule)
-    return (frozenset(plan.kept), schedule)
 
 
 class ModelBench:
@@ -268,9 +121,6 @@ class ModelBench:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"{self.key}.json").write_text(json.dumps(self.result, indent=1, default=str) + "\n")
 
-    def eager_step(self) -> Callable[[], torch.Tensor]:
-        return make_step(self.case, self.case.model, self.case.model)
-
     # -- the run ----------------------------------------------------------
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -282,7 +132,7 @@ class ModelBench:
             "input_shapes": shapes,
             "parameters": case.num_parameters(), "torch": torch.__version__, "ckptc": ckptc.__version__,
             "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                        "cpus": os.cpu_count(), "load_avg_start": _loadavg()},
+                        "cpus": os.cpu_count(), "load_avg_start": loadavg()},
             "settings": {"reps": self.reps, "rtol": RTOL, "atol": ATOL, "seed": SEED,
                          "ilp_time_limit_s": self.ilp_time_limit, "dedupe": self.dedupe, **{
                              k: list(v) if isinstance(v, tuple) else v for k, v in self.alt_options.items()}},
@@ -292,26 +142,31 @@ class ModelBench:
         self.log(f"size={self.size} {shapes} params={case.num_parameters() / 1e6:.2f}M")
 
         # eager reference: loss, gradients, FLOPs
-        step = self.eager_step()
+        self.reference = Reference(case, loss=torch.zeros(()), grads={}, flops=0.0)
+        step = self.reference.eager_step()
         ref_loss, first_s = timed(step)
-        self.ref_loss, self.ref_grads = ref_loss, grads_of(case.model)
+        self.reference.loss, self.reference.grads = ref_loss, grads_of(case.model)
         step()
         with count_flops() as tally:
             step()
-        self.eager_flops = tally.total
+        self.reference.flops = tally.total
         zero_grads(case.model)
         baseline = resident_bytes(case.model, case.example_inputs, case.example_kwargs)
         _, eager_peak = measure_peak(step, baseline_bytes=baseline)
-        self.result["eager"] = {"flops": self.eager_flops, "peak_bytes": eager_peak.peak_bytes,
+        self.result["eager"] = {"flops": tally.total, "peak_bytes": eager_peak.peak_bytes,
                                 "baseline_bytes": eager_peak.baseline_bytes, "first_step_s": first_s,
                                 "loss": float(ref_loss)}
-        self.log(f"eager: peak {fmt_mib(eager_peak.peak_bytes)} MiB, {self.eager_flops / 1e9:.2f} GFLOP, "
+        self.log(f"eager: peak {fmt_mib(eager_peak.peak_bytes)} MiB, {tally.total / 1e9:.2f} GFLOP, "
                  f"first step {first_s:.1f}s")
 
-        # probe: capture the step once with ckptc (keep everything) for the budget range
-        self.problems: list[Any] | None = None
+        # probe: capture the step once with ckptc for the budget range and the offline decisions
+        self.sweep: Sweep | None = None
         try:
-            self.probe()
+            captured = capture_step(case)
+            self.sweep = Sweep(captured, time_limit=self.ilp_time_limit)
+            self.result["probe"] = captured.to_dict()
+            self.log(f"probe: {captured.graphs} graph(s), unoptimized {fmt_mib(captured.unoptimized_peak_bytes)} "
+                     f"MiB, smallest feasible {fmt_mib(captured.floor_bytes)} MiB, capture {captured.capture_s:.1f}s")
         except Exception as error:  # noqa: BLE001
             self.log(f"probe failed: {error_text(error)}")
             self.result["probe"] = {"status": "error", "error": error_text(error),
@@ -328,7 +183,6 @@ class ModelBench:
         self.result["lower_bound_bytes"] = lower
         alts = alternatives_for(case.model, unopt, floor, lower=lower, **self.alt_options)
         alts = _order(alts)
-        measured: dict[tuple[Any, ...], dict[str, Any]] = {}
         probe_failed = probe.get("status") == "error"
         # If ckptc's probe step failed, one ckptc point (auto at the largest budget, where no
         # budget error can hide the failure) records what happens; the rest would repeat it.
@@ -337,14 +191,14 @@ class ModelBench:
         for alt in alts:
             if probe_failed and alt.family in ("ckptc", "ckptc_strategy") and alt is not designated:
                 self.add({**alt.to_dict(), "status": "skipped",
-                          "reason": f"ckptc's probe step (capture + first training step) failed: {probe.get('error')}"})
+                          "reason": f"ckptc's capture of the step failed: {probe.get('error')}"})
                 continue
             elapsed = time.perf_counter() - self.started
             if self.model_budget_s is not None and elapsed > self.model_budget_s:
                 self.add({**alt.to_dict(), "status": "skipped",
                           "reason": f"model time budget of {self.model_budget_s:.0f} s used up"})
                 continue
-            self.add(self.point(alt, measured))
+            self.add(self.point(alt))
         # ckptc at exactly the peaks the hand-written alternatives measured: the like-for-like
         # comparison (recompute and step time at the same memory), interleaved in this run.
         for family, name in (("ckpt_every", "per-block"), ("ckpt_every_other", "every-other-block")):
@@ -354,9 +208,9 @@ class ModelBench:
                 continue
             alt = Alternative("ckptc", f"ckptc auto @{name} peak", solver="auto", budget_bytes=reference["peak_bytes"],
                               budget_kind="matched", compiled=True)
-            self.add({**self.point(alt, measured), "matched_to": family})
+            self.add({**self.point(alt), "matched_to": family})
         self.result["total_seconds"] = time.perf_counter() - t0
-        self.result["machine"]["load_avg_end"] = _loadavg()
+        self.result["machine"]["load_avg_end"] = loadavg()
         self.save()
         return self.result
 
@@ -372,149 +226,43 @@ class ModelBench:
         else:
             self.log(f"{point['label']:<38} {status}: {point.get('reason') or point.get('error')}")
 
-    def probe(self) -> None:
-        case = self.case
-        reset_compiler_state()
-        model = copy.deepcopy(case.model)
-        fast = ckptc.optimize(model, strategy="none")
-        _, seconds = timed(make_step(case, fast, model))
-        plan = fast.plan
-        records = list(fast.compiler.records)
-        self.result["probe"] = {
-            "status": "ok", "first_step_s": seconds, "graphs": len(plan.graphs),
-            "unoptimized_peak_bytes": plan.unoptimized_peak_bytes, "min_feasible_bytes": plan.min_feasible_bytes,
-            "nodes": [len(r.problem) for r in records],
-            "predicted_step_flops": plan.step_flops,
-        }
-        self.log(f"probe: {len(plan.graphs)} graph(s), unoptimized {fmt_mib(plan.unoptimized_peak_bytes)} MiB, "
-                 f"smallest feasible {fmt_mib(plan.min_feasible_bytes)} MiB, first step {seconds:.1f}s")
-        if len(records) == 1:
-            self.problems = [r.joint_problem for r in records]
-        else:
-            self.result["notes"].append(
-                f"{len(records)} graphs captured: every ckptc point is run (no offline solving/dedupe)")
-        del fast, model
-        reset_compiler_state()
-
-    def offline_plan(self, alt: Alternative) -> tuple[str, Any, float]:
-        """('plan', plan, seconds) or ('infeasible', error, seconds) from the probe's problem."""
-        jp = self.problems[0]  # type: ignore[index]
-        start = time.perf_counter()
-        # Decide exactly as ckptc's backend does at the first step (CheckpointCompiler._decide,
-        # configured as Alternative.build configures ckptc.optimize), on the problem it captured.
-        if alt.family == "ckptc":
-            compiler = CheckpointCompiler(alt.budget_bytes, strategy="auto", solver=alt.solver or "auto",
-                                          time_limit=self.ilp_time_limit if alt.solver in ("ilp", "auto") else None)
-        else:
-            compiler = CheckpointCompiler(alt.budget_bytes, strategy=alt.strategy or "auto")
-        try:
-            plan = compiler._decide(0, jp)
-        except solvers.InfeasibleBudgetError as error:
-            return "infeasible", error, time.perf_counter() - start
-        return "plan", plan, time.perf_counter() - start
-
-    def point(self, alt: Alternative, measured: dict[tuple[Any, ...], dict[str, Any]]) -> dict[str, Any]:
+    def point(self, alt: Alternative) -> dict[str, Any]:
+        """One point: resumed from an earlier run, decided offline (infeasible, or the same plan as
+        a point already measured), or measured."""
         point: dict[str, Any] = alt.to_dict()
-        signature = None
         earlier = self.previous.get(alt.label)
-        if earlier is not None and (alt.family not in ("ckptc", "ckptc_strategy") or not self.dedupe
-                                    or self.problems is None):
+        ckptc_point = alt.family in ("ckptc", "ckptc_strategy")
+        sweep = self.sweep if self.dedupe and ckptc_point else None
+        if earlier is not None and sweep is None:
             return {**earlier, "resumed": True}
-        if self.dedupe and self.problems is not None and alt.family in ("ckptc", "ckptc_strategy"):
-            try:
-                kind, value, seconds = self.offline_plan(alt)
-            except Exception as error:  # noqa: BLE001 - measured below, where the error is recorded
-                kind, value, seconds = "error", error, 0.0
-            point["offline_solve_s"] = seconds
-            if kind == "infeasible":
-                return {**point, "status": "infeasible", "reason": error_text(value),
-                        "min_feasible_bytes": getattr(value, "min_feasible_bytes", None)}
-            if earlier is not None and kind != "plan":
+        signature = None
+        if sweep is not None:
+            decision = sweep.decide(alt)
+            point["offline_solve_s"] = decision.seconds
+            if decision.kind == "infeasible":
+                return {**point, "status": "infeasible", "reason": error_text(decision.error),
+                        "min_feasible_bytes": getattr(decision.error, "min_feasible_bytes", None)}
+            if earlier is not None and decision.plan is None:
                 return {**earlier, "resumed": True}
-            if kind == "error" and isinstance(value, solvers.SolverError):
-                # the same solver on the same problem would raise the same at the first step
-                return {**point, "status": "error", "error": error_text(value), "decided": "offline"}
-            if kind == "plan":
-                sim = solvers.simulate(self.problems[0].problem, value)  # type: ignore[index]
-                point.update(offline_predicted_peak_bytes=sim.peak_bytes, offline_method=value.method)
-                signature = plan_signature(value)
+            if decision.kind == "error" and isinstance(decision.error, ckptc.CkptcError):
+                # the same planner on the same capture would raise the same at the first step
+                return {**point, "status": "error", "error": error_text(decision.error), "decided": "offline"}
+            if decision.plan is not None:
+                point.update(offline_predicted_peak_bytes=decision.plan.predicted_peak_bytes,
+                             offline_method=decision.plan.graphs[0].plan.method)
+                signature = decision.signature
                 if earlier is not None:  # measured in an earlier run: register it for dedupe, do not rerun
                     if earlier.get("status") == "ok" and not earlier.get("same_plan_as"):
-                        measured.setdefault(signature, earlier)
+                        sweep.measured.setdefault(signature, earlier)
                     return {**earlier, "resumed": True}
-                if signature in measured:
-                    first = measured[signature]
-                    shared = {k: first[k] for k in ("peak_bytes", "baseline_bytes", "flops", "recompute_pct",
-                                                    "time_ratio", "time_s", "eager_time_s", "matches_eager",
-                                                    "loss_equal", "grads_equal", "grad_max_abs_diff",
-                                                    "predicted_peak_bytes", "predicted_recompute_pct",
-                                                    "kept", "recomputed") if k in first}
-                    return {**point, **shared, "status": "ok", "same_plan_as": first["label"]}
-        try:
-            with deadline(self.point_timeout):
-                result = self.measure(alt, point)
-        except Skip as reason:
-            result = {**point, "status": "skipped", "reason": str(reason)}
-        except Exception as error:  # noqa: BLE001 - every failure is a result
-            status = "timeout" if isinstance(error, PointTimeout) else (
-                "infeasible" if isinstance(error, solvers.InfeasibleBudgetError) else "error")
-            result = {**point, "status": status, "error": error_text(error),
-                      "traceback": traceback.format_exc(limit=-4)[-1500:]}
-        finally:
-            reset_compiler_state()
-        if signature is not None and result.get("status") == "ok":
-            measured[signature] = result
+                shared = sweep.shared(signature, point)
+                if shared is not None:
+                    return shared
+        result = run_point(alt, point, self.reference, reps=self.reps, time_limit=self.ilp_time_limit,
+                           point_timeout=self.point_timeout)
+        if sweep is not None and signature is not None and result.get("status") == "ok":
+            sweep.measured[signature] = result
         return result
-
-    def measure(self, alt: Alternative, point: dict[str, Any]) -> dict[str, Any]:
-        case = self.case
-        reset_compiler_state()
-        model = copy.deepcopy(case.model)
-        runner: Runner = alt.build(model, time_limit=self.ilp_time_limit)
-        point["how"] = runner.info
-        step = make_step(case, runner.call, runner.module)
-        loss, first_s = timed(step)  # capture/solve/compile happen here
-        point["first_step_s"] = first_s
-        point.update(compare(loss, runner.module, self.ref_loss, self.ref_grads))
-        if runner.optimized is not None:
-            plan = runner.optimized.plan
-            records = runner.optimized.compiler.records
-            point.update(
-                predicted_peak_bytes=plan.predicted_peak_bytes, predicted_recompute_pct=plan.recompute_percent,
-                plan_min_feasible_bytes=plan.min_feasible_bytes, plan_method=[g.plan.method for g in plan.graphs],
-                kept=len(plan.values("kept")), recomputed=len(plan.values("recomputed")),
-                partition_s=sum(r.solve_seconds for r in records),
-                solve_s=sum(float(r.plan.info.get("solve_seconds", 0.0)) for r in records),
-                auto_choice=([(g.plan.info.get("auto") or {}).get("chosen") for g in plan.graphs]
-                             if alt.solver == "auto" else None),
-            )
-            if "offline_predicted_peak_bytes" in point:
-                # Scratch memory is measured by running ops, so predictions may differ by a few KiB.
-                diff = plan.predicted_peak_bytes - point["offline_predicted_peak_bytes"]
-                point["offline_peak_diff_bytes"] = diff
-                point["offline_matches_run"] = abs(diff) <= max(64 * 1024, plan.predicted_peak_bytes // 1000)
-        with count_flops() as tally:  # second warm-up step
-            step()
-        point["flops"] = tally.total
-        point["recompute_pct"] = (
-            100.0 * (tally.total - self.eager_flops) / self.eager_flops if self.eager_flops else 0.0
-        )
-        zero_grads(runner.module)
-        baseline = resident_bytes(runner.module, case.example_inputs, case.example_kwargs)
-        _, measurement = measure_peak(step, baseline_bytes=baseline)
-        point.update(peak_bytes=measurement.peak_bytes, baseline_bytes=measurement.baseline_bytes)
-        if alt.budget_bytes is not None:
-            point["within_budget"] = measurement.peak_bytes <= alt.budget_bytes
-        eager_times, times = [], []
-        eager_step = self.eager_step()
-        for _ in range(self.reps):  # interleaved: machine noise hits both alike
-            eager_times.append(timed(eager_step)[1])
-            times.append(timed(step)[1])
-        point.update(time_s=statistics.median(times), eager_time_s=statistics.median(eager_times),
-                     time_ratio=statistics.median(times) / statistics.median(eager_times),
-                     times_s=times, eager_times_s=eager_times, status="ok")
-        del runner, model
-        return point
 
 
 def _order(alts: list[Alternative]) -> list[Alternative]:
@@ -537,158 +285,6 @@ def _order(alts: list[Alternative]) -> list[Alternative]:
 
     # aot_eager right after the baselines: it is the other compiler-based baseline
     return sorted(alts, key=key)
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-# --------------------------------------------------------------------------- #
-# Headline: longest sequence under a fixed budget                              #
-# --------------------------------------------------------------------------- #
-
-HEADLINE_MODELS = {
-    # model: (start length, granularity)
-    "enformer": (16384, 128 * 16),
-    "hyena": (8192, 1024),
-}
-
-
-def _headline_peak(name: str, method: str, seq_len: int, budget: int) -> dict[str, Any]:
-    """Peak of one step at ``seq_len``: measured (eager, per-block) or ckptc's predicted smallest feasible."""
-    reset_compiler_state()
-    case = get_case(name, size="bench", seq_len=seq_len)
-    model = case.model
-    out: dict[str, Any] = {"seq_len": seq_len, "method": method}
-    start = time.perf_counter()
-    if method == "ckptc":
-        # The smallest budget ckptc can plan for (auto): predicted from the captured step.
-        plan = ckptc.plan(model, case.example_inputs, case.example_kwargs, strategy="none", loss_fn=case.loss)
-        out.update(peak_bytes=plan.min_feasible_bytes, kind="predicted (ckptc min feasible)",
-                   unoptimized_predicted=plan.unoptimized_peak_bytes)
-    else:
-        if method == "per_block":
-            wrapped, how = wrap_blocks(model, every=1)
-            out["how"] = how
-        step = make_step(case, model, model)
-        zero_grads(model)
-        _, m = measure_peak(step, baseline_bytes=resident_bytes(model, case.example_inputs, case.example_kwargs))
-        out.update(peak_bytes=m.peak_bytes, kind="measured (first step)")
-    out["seconds"] = time.perf_counter() - start
-    out["fits"] = out["peak_bytes"] <= budget
-    del case, model
-    gc.collect()
-    return out
-
-
-def _verify_ckptc(name: str, seq_len: int, budget: int) -> dict[str, Any]:
-    """Train two steps of ckptc at ``seq_len`` under ``budget`` and measure the second."""
-    reset_compiler_state()
-    case = get_case(name, size="bench", seq_len=seq_len)
-    model = case.model
-    start = time.perf_counter()
-    fast = ckptc.optimize(model, budget_bytes=budget)
-    step = make_step(case, fast, model)
-    step()
-    zero_grads(model)
-    _, m = measure_peak(step, baseline_bytes=resident_bytes(model, case.example_inputs, case.example_kwargs))
-    plan = fast.plan
-    out = {"seq_len": seq_len, "measured_peak_bytes": m.peak_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
-           "recompute_pct_predicted": plan.recompute_percent, "within_budget": m.peak_bytes <= budget,
-           "seconds": time.perf_counter() - start}
-    del fast, case, model
-    reset_compiler_state()
-    return out
-
-
-def longest_fitting(name: str, method: str, budget: int, deadline_at: float, start: int, grain: int,
-                    max_len: int = 2**22) -> dict[str, Any]:
-    """Doubling then bisection over sequence length (multiples of ``grain``) until peak <= budget is bracketed."""
-    trials: list[dict[str, Any]] = []
-    stopped = []
-
-    def fits(length: int) -> bool | None:
-        if time.perf_counter() > deadline_at:
-            stopped.append(length)
-            return None
-        try:
-            r = _headline_peak(name, method, length, budget)
-        except Exception as error:  # noqa: BLE001 - an out-of-memory or capture failure is "does not fit"
-            r = {"seq_len": length, "method": method, "error": error_text(error), "fits": False}
-        trials.append(r)
-        print(f"[{time.strftime('%H:%M:%S')}] headline {name} {method} L={length}: "
-              f"{fmt_mib(r.get('peak_bytes'))} MiB fits={r['fits']}", flush=True)
-        return bool(r["fits"])
-
-    lo, hi = 0, None
-    length = start
-    while hi is None and length <= max_len:
-        ok = fits(length)
-        if ok is None:
-            break
-        if ok:
-            lo, length = length, length * 2
-        else:
-            hi = length
-    if lo == 0 and hi is not None:  # even the start is too long: go down
-        length = hi // 2
-        while length >= grain:
-            ok = fits(length)
-            if ok is None:
-                break
-            if ok:
-                lo = length
-                break
-            hi, length = length, length // 2
-    while lo and hi is not None and hi - lo > grain and hi / lo > 1.0625:
-        mid = (lo + hi) // 2 // grain * grain
-        if mid <= lo or mid >= hi:
-            break
-        ok = fits(mid)
-        if ok is None:
-            break
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return {"method": method, "longest_fitting": lo or None, "shortest_failing": hi, "trials": trials,
-            "grain": grain, "complete": not stopped}
-
-
-def headline(out: Path, budget_gb: float = 1.0, time_budget_s: float = 900.0,
-             models: tuple[str, ...] = ("enformer", "hyena")) -> dict[str, Any]:
-    budget = int(budget_gb * 2**30)
-    started = time.perf_counter()
-    result: dict[str, Any] = {"budget_bytes": budget, "time_budget_s": time_budget_s, "models": {},
-                              "source": provenance(),
-                              "method_notes": {
-                                  "none": "eager PyTorch, measured peak of the first step",
-                                  "per_block": "torch.utils.checkpoint(use_reentrant=False) on every repeated block "
-                                               "(bench.alternatives.wrap_blocks), measured peak of the first step",
-                                  "ckptc": "ckptc's smallest feasible budget (predicted from the captured step) "
-                                           "<= budget; the longest length found is then trained under the budget "
-                                           "and measured"}}
-    methods = ("none", "per_block", "ckptc")
-    share = time_budget_s / (len(models) * len(methods))
-    for name in models:
-        start_len, grain = HEADLINE_MODELS[name]
-        entry: dict[str, Any] = {}
-        for method in methods:
-            deadline_at = time.perf_counter() + share
-            entry[method] = longest_fitting(name, method, budget, deadline_at, start_len, grain)
-        best = entry["ckptc"]["longest_fitting"]
-        if best:
-            try:
-                entry["ckptc"]["verified"] = _verify_ckptc(name, best, budget)
-            except Exception as error:  # noqa: BLE001
-                entry["ckptc"]["verified"] = {"error": error_text(error)}
-        result["models"][name] = entry
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "headline.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    result["seconds"] = time.perf_counter() - started
-    (out / "headline.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (out / "headline.md").write_text(report.headline_markdown(result))
-    return result
 
 
 # --------------------------------------------------------------------------- #

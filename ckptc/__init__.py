@@ -12,9 +12,11 @@ backward recomputes the rest just before it is needed.
 
 import logging
 
-from ckptc.api import OptimizedModule, optimize, plan
+from ckptc.api import OptimizedModule, capture, optimize, plan
 from ckptc.backend import backend
 from ckptc.errors import BudgetExceededError, CkptcError, CorruptPlanError, PlanMismatchError, UntraceableModelError
+from ckptc.options import CheckpointOptions
+from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, load_plan
 from solvers import InfeasibleBudgetError
 
@@ -25,6 +27,9 @@ __all__ = [
     "optimize",
     "backend",
     "plan",
+    "capture",
+    "CapturedStep",
+    "CheckpointOptions",
     "load_plan",
     "OptimizedModule",
     "ModelPlan",

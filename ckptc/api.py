@@ -1,4 +1,4 @@
-"""Public API: ``ckptc.optimize`` and ``ckptc.plan``.
+"""Public API: ``ckptc.optimize``, ``ckptc.capture`` and ``ckptc.plan``.
 
 ``optimize(model, budget_gb=40)`` returns a module that trains like ``model``
 within the budget.  Its first training call captures the step, solves and
@@ -17,7 +17,9 @@ import torch
 
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
-from ckptc.plans import ModelPlan
+from ckptc.options import CheckpointOptions
+from ckptc.planner import CapturedStep
+from ckptc.plans import ModelPlan, _parameter_sizes
 from ckptc.step import ForwardState, StepRuntime
 
 log = logging.getLogger("ckptc.api")
@@ -91,7 +93,8 @@ class OptimizedModule(torch.nn.Module):
         if not records:
             return None
         unique = list({id(r): r for r in records}.values())  # a graph run twice is one plan
-        result = ModelPlan.from_records(unique, runtime.compiler)
+        compiler = runtime.compiler
+        result = ModelPlan.from_records(unique, compiler.options, compiler.model)
         if runtime.last is not None:
             result.measured_peak_bytes = runtime.last.measured_peak_bytes
         return result
@@ -197,6 +200,51 @@ def optimize(
     return OptimizedModule(model, compiler_, verify=verify, max_plans=max_plans)
 
 
+def capture(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **options: Any,
+) -> CapturedStep:
+    """Capture one training step of ``model`` once, to plan it under any number of budgets.
+
+    Runs one forward and backward pass on the example inputs (to capture every
+    graph, including those after graph breaks) and restores the parameters'
+    gradients, the buffers (BatchNorm statistics) and the random state
+    afterwards, so the model is left exactly as it was.  ``options`` are those
+    of :func:`optimize` that shape the captured problem (``must_save``,
+    ``must_recompute``, ``hold_outputs``, ``compiler``, ``measure_time``) and
+    the defaults of :meth:`CapturedStep.plan` (``strategy``, ``solver``,
+    ``time_limit``); a budget is given to ``plan``.
+
+    Example:
+        >>> step = ckptc.capture(model, (input_ids,), {"labels": labels})   # doctest: +SKIP
+        >>> step.floor_bytes, step.unoptimized_peak_bytes
+        >>> [step.plan(budget_bytes=b) for b in budgets]                    # no capture again
+    """
+    for name in ("budget_gb", "budget_bytes", "plan"):
+        if options.get(name) is not None:
+            raise ValueError(f"ckptc.capture takes no {name}; give the budget to CapturedStep.plan(...)")
+    checked = CheckpointOptions.from_user(
+        {k: v for k, v in options.items() if k not in ("verify", "max_plans", "progress")}
+    )
+    optimized = optimize(model, strategy="none", solver=checked.solver, compiler=checked.compiler,
+                         must_save=checked.must_save, must_recompute=checked.must_recompute,
+                         measure_time=checked.measure_time, hold_outputs=checked.hold_outputs,
+                         verify=False, max_plans=options.get("max_plans", 8))
+    with training_state_restored(model):
+        for p in model.parameters():
+            p.grad = None
+        output = optimized(*example_inputs, **(example_kwargs or {}))
+        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+        loss.backward()
+    records = list({id(r): r for r in optimized._ckptc_runtime.step_records()}.values())
+    sizes = _parameter_sizes(model)
+    return CapturedStep(records, checked, model_name=type(model).__name__, **sizes)
+
+
 def plan(
     model: torch.nn.Module,
     example_inputs: Sequence[Any] = (),
@@ -205,26 +253,24 @@ def plan(
     *,
     budget_bytes: int | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    plan: str | ModelPlan | None = None,
+    progress: Callable[[float, str], None] | None = None,
     **options: Any,
 ) -> ModelPlan:
-    """Plan one training step of ``model`` without training it.
+    """Plan one training step of ``model`` without training it: ``capture(...).plan(...)``.
 
-    Runs one forward and backward pass on the example inputs (to capture every
-    graph, including those after graph breaks) and restores the parameters'
-    gradients and the buffers (BatchNorm statistics) afterwards, so the model
-    is left exactly as it was.
+    ``plan`` (a plan file or :class:`ModelPlan`) applies its decisions to the
+    captured graphs instead of solving.  The model is left exactly as it was
+    (see :func:`capture`).
     """
-    options.setdefault("verify", False)  # one step, state restored: nothing to correct
-    optimized = optimize(model, budget_gb, budget_bytes=budget_bytes, **options)
-    with training_state_restored(model):
-        for p in model.parameters():
-            p.grad = None
-        output = optimized(*example_inputs, **(example_kwargs or {}))
-        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-        loss.backward()
-    result = optimized.plan
-    assert result is not None
-    return result
+    budget = CheckpointOptions.from_user(budget_gb=budget_gb, budget_bytes=budget_bytes).budget_bytes
+    source = None
+    if plan is not None:
+        from ckptc.plans import load_plan, plan_source_for
+
+        source = plan_source_for(plan if isinstance(plan, ModelPlan) else load_plan(plan), budget)
+    step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, **options)
+    return step.plan(budget_bytes=budget, plan_source=source, progress=progress)
 
 
 @contextlib.contextmanager

@@ -39,9 +39,8 @@ import torch
 import ckptc
 import solvers
 from ckptc import report
-from ckptc.backend import budget_to_bytes
 from ckptc.errors import CkptcError
-from ckptc.policies import STRATEGIES
+from ckptc.options import STRATEGY_NAMES, budget_to_bytes
 from solvers import format_bytes
 
 log = logging.getLogger("ckptc.cli")
@@ -307,7 +306,7 @@ def _add_planning(parser: argparse.ArgumentParser, *, solver: bool = True) -> No
     if solver:
         parser.add_argument("--solver", default="auto", choices=list(solvers.METHODS),
                             help="solver for --strategy auto (default: auto)")
-        parser.add_argument("--strategy", default="auto", choices=sorted(STRATEGIES),
+        parser.add_argument("--strategy", default="auto", choices=sorted(STRATEGY_NAMES),
                             help="auto: a solver under the budget; none: keep everything; layer: per-block; "
                                  "segment: Chen's sqrt(n); selective: Megatron-style (default: auto)")
     parser.add_argument("--must-save", nargs="+", action="extend", default=[], metavar="PAT",

@@ -27,7 +27,8 @@ from ckptc._torch_internals import is_op_overload
 from ckptc.errors import CorruptPlanError, PlanMismatchError
 
 if TYPE_CHECKING:
-    from ckptc.compiler import CheckpointCompiler, GraphRecord
+    from ckptc.options import CheckpointOptions
+    from ckptc.planner import GraphRecord
     from ckptc.problem import JointProblem
 
 SCHEMA_VERSION = 1
@@ -178,13 +179,14 @@ class ModelPlan:
 
     # -- construction -----------------------------------------------------
     @classmethod
-    def from_records(cls, records: Iterable["GraphRecord"], compiler: "CheckpointCompiler") -> "ModelPlan":
+    def from_records(cls, records: Iterable["GraphRecord"], options: "CheckpointOptions",
+                     model: torch.nn.Module | None = None) -> "ModelPlan":
         return cls(
             graphs=[graph_plan(r) for r in records],
-            budget_bytes=compiler.budget_bytes,
-            strategy=compiler.strategy,
-            solver=compiler.solver,
-            **_parameter_sizes(compiler.model),
+            budget_bytes=options.budget_bytes,
+            strategy=options.strategy,
+            solver=options.solver,
+            **_parameter_sizes(model),
         )
 
     # -- files --------------------------------------------------------------

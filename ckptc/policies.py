@@ -1,13 +1,11 @@
-"""Strategies: small named functions that decide what to keep.
+"""Presets: small named functions that give a plan without solving, and the user's patterns.
 
-A strategy takes a :class:`~ckptc.problem.JointProblem` and a budget in bytes
-(or None) and returns a :class:`solvers.Plan`.  The mechanism that applies a
-plan (:mod:`ckptc.rewriter`) is separate from these decisions, and every plan
-is scored by the one simulator, :func:`solvers.simulate`.
-
-``"auto"`` hands the problem to a solver under the budget; the presets
-reproduce what users compare against, planned and measured by the same
-machinery.
+A preset takes a :class:`~ckptc.problem.JointProblem` and a budget in bytes
+(or None, recorded in the plan) and returns a :class:`solvers.Plan`.  The
+presets reproduce what users compare against, planned and measured by the
+same machinery; which one is used, or a solver under the budget, is decided
+in :mod:`ckptc.planner`.  Every plan is scored by the one simulator,
+:func:`solvers.simulate`.
 """
 
 from __future__ import annotations
@@ -42,20 +40,6 @@ def keep_everything(jp: JointProblem, budget_bytes: int | None = None, **_: obje
     else:
         plan = solvers.Plan(kept=names_of(jp.problem, own))
     return _finish(jp, dataclasses.replace(plan, method="none", budget_bytes=budget_bytes))
-
-
-def solve_under_budget(
-    jp: JointProblem,
-    budget_bytes: int | None,
-    *,
-    solver: str = "auto",
-    progress: Callable[[float, str], None] | None = None,
-    **options: object,
-) -> solvers.Plan:
-    """The cheapest plan whose simulated peak fits ``budget_bytes`` (see :func:`solvers.solve`)."""
-    if budget_bytes is None:
-        return keep_everything(jp)
-    return solvers.solve(jp.problem, budget_bytes, method=solver, progress=progress, **options)
 
 
 def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
@@ -118,9 +102,9 @@ def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
                         info=info)
 
 
-STRATEGIES: dict[str, Strategy] = {
+#: The presets by strategy name; ``"auto"`` (a solver under the budget) is decided in :mod:`ckptc.planner`.
+PRESETS: dict[str, Strategy] = {
     "none": keep_everything,
-    "auto": solve_under_budget,
     "layer": keep_module_inputs,
     "segment": chen_segments,
     "selective": selective,

@@ -297,7 +297,7 @@ def memory_timelines(
     """
     from ckptc.api import _default_loss, optimize, training_state_restored
     from ckptc.meter import measure_peak, resident_bytes
-    from ckptc.policies import keep_everything
+    from ckptc.planner import unoptimized_result
 
     example_kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or _default_loss
@@ -322,7 +322,7 @@ def memory_timelines(
         _clear_gradients(parameters)
         _, measured_eager = measure_peak(eager_step, baseline_bytes=baseline, device=device)
 
-    unoptimized_results = [solvers.simulate(r.problem, keep_everything(r.joint_problem)) for r in records]
+    unoptimized_results = [unoptimized_result(r.joint_problem) for r in records]
     series = [
         TimelineSeries("unoptimized, predicted", tuple(step_timeline(unoptimized_results)),
                        optimized=False, measured=False),
@@ -401,28 +401,27 @@ def pareto_points(
 ) -> ParetoResult:
     """Plan ``model`` under ``points`` budgets, smallest feasible to unoptimized peak, with each solver.
 
-    One keep-everything plan first gives the range; then every (solver,
-    budget) pair is one :func:`ckptc.plan` call on the same model.  A solver
+    The step is captured once (:func:`ckptc.capture`), which gives the range;
+    then every (solver, budget) pair is planned on that capture.  A solver
     that cannot fit a budget skips that point (recorded as infeasible).
-    ``options`` go to :func:`ckptc.plan` (must_save, must_recompute, ...).
+    ``options`` go to :func:`ckptc.capture` (must_save, must_recompute, ...).
     ``progress(fraction, message)`` reports the whole sweep.
     """
-    from ckptc.api import plan
+    from ckptc.api import capture
 
     unknown = [s for s in solver_names if s not in solvers.METHODS]
     if unknown:
         raise ValueError(f"unknown solver(s) {', '.join(unknown)}; choose from {', '.join(solvers.METHODS)}")
-    example_kwargs = dict(example_kwargs or {})
     total = 1 + points * len(solver_names)
 
     def report(done: float, message: str) -> None:
         if progress is not None:
             progress(min(1.0, done / total), message)
 
-    report(0, "planning without a budget")
-    baseline = plan(model, example_inputs, example_kwargs, strategy="none", loss_fn=loss_fn, **options)
-    budgets = budget_range(baseline.min_feasible_bytes, baseline.unoptimized_peak_bytes, points)
-    result = ParetoResult([], baseline.min_feasible_bytes, baseline.unoptimized_peak_bytes, budgets)
+    report(0, "capturing the step")
+    step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, **options)
+    budgets = budget_range(step.floor_bytes, step.unoptimized_peak_bytes, points)
+    result = ParetoResult([], step.floor_bytes, step.unoptimized_peak_bytes, budgets)
     done = 1
     for solver in solver_names:
         for budget in budgets:
@@ -433,8 +432,7 @@ def pareto_points(
                 lambda f, m, start=start, message=message: report(start + f, f"{message}: {m}")
             )
             try:
-                model_plan = plan(model, example_inputs, example_kwargs, budget_bytes=budget, loss_fn=loss_fn,
-                                  solver=solver, strategy="auto", progress=inner, **options)
+                model_plan = step.plan(budget_bytes=budget, solver=solver, strategy="auto", progress=inner)
             except solvers.InfeasibleBudgetError as error:
                 log.info("pareto: %s found no plan within %s", solver, format_bytes(budget))
                 result.points.append(ParetoPoint(solver, budget, None, None, error.min_feasible_bytes))

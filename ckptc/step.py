@@ -37,14 +37,14 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc.compiler import CheckpointCompiler, GraphRecord, budget_for_planning_floor
+from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, UntraceableModelError
 from ckptc.meter import StepMeter, resident_bytes
+from ckptc.planner import MAX_STEP_RETRIES, GraphRecord, tighter_graph_budgets
 
 log = logging.getLogger("ckptc.step")
 
 MAX_REPLANS = 3
-MAX_STEP_RETRIES = 2
 MAX_DISTINCT_SIGNATURES = 256
 
 
@@ -195,17 +195,12 @@ class StepRuntime:
             saved.restore()
             budget = self.template.budget_bytes
             assert budget is not None
-            floor = max(r.min_feasible_bytes for r in ran)
-            if floor > budget or attempt == MAX_STEP_RETRIES:
+            try:
+                shape.graph_budgets = tighter_graph_budgets(ran, budget, attempt, shape.graph_budgets)
+            except solvers.InfeasibleBudgetError:
                 self.plans.pop(shape.key, None)
-                raise solvers.InfeasibleBudgetError(budget, floor if floor > budget else None)
+                raise
             last = max(r.index for r in short)
-            if attempt == 0:
-                need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget for r in short)
-                tighter = {j: budget - need for j in range(last)}
-            else:  # keep as little as possible before the last graph that did not fit
-                tighter = {j: 0 for j in range(last)}
-            shape.graph_budgets = {j: min(b, shape.graph_budgets.get(j, b)) for j, b in tighter.items()}
             log.info("graph %d of %s did not fit after earlier graphs' plans; planning the step again with "
                      "earlier graphs keeping less (budgets %s)", last, type(self.model).__name__,
                      shape.graph_budgets)
@@ -240,7 +235,8 @@ class StepRuntime:
                     "up to a multiple of 64)."
                 )
             self.signatures_seen.add(digest)
-            shape = ShapePlan(key=key, compiler=self.template, compiled=None, hold_outputs=self.template.hold_outputs)
+            shape = ShapePlan(key=key, compiler=self.template, compiled=None,
+                              hold_outputs=self.template.options.hold_outputs)
             self._compile(shape)
             self.plans[key] = shape
             while len(self.plans) > self.max_plans:

@@ -1,0 +1,179 @@
+"""The options of one ckptc configuration, validated once.
+
+:class:`CheckpointOptions` is the one list of what can be configured:
+:func:`ckptc.optimize`, :func:`ckptc.backend`, ``torch.compile(...,
+backend="ckptc", options={...})``, :func:`ckptc.capture` and the CLI all build
+it with :meth:`CheckpointOptions.from_user`, which refuses an unknown name
+(naming the valid ones) and a bad value (quoting it) before anything runs.
+The compiler and the planner read the validated fields and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import solvers
+
+GiB = 1024**3
+# Allocators count bytes in 64-bit integers: a larger budget is a mistake in
+# units (budget_bytes given as GiB, a typo in the exponent), not a real limit.
+MAX_BUDGET_BYTES = 2**63 - 1
+
+#: Strategies (see :mod:`ckptc.planner`): ``"auto"`` solves under the budget, the others are presets.
+STRATEGY_NAMES = ("auto", "none", "layer", "segment", "selective")
+COMPILER_NAMES = ("eager", "inductor")
+#: Names users give that are not fields: a budget in GiB and a plan file to apply.
+EXTRA_USER_NAMES = ("budget_gb", "plan")
+
+
+def budget_to_bytes(budget_gb: float | None, budget_bytes: int | None) -> int | None:
+    """Validate the two ways of giving a budget and return bytes (or None)."""
+    if budget_gb is not None and budget_bytes is not None:
+        raise ValueError("give either budget_gb or budget_bytes, not both")
+    value, unit = (budget_gb, "budget_gb") if budget_gb is not None else (budget_bytes, "budget_bytes")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{unit} must be a number, not {type(value).__name__}")
+    units = "GiB" if unit == "budget_gb" else "bytes"
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{unit} must be a finite number of {units}, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{unit} must be positive, got {value!r}")
+    # A float budget_gb of 1e300 overflows to inf here; that compares above the cap.
+    scaled = value * GiB if unit == "budget_gb" else value
+    if scaled > MAX_BUDGET_BYTES:
+        raise ValueError(
+            f"{unit}={value!r} is more than any device's memory (over 2**63 bytes); "
+            f"give the budget in {units}, e.g. budget_gb=40"
+        )
+    nbytes = int(scaled)
+    if nbytes < 1:
+        raise ValueError(
+            f"{unit}={value!r} is less than one byte; give the budget in {units} "
+            "(budget_gb=40 means 40 GiB, as does budget_bytes=40 * 2**30)"
+        )
+    return nbytes
+
+
+def _internal() -> dict[str, Any]:
+    return {"internal": True}
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What to plan for and how.
+
+    Attributes:
+        budget_bytes: peak memory allowed for one forward+backward step, or
+            None for no limit (``"auto"`` then keeps everything).
+        strategy: one of :data:`STRATEGY_NAMES`.
+        solver: solver method for ``strategy="auto"`` (``"auto"`` or a name in
+            ``solvers.METHODS``).
+        compiler: ``"eager"`` runs the rewritten graphs op by op; ``"inductor"``
+            compiles them with Inductor.
+        must_save / must_recompute: fnmatch patterns over stable node names.
+        measure_time: price recomputation by measured seconds instead of FLOPs.
+        measure_scratch: run each distinct op once on random data to measure the
+            temporary memory it allocates (the budget counts it).
+        hold_outputs: whether forward results other than what backward needs
+            stay alive until backward ends (None: decided per graph).
+        time_limit: seconds a solver may spend (None: the solver's default).
+
+    Set by :class:`ckptc.step.StepRuntime` only (not user options):
+        extra_baseline_bytes: memory added to every graph's baseline (what a
+            measured step showed the prediction missed).
+        graph_budgets: budgets of single graphs by index, lower than
+            ``budget_bytes`` (earlier graphs keeping less for later ones).
+        defer_infeasible: plan a graph that cannot fit at its lowest peak and
+            mark it, so the whole step is seen before deciding.
+    """
+
+    budget_bytes: int | None = None
+    strategy: str = "auto"
+    solver: str = "auto"
+    compiler: str = "eager"
+    must_save: tuple[str, ...] = ()
+    must_recompute: tuple[str, ...] = ()
+    measure_time: bool = False
+    measure_scratch: bool = True
+    hold_outputs: bool | None = None
+    time_limit: float | None = None
+    extra_baseline_bytes: int = field(default=0, metadata=_internal())
+    graph_budgets: Mapping[int, int] = field(default_factory=dict, metadata=_internal())
+    defer_infeasible: bool = field(default=False, metadata=_internal())
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None:
+            budget_to_bytes(None, self.budget_bytes)
+            object.__setattr__(self, "budget_bytes", int(self.budget_bytes))
+        _choice("strategy", self.strategy, STRATEGY_NAMES)
+        _choice("solver", self.solver, ("auto", *sorted(solvers.METHODS)))
+        _choice("compiler", self.compiler, COMPILER_NAMES)
+        for name in ("must_save", "must_recompute"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise ValueError(f"{name} must be a list of patterns (strings), got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        for name in ("measure_time", "measure_scratch", "defer_infeasible"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not (self.hold_outputs is None or isinstance(self.hold_outputs, bool)):
+            raise ValueError(f"hold_outputs must be None, True or False, got {self.hold_outputs!r}")
+        if self.time_limit is not None and (
+            isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float))
+            or not 0 < self.time_limit < math.inf
+        ):
+            raise ValueError(f"time_limit must be a positive number of seconds or None, got {self.time_limit!r}")
+        if isinstance(self.extra_baseline_bytes, bool) or not isinstance(self.extra_baseline_bytes, int) \
+                or self.extra_baseline_bytes < 0:
+            raise ValueError(f"extra_baseline_bytes must be a non-negative int, got {self.extra_baseline_bytes!r}")
+        object.__setattr__(self, "graph_budgets", dict(self.graph_budgets))
+
+    @classmethod
+    def user_names(cls) -> tuple[str, ...]:
+        """Every name a user may give (``optimize``, ``backend``, ``options={...}``), sorted."""
+        fields = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+        return tuple(sorted({*fields, *EXTRA_USER_NAMES}))
+
+    @classmethod
+    def from_user(cls, options: Mapping[str, Any] | None = None, /, **more: Any) -> "CheckpointOptions":
+        """Options from user-given names (``budget_gb`` converted; ``plan`` is not an option of planning
+        and is refused here: :func:`ckptc.backend` takes it).
+
+        Raises:
+            ValueError: an unknown name (the message lists the valid ones) or a bad value (quoted).
+        """
+        given = {**(options or {}), **more}
+        unknown = sorted(set(given) - set(cls.user_names()) | ({"plan"} & set(given)))
+        if unknown:
+            raise ValueError(f"unknown ckptc option(s) {unknown}; valid options are {list(cls.user_names())}")
+        budget = budget_to_bytes(given.pop("budget_gb", None), given.pop("budget_bytes", None))
+        return cls(budget_bytes=budget, **given)
+
+    def replace(self, **changes: Any) -> "CheckpointOptions":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        budget = "none" if self.budget_bytes is None else solvers.format_bytes(self.budget_bytes)
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name != "budget_bytes" and getattr(self, f.name) != _default(f)
+        ]
+        return f"CheckpointOptions(budget={budget}{''.join(', ' + c for c in changed)})"
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {list(choices)}")

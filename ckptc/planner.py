@@ -1,0 +1,352 @@
+"""The one place where ckptc decides what to keep.
+
+Everything that turns a captured graph and :class:`~ckptc.options.CheckpointOptions`
+into a decision lives here:
+
+* the planning margin (:func:`planning_budget`, :func:`budget_for_planning_floor`):
+  solvers plan for 99.5% of the user's budget;
+* the candidates: a solver under the budget (``strategy="auto"``) or a preset
+  (``"none"``, ``"layer"``, ``"segment"``, ``"selective"``), or a plan file's
+  decisions (``plan_source``);
+* the floor (:func:`solvers.lowest_peak_plan`) and the unoptimized peak, and
+  the step-wide floor when graph breaks split a step into several graphs;
+* what to do when a graph cannot fit (:func:`decide`), and how a step of
+  several graphs is planned again with earlier graphs keeping less
+  (:func:`tighter_graph_budgets`).
+
+:func:`decide` is called by the compiler at capture time
+(:mod:`ckptc.compiler`) and by :class:`CapturedStep`, which plans a step
+captured once under any number of budgets without capturing again
+(:func:`ckptc.capture`, :func:`ckptc.plan`, the CLI's ``pareto`` and the bench).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import solvers
+from ckptc.options import CheckpointOptions, budget_to_bytes
+from ckptc.policies import PRESETS, keep_everything
+from ckptc.problem import JointProblem
+
+if TYPE_CHECKING:
+    from ckptc.plans import ModelPlan
+
+log = logging.getLogger("ckptc.planner")
+
+PLANNING_MARGIN_DIVISOR = 200  # plan for 99.5% of the budget, see planning_budget
+#: How many times a step of several graphs is planned again with earlier graphs keeping less.
+MAX_STEP_RETRIES = 2
+
+PlanSource = Callable[[int, JointProblem], solvers.Plan]
+Progress = Callable[[float, str], None]
+
+
+def planning_budget(budget_bytes: int) -> int:
+    """The budget solvers plan for: 0.5% below the user's.
+
+    Kernels' scratch memory varies a little between runs (measured once per
+    op, on random data); plans that fill the budget exactly would sometimes
+    exceed it by a few kilobytes.
+    """
+    return budget_bytes - budget_bytes // PLANNING_MARGIN_DIVISOR
+
+
+def budget_for_planning_floor(floor: int) -> int:
+    """The smallest user budget whose planning budget reaches ``floor``."""
+    budget = floor + floor // (PLANNING_MARGIN_DIVISOR - 1)
+    while planning_budget(budget) < floor:
+        budget += 1
+    return budget
+
+
+@dataclass
+class GraphRecord:
+    """What ckptc decided for one captured graph.
+
+    ``earlier`` are the graphs that ran before this one in the same step
+    when it was planned: what they keep for backward is part of this graph's
+    baseline (``baseline_bytes``), on top of its own (``own_baseline_bytes``).
+    """
+
+    index: int
+    joint_problem: JointProblem = field(repr=False)
+    plan: solvers.Plan
+    result: solvers.SimResult = field(repr=False)
+    baseline_bytes: int
+    unoptimized_peak_bytes: int
+    min_feasible_bytes: int
+    solve_seconds: float
+    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    held_output_bytes: int = 0
+    floor_peak_bytes: int = 0
+    floor_kept_bytes: int = 0
+    infeasible: bool = False
+    earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
+
+    @property
+    def step_bytes(self) -> int:
+        """What this graph leaves alive for the rest of the step after its forward:
+        values kept for its backward plus the results the caller holds."""
+        return self.result.kept_bytes + self.held_output_bytes
+
+    @property
+    def slack_bytes(self) -> int:
+        """How much less this graph would leave alive for later graphs under its lowest-peak plan."""
+        return max(0, self.result.kept_bytes - self.floor_kept_bytes)
+
+    @property
+    def own_baseline_bytes(self) -> int:
+        """The baseline without what earlier graphs of the step keep."""
+        return self.baseline_bytes - sum(e.step_bytes for e in self.earlier)
+
+    @property
+    def problem(self) -> solvers.Problem:
+        return self.joint_problem.problem
+
+
+def candidate(jp: JointProblem, options: CheckpointOptions, budget_bytes: int | None,
+              progress: Progress | None = None) -> solvers.Plan:
+    """The strategy's plan for ``jp`` at a planning budget (None: no limit).
+
+    Raises:
+        solvers.InfeasibleBudgetError: with the solver's floor, in planning-budget units.
+    """
+    if options.strategy != "auto":
+        return PRESETS[options.strategy](jp, budget_bytes)
+    if budget_bytes is None:
+        return keep_everything(jp)
+    extra: dict[str, Any] = {} if options.time_limit is None else {"time_limit": options.time_limit}
+    return solvers.solve(jp.problem, budget_bytes, method=options.solver, progress=progress, **extra)
+
+
+def _choose(jp: JointProblem, options: CheckpointOptions, index: int, plan_source: PlanSource | None,
+            progress: Progress | None) -> solvers.Plan:
+    """The plan for graph ``index``; an infeasible budget is reported in the user's units."""
+    if plan_source is not None:
+        return plan_source(index, jp)
+    budget = options.budget_bytes
+    if budget is None:
+        return candidate(jp, options, None, progress)
+    budget = min(budget, options.graph_budgets.get(index, budget))
+    try:
+        return candidate(jp, options, planning_budget(budget), progress)
+    except solvers.InfeasibleBudgetError as error:
+        floor = error.min_feasible_bytes
+        raise solvers.InfeasibleBudgetError(
+            options.budget_bytes, None if floor is None else budget_for_planning_floor(floor)
+        ) from None
+
+
+def decide(
+    jp: JointProblem,
+    options: CheckpointOptions,
+    *,
+    index: int,
+    earlier: Sequence[GraphRecord] = (),
+    plan_source: PlanSource | None = None,
+    progress: Progress | None = None,
+    input_ids: frozenset[int] = frozenset(),
+    started: float | None = None,
+) -> GraphRecord:
+    """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s baseline).
+
+    The floor reported (``min_feasible_bytes``) is the step's: earlier graphs at
+    their own lowest-peak plans would leave their ``slack_bytes`` fewer bytes alive.
+    A graph that cannot fit is planned at its lowest peak when it has a graph
+    budget of its own and fits the step's budget alone (earlier graphs asked it
+    to keep less), or when ``options.defer_infeasible`` asks to see the whole
+    step first (marked ``infeasible``); otherwise :class:`solvers.InfeasibleBudgetError`
+    gives the step's floor.
+    """
+    start = time.perf_counter() if started is None else started
+    floor_plan = solvers.lowest_peak_plan(jp.problem)
+    floor_result = solvers.simulate(jp.problem, floor_plan)
+    step_floor = max(
+        [budget_for_planning_floor(floor_result.peak_bytes - sum(r.slack_bytes for r in earlier))]
+        + [r.min_feasible_bytes for r in earlier]
+    )
+    infeasible = False
+    try:
+        plan = _choose(jp, options, index, plan_source, progress)
+    except solvers.InfeasibleBudgetError as error:
+        fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0)
+        if index in options.graph_budgets and fits_alone:
+            plan = floor_plan  # asked to keep less than its budget allows: as little as it can
+        elif options.defer_infeasible and plan_source is None:
+            infeasible = True
+            plan = floor_plan
+        else:
+            raise solvers.InfeasibleBudgetError(error.budget_bytes, step_floor) from None
+    result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
+    unoptimized = unoptimized_result(jp).peak_bytes
+    record = GraphRecord(
+        index=index,
+        joint_problem=jp,
+        plan=plan,
+        result=result,
+        baseline_bytes=jp.problem.baseline_bytes,
+        unoptimized_peak_bytes=unoptimized,
+        min_feasible_bytes=step_floor,
+        solve_seconds=time.perf_counter() - start,
+        input_ids=input_ids,
+        held_output_bytes=jp.held_output_bytes,
+        floor_peak_bytes=floor_result.peak_bytes,
+        floor_kept_bytes=floor_result.kept_bytes,
+        infeasible=infeasible,
+        earlier=tuple(earlier),
+    )
+    log.info(
+        "graph %d: %d nodes, kept %d forward values, predicted peak %s (unoptimized %s), recompute cost %.3g",
+        index, len(jp.problem), len(plan.kept), solvers.format_bytes(result.peak_bytes),
+        solvers.format_bytes(unoptimized), result.recompute_cost,
+    )
+    return record
+
+
+def unoptimized_result(jp: JointProblem) -> solvers.SimResult:
+    """The graph keeping every value backward reads (no ckptc), simulated."""
+    return solvers.simulate(jp.problem, keep_everything(jp))
+
+
+def tighter_graph_budgets(ran: Sequence[GraphRecord], budget_bytes: int, attempt: int,
+                          current: Mapping[int, int]) -> dict[int, int]:
+    """Budgets for the graphs before the last one that could not fit (``infeasible``) in ``ran``.
+
+    The first retry asks earlier graphs to leave room for what the later graph
+    needs at its floor; the second to keep as little as they can.
+
+    Raises:
+        solvers.InfeasibleBudgetError: the step's floor is above the budget
+            (the message gives it), or the retries are used up.
+    """
+    short = [r for r in ran if r.infeasible]
+    floor = max(r.min_feasible_bytes for r in ran)
+    if floor > budget_bytes or attempt >= MAX_STEP_RETRIES:
+        raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
+    last = max(r.index for r in short)
+    if attempt == 0:
+        need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget_bytes for r in short)
+        tighter = {j: budget_bytes - need for j in range(last)}
+    else:  # keep as little as possible before the last graph that did not fit
+        tighter = {j: 0 for j in range(last)}
+    return {j: min(b, current.get(j, b)) for j, b in tighter.items()}
+
+
+def with_baseline(jp: JointProblem, baseline_bytes: int) -> JointProblem:
+    """``jp`` with another baseline (the same problem object when it is unchanged, keeping its caches)."""
+    if baseline_bytes == jp.problem.baseline_bytes:
+        return jp
+    return dataclasses.replace(jp, problem=dataclasses.replace(jp.problem, baseline_bytes=baseline_bytes))
+
+
+class CapturedStep:
+    """One training step captured once, planned under any number of budgets.
+
+    Made by :func:`ckptc.capture`.  Holds each captured graph's priced joint
+    problem; :meth:`plan` decides every graph again through :func:`decide`
+    (with what earlier graphs keep under the new plans counted in later
+    graphs' baselines), never running or capturing the model again.
+
+    Attributes:
+        options: the options of the capture (must_save, hold_outputs, ...);
+            :meth:`plan`'s arguments override the planning ones.
+        floor_bytes: the smallest budget ckptc can plan for (below it,
+            :class:`~ckptc.InfeasibleBudgetError`).
+        unoptimized_peak_bytes: the step's peak keeping every activation.
+    """
+
+    def __init__(self, records: Sequence[GraphRecord], options: CheckpointOptions, *,
+                 parameter_bytes: int | None = None, gradient_bytes: int | None = None,
+                 model_name: str = "model") -> None:
+        if not records:
+            raise ValueError("a captured step needs at least one graph")
+        self.records = list(records)
+        self.options = options
+        self.parameter_bytes = parameter_bytes
+        self.gradient_bytes = gradient_bytes
+        self.model_name = model_name
+        self._keep_everything = self._decide_all(options.replace(budget_bytes=None, strategy="none"))
+
+    @property
+    def graphs(self) -> int:
+        return len(self.records)
+
+    @property
+    def floor_bytes(self) -> int:
+        return max(r.min_feasible_bytes for r in self._keep_everything)
+
+    @property
+    def unoptimized_peak_bytes(self) -> int:
+        return max(r.unoptimized_peak_bytes for r in self._keep_everything)
+
+    def __repr__(self) -> str:
+        return (
+            f"CapturedStep({self.model_name}, graphs={self.graphs}, "
+            f"nodes={sum(len(r.problem) for r in self.records)}, "
+            f"floor={solvers.format_bytes(self.floor_bytes)}, "
+            f"unoptimized_peak={solvers.format_bytes(self.unoptimized_peak_bytes)}; "
+            ".plan(budget_bytes=...) plans without capturing again)"
+        )
+
+    def decisions(self, budget_gb: float | None = None, *, budget_bytes: int | None = None,
+                  strategy: str | None = None, solver: str | None = None, time_limit: float | None = None,
+                  plan_source: PlanSource | None = None, progress: Progress | None = None) -> list[GraphRecord]:
+        """Every graph's :class:`GraphRecord` under a budget (see :meth:`plan`)."""
+        changes: dict[str, Any] = {"budget_bytes": budget_to_bytes(budget_gb, budget_bytes)}
+        for name, value in (("strategy", strategy), ("solver", solver), ("time_limit", time_limit)):
+            if value is not None:
+                changes[name] = value
+        options = self.options.replace(**changes, defer_infeasible=changes["budget_bytes"] is not None,
+                                       graph_budgets={})
+        budget = options.budget_bytes
+        for attempt in range(MAX_STEP_RETRIES + 1):
+            records = self._decide_all(options, plan_source, progress)
+            if not any(r.infeasible for r in records):
+                return records
+            assert budget is not None  # only a budget makes graphs infeasible
+            budgets = tighter_graph_budgets(records, budget, attempt, options.graph_budgets)
+            options = options.replace(graph_budgets=budgets)
+        raise AssertionError("unreachable")
+
+    def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None,
+             strategy: str | None = None, solver: str | None = None, time_limit: float | None = None,
+             plan_source: PlanSource | None = None, progress: Progress | None = None) -> "ModelPlan":
+        """The :class:`~ckptc.plans.ModelPlan` of this step under a budget (None: no limit).
+
+        ``strategy``, ``solver`` and ``time_limit`` override the capture's options.
+
+        Raises:
+            ValueError: a bad budget, strategy or solver.
+            solvers.InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
+        """
+        from ckptc.plans import ModelPlan, graph_plan  # plans imports this module's types
+
+        records = self.decisions(budget_gb, budget_bytes=budget_bytes, strategy=strategy, solver=solver,
+                                 time_limit=time_limit, plan_source=plan_source, progress=progress)
+        return ModelPlan(
+            graphs=[graph_plan(r) for r in records],
+            budget_bytes=budget_to_bytes(budget_gb, budget_bytes),
+            strategy=strategy or self.options.strategy,
+            solver=solver or self.options.solver,
+            parameter_bytes=self.parameter_bytes,
+            gradient_bytes=self.gradient_bytes,
+        )
+
+    def _decide_all(self, options: CheckpointOptions, plan_source: PlanSource | None = None,
+                    progress: Progress | None = None) -> list[GraphRecord]:
+        decided: dict[int, GraphRecord] = {}
+        out = []
+        for position, captured in enumerate(self.records):
+            earlier = [decided[id(e)] for e in captured.earlier if id(e) in decided]
+            baseline = captured.own_baseline_bytes + sum(e.step_bytes for e in earlier)
+            jp = with_baseline(captured.joint_problem, baseline)
+            record = decide(jp, options, index=position, earlier=earlier, plan_source=plan_source,
+                            progress=progress, input_ids=captured.input_ids)
+            decided[id(captured)] = record
+            out.append(record)
+        return out

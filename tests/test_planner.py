@@ -1,0 +1,127 @@
+"""The planner: one capture planned under many budgets, options checked once, one place that decides.
+
+* ``ckptc.capture`` runs the model once; ``CapturedStep.plan`` then plans any
+  budget from the captured graphs without running (or capturing) the model
+  again, and gives exactly the plan that ``ckptc.optimize`` makes at its first
+  training step (the compiler asks the same planner).
+* With a graph break, the captured step plans the later graph with what the
+  earlier one keeps under its new plan, and reports the whole step's floor.
+* ``CheckpointOptions`` refuses unknown names (naming the valid ones) and bad
+  values (quoting them), for ``optimize``, ``backend`` and ``torch.compile``'s
+  ``options={...}`` alike.
+* Only ``ckptc/planner.py`` calls a solver, a preset or the floor (checked on
+  the source, like ``tests/test_boundaries.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptc
+from ckptc.options import CheckpointOptions
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
+
+
+def _refuse_to_run(*args, **kwargs):
+    raise AssertionError("the model ran again: CapturedStep.plan must not capture again")
+
+
+def test_one_capture_plans_many_budgets_without_running_the_model_again():
+    model = _mlp()
+    x = torch.randn(64, 64)
+    step = ckptc.capture(model, (x,))
+    assert "CapturedStep(Sequential, graphs=1" in repr(step) and ".plan(budget_bytes=...)" in repr(step)
+    floor, top = step.floor_bytes, step.unoptimized_peak_bytes
+    assert 0 < floor < top
+    reference = copy.deepcopy(model)
+    model.forward = _refuse_to_run  # any capture from here on would call it
+    budgets = [floor, (floor + top) // 2, top * 2]
+    plans = [step.plan(budget_bytes=b) for b in budgets]
+    peaks = [p.predicted_peak_bytes for p in plans]
+    recompute = [p.recompute_flops for p in plans]
+    assert all(peak <= b for peak, b in zip(peaks, budgets, strict=True))
+    assert recompute[0] >= recompute[1] >= recompute[2] == 0  # more budget never recomputes more
+    with pytest.raises(ckptc.InfeasibleBudgetError) as info:
+        step.plan(budget_bytes=floor - 1)
+    assert info.value.min_feasible_bytes == floor
+    assert step.plan(budget_bytes=budgets[1], strategy="layer").strategy == "layer"
+
+    # The compiler at a first training step decides exactly what the captured step decided.
+    fast = ckptc.optimize(reference, budget_bytes=budgets[1], verify=False)
+    fast(x).sum().backward()
+    assert fast.plan.to_json() == plans[1].to_json()
+
+
+class _WithGraphBreak(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)], torch.nn.Tanh())
+        self.second = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)], torch.nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h).square().mean()
+
+
+def test_a_captured_step_with_a_graph_break_plans_the_whole_step():
+    torch.manual_seed(0)
+    model = _WithGraphBreak()
+    x = torch.randn(256, 64)
+    step = ckptc.capture(copy.deepcopy(model), (x,), loss_fn=lambda out: out)
+    assert step.graphs == 2
+    budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
+    planned = step.plan(budget_bytes=budget)
+    assert planned.predicted_peak_bytes <= budget
+    assert planned.min_feasible_bytes == step.floor_bytes
+    fast = ckptc.optimize(model, budget_bytes=budget, verify=False)
+    fast(x).backward()
+    assert fast.plan.to_json() == planned.to_json()  # later graph's baseline counts the earlier plan's kept bytes
+
+
+def test_options_are_checked_once_with_the_valid_names_and_the_bad_value():
+    with pytest.raises(ValueError, match=r"option\(s\) \['budget_gib'\]; valid options are .*'budget_gb'"):
+        CheckpointOptions.from_user(budget_gib=1)
+    with pytest.raises(ValueError, match=r"unknown ckptc option\(s\) \['solvr'\]"):
+        ckptc.backend(budget_gb=1, solvr="ilp")
+    for name, value in (("strategy", "fastest"), ("solver", "magic"), ("compiler", "tvm"),
+                        ("time_limit", -1), ("hold_outputs", "yes"), ("must_save", "*.mm")):
+        with pytest.raises(ValueError, match=repr(value).replace("*", r"\*")):
+            CheckpointOptions.from_user(**{name: value})
+    with pytest.raises(ValueError, match="unknown strategy 'fastest'"):
+        ckptc.optimize(_mlp(), budget_gb=1, strategy="fastest")
+    options = CheckpointOptions.from_user(budget_gb=1, solver="ilp", must_save=["*.mm"])
+    assert options.budget_bytes == 2**30 and options.must_save == ("*.mm",)
+    assert "budget_gb" in CheckpointOptions.user_names() and "graph_budgets" not in CheckpointOptions.user_names()
+    model = _mlp()
+    compiled = torch.compile(model, backend="ckptc", options={"budget_gb": 1, "strategy": "fastest"})
+    with pytest.raises(Exception, match="unknown strategy 'fastest'"):
+        compiled(torch.randn(4, 64)).sum().backward()
+
+
+DECIDING_CALLS = {"solve", "lowest_peak_plan", "min_feasible_budget", "PRESETS", "keep_everything"}
+
+
+def test_only_the_planner_decides():
+    """No module of ckptc or the bench but the planner (and the presets' own module) calls a solver,
+    a preset or the floor: there is one place where a plan is chosen."""
+    offenders = []
+    for path in sorted([*(REPO / "ckptc").glob("*.py"), *(REPO / "bench").glob("*.py")]):
+        if path.name in ("planner.py", "policies.py", "bench_solvers.py"):  # bench_solvers times the solvers alone
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in DECIDING_CALLS:
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    assert offenders == []
