@@ -50,11 +50,9 @@ def _run(problem: Problem, method: str, budget: int, time_limit: float) -> dict[
         return {"status": "refused", "seconds": time.perf_counter() - started, "error": str(e).split(";")[0]}
     seconds = time.perf_counter() - started
     result = simulate(problem, plan)
-    row = {"status": plan.info.get("status", "ok"), "seconds": seconds, "recompute_cost": result.recompute_cost,
+    row = {"status": plan.info.status or "ok", "seconds": seconds, "recompute_cost": result.recompute_cost,
            "peak_bytes": result.peak_bytes}
-    for key in ("gap", "bound"):
-        if key in plan.info:
-            row[key] = plan.info[key]
+    row.update({k: v for k, v in (("gap", plan.info.gap), ("bound", plan.info.bound)) if v is not None})
     return row
 
 

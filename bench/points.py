@@ -161,9 +161,8 @@ def measure_point(alt: Alternative, point: dict[str, Any], ref: Reference, *, re
             plan_min_feasible_bytes=plan.min_feasible_bytes, plan_method=[g.plan.method for g in plan.graphs],
             kept=len(plan.values("kept")), recomputed=len(plan.values("recomputed")),
             partition_s=sum(r.solve_seconds for r in records),
-            solve_s=sum(float(r.plan.info.get("solve_seconds", 0.0)) for r in records),
-            auto_choice=([(g.plan.info.get("auto") or {}).get("chosen") for g in plan.graphs]
-                         if alt.solver == "auto" else None),
+            solve_s=sum(r.plan.info.solve_seconds or 0.0 for r in records),
+            auto_choice=[g.plan.info.chosen for g in plan.graphs] if alt.solver == "auto" else None,
         )
         if "offline_predicted_peak_bytes" in point:
             # Scratch memory is measured by running ops, so predictions may differ by a few KiB.

@@ -371,15 +371,7 @@ class _Reader:
                 if phase not in solvers.plan.PHASES:
                     self.fail(f"{where}[1]", f"must be one of {list(solvers.plan.PHASES)}, got {_show(phase)}")
                 steps.append(solvers.Step(node, phase))
-        info = self.mapping(self.get(data, "info", field, default={}), f"{field}.info")
-        for key, item in info.items():
-            if isinstance(item, (dict, list)):
-                self.fail(f"{field}.info.{key}", f"must be a number, string, boolean or null, got {_show(item)}")
-        # Plan.__repr__ formats these two as numbers.
-        if "predicted_peak_bytes" in info:
-            self.count(info["predicted_peak_bytes"], f"{field}.info.predicted_peak_bytes")
-        if "recompute_cost" in info:
-            self.number(info["recompute_cost"], f"{field}.info.recompute_cost")
+        info = self.solve_info(self.get(data, "info", field, default={}), f"{field}.info")
         return solvers.Plan(
             kept=frozenset(kept),
             schedule=None if steps is None else tuple(steps),
@@ -387,6 +379,36 @@ class _Reader:
             budget_bytes=self.budget(self.get(data, "budget_bytes", field, default=None), f"{field}.budget_bytes"),
             info=info,
         )
+
+    def solve_info(self, value: Any, field: str) -> solvers.SolveInfo:
+        """A :class:`solvers.SolveInfo` as plan files store it (no timings): every field checked."""
+        data = self.mapping(value, field)
+        checks: dict[str, Callable[[Any, str], Any]] = {
+            "predicted_peak_bytes": self.count, "recompute_cost": self.number, "status": self.string,
+            "gap": self.number, "bound": self.number, "objective": self.number, "candidate": self.string,
+            "threshold_bytes": self.count, "simulations": self.count, "refined": self.boolean,
+            "applied_from_file": self.boolean, "chosen": self.string, "details": self.scalars,
+        }
+        for key, item in data.items():
+            check = checks.get(key)
+            if check is None:
+                self.fail(f"{field}.{key}", "is not a field of a plan's solve info")
+            if item is not None:
+                check(item, f"{field}.{key}")
+        return solvers.SolveInfo(**data)
+
+    def boolean(self, value: Any, field: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(field, f"must be true or false, got {_show(value)}")
+        return value
+
+    def scalars(self, value: Any, field: str) -> dict[str, Any]:
+        """A JSON object of numbers, strings, booleans and nulls."""
+        data = self.mapping(value, field)
+        for key, item in data.items():
+            if isinstance(item, (dict, list)):
+                self.fail(f"{field}.{key}", f"must be a number, string, boolean or null, got {_show(item)}")
+        return data
 
     def kept_value(self, value: Any, field: str) -> KeptValue:
         data = self.mapping(value, field)
@@ -531,7 +553,9 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
         schedule=None if plan.schedule is None else tuple(solvers.Step(stable[s.node], s.phase) for s in plan.schedule),
         method=plan.method,
         budget_bytes=plan.budget_bytes,
-        info=_json_safe(plan.info),
+        # Timings differ run to run; without them files are byte-identical for the same plan.
+        info=plan.info.replace(solve_seconds=None, tried={}, details={
+            k: v for k, v in plan.info.details.items() if not k.endswith("seconds")}),
     )
     forward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.forward_nodes))
     backward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.backward_nodes))
@@ -552,16 +576,6 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
         backward_flops=float(backward_flops),
         values=values,
     )
-
-
-def _json_safe(info: dict[str, Any]) -> dict[str, Any]:
-    # Timings (solve_seconds, the MILP's build_seconds and milp_seconds) differ
-    # run to run; dropping them keeps files byte-identical for the same plan.
-    return {
-        k: v
-        for k, v in sorted(info.items())
-        if not k.endswith("seconds") and isinstance(v, (int, float, str, bool, type(None)))
-    }
 
 
 def plan_source_for(
@@ -631,7 +645,7 @@ def plan_source_for(
             ),
             method=saved.method,
             budget_bytes=saved.budget_bytes,
-            info=dict(saved.info, applied_from_file=True),
+            info=saved.info.replace(applied_from_file=True),
         )
         try:
             result = solvers.simulate(jp.problem, plan)  # validates the plan against this graph

@@ -97,7 +97,7 @@ def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
     if plan.schedule is None:
         plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
     result = solvers.simulate(jp.problem, plan)
-    info = dict(plan.info, predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
+    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
     return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes,
                         info=info)
 

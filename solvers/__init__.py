@@ -14,7 +14,7 @@ True
 # Order matters: solvers.api (and the solvers.hierarchical / solvers.ilp it
 # registers) may import the core names from this package, so they come first.
 from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
-from solvers.plan import Plan, Step
+from solvers.plan import Plan, SolveInfo, Step
 from solvers.problem import BACKWARD, FORWARD, INPUT, RECOMPUTE, SAVE, Node, Problem
 from solvers.simulator import SimResult, schedule, simulate
 
@@ -25,6 +25,7 @@ __all__ = [
     "Node",
     "Problem",
     "Plan",
+    "SolveInfo",
     "Step",
     "SimResult",
     "simulate",

@@ -2,7 +2,7 @@
 
 Every method is a function ``(problem, budget_bytes, **options) -> Plan``.
 :func:`solve` runs one, then re-judges the plan with :func:`solvers.simulate`
-(never trusting a method's own bookkeeping) and fills ``plan.info``.
+(never trusting a method's own bookkeeping) and fills ``plan.info`` (a :class:`~solvers.plan.SolveInfo`).
 
 The "hierarchical" and "ilp" methods live in :mod:`solvers.hierarchical` and
 :mod:`solvers.ilp`; they are imported on first use so that ``import solvers``
@@ -53,7 +53,7 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     from solvers.hierarchical import lowest_peak_plan as hierarchical_lowest
 
     plans = [hierarchical_lowest(problem), chen_lowest(problem)]
-    best = min(plans, key=lambda p: (p.info["predicted_peak_bytes"], p.info["recompute_cost"]))
+    best = min(plans, key=lambda p: (p.info.predicted_peak_bytes, p.info.recompute_cost))
     problem._cache["api.lowest_peak_plan"] = best
     return best
 
@@ -70,7 +70,7 @@ def min_feasible_budget(problem: Problem) -> int:
     >>> min_feasible_budget(Problem.training_chain(16)) < 17
     True
     """
-    return int(lowest_peak_plan(problem).info["predicted_peak_bytes"])
+    return int(lowest_peak_plan(problem).info.predicted_peak_bytes)
 
 
 def _lazy(module: str, function: str) -> Method:
@@ -113,7 +113,7 @@ def auto(
     candidate. Every plan is judged by simulate(); the winner has the least
     recompute cost (ties: lower peak, earlier method). A method that fails
     otherwise than with InfeasibleBudgetError is logged and recorded in
-    ``info["auto"]["tried"]``; auto goes on.
+    ``info.tried``; auto goes on.
 
     Raises
     ------
@@ -163,16 +163,15 @@ def auto(
             break  # nothing recomputed: no other method can be cheaper
     if not fitting:
         floor = lowest_peak_plan(problem)
-        if floor.info["predicted_peak_bytes"] <= budget_bytes:
-            fitting.append((floor.info["recompute_cost"], floor.info["predicted_peak_bytes"], len(runs), floor))
-            tried["floor"] = {"status": "fits", "peak_bytes": floor.info["predicted_peak_bytes"]}
+        if floor.info.predicted_peak_bytes <= budget_bytes:
+            fitting.append((floor.info.recompute_cost, floor.info.predicted_peak_bytes, len(runs), floor))
+            tried["floor"] = {"status": "fits", "peak_bytes": floor.info.predicted_peak_bytes}
     if progress is not None:
         progress(1.0, "auto: done")
     if not fitting:
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(problem))
     *_, best = min(fitting, key=lambda t: t[:3])
-    info = {**best.info, "auto": {"chosen": best.method, "tried": tried}}
-    return dataclasses.replace(best, info=info)
+    return dataclasses.replace(best, info=best.info.replace(chosen=best.method, tried=tried))
 
 
 METHODS: dict[str, Method] = {
@@ -233,7 +232,7 @@ def solve(
     Examples
     --------
     >>> plan = solve(Problem.training_chain(16), 12)
-    >>> plan.info["predicted_peak_bytes"] <= 12
+    >>> plan.info.predicted_peak_bytes <= 12
     True
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
@@ -249,13 +248,9 @@ def solve(
             f"method {method!r} returned a plan peaking at {result.peak_bytes} bytes, over the budget "
             f"{budget_bytes} bytes; this is a bug in that method"
         )
-    info = {
-        **plan.info,
-        "predicted_peak_bytes": result.peak_bytes,
-        "recompute_cost": result.recompute_cost,
-        "solve_seconds": time.perf_counter() - started,
-    }
+    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost,
+                             solve_seconds=time.perf_counter() - started)
     log.info("solve(%s): peak %s within %s, recompute cost %g, %.3f s", method,
              format_bytes(result.peak_bytes), format_bytes(budget_bytes), result.recompute_cost,
-             info["solve_seconds"])
+             info.solve_seconds)
     return dataclasses.replace(plan, budget_bytes=budget_bytes, info=info)

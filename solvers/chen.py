@@ -39,7 +39,7 @@ from typing import Callable
 
 from solvers.errors import InfeasibleBudgetError, format_bytes
 from solvers.graph import forward_path, keep_all_mask
-from solvers.plan import Plan
+from solvers.plan import Plan, SolveInfo
 from solvers.problem import Problem
 from solvers.simulator import evaluate_mask, honour_policies_mask, names_of
 
@@ -282,15 +282,9 @@ def _lowest(candidates) -> _Candidate:
 
 def _to_plan(problem: Problem, cand: _Candidate, method: str, budget_bytes: int | None,
              started: float, simulations: int) -> Plan:
-    info = {
-        "predicted_peak_bytes": cand.peak_bytes,
-        "recompute_cost": cand.recompute_cost,
-        "solve_seconds": time.perf_counter() - started,
-        "candidate": cand.label,
-        "simulations": simulations,
-    }
-    if cand.threshold is not None:
-        info["threshold_bytes"] = cand.threshold
+    info = SolveInfo(predicted_peak_bytes=cand.peak_bytes, recompute_cost=cand.recompute_cost,
+                     solve_seconds=time.perf_counter() - started, candidate=cand.label, simulations=simulations,
+                     threshold_bytes=cand.threshold)
     return Plan(kept=names_of(problem, cand.mask), method=method, budget_bytes=budget_bytes, info=info)
 
 
@@ -307,7 +301,7 @@ def keep_all_plan(problem: Problem) -> Plan:
 def lowest_peak_plan(problem: Problem) -> Plan:
     """The lowest-peak plan of the Chen family (keep-all, sqrt, and the thresholds chen_greedy tries).
 
-    Its ``info["predicted_peak_bytes"]`` is :func:`solvers.min_feasible_budget`.
+    Its ``info.predicted_peak_bytes`` is :func:`solvers.min_feasible_budget`.
     Cached on the problem; about 20 simulations the first time.
     """
     started = time.perf_counter()
@@ -381,7 +375,7 @@ def chen_greedy(problem: Problem, budget_bytes: int, *,
     --------
     >>> p = Problem.training_chain(16)
     >>> plan = chen_greedy(p, 12)
-    >>> plan.info["predicted_peak_bytes"] <= 12
+    >>> plan.info.predicted_peak_bytes <= 12
     True
     """
     started = time.perf_counter()

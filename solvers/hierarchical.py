@@ -53,7 +53,7 @@ import numpy as np
 from solvers.blocks import BlockChain, find_blocks
 from solvers.errors import InfeasibleBudgetError, format_bytes
 from solvers.graph import keep_all_mask, own_checkpoint_mask
-from solvers.plan import Plan
+from solvers.plan import Plan, SolveInfo
 from solvers.problem import Problem
 from solvers.simulator import _derive, _run, honour_policies_mask, names_of
 
@@ -522,10 +522,10 @@ def hierarchical(problem: Problem, budget_bytes: int, *, time_limit: float = 60.
         progress(1.0, "hierarchical: done")
     if found is None:
         lowest = lowest_peak_plan(problem)
-        floor = lowest.info["predicted_peak_bytes"]
+        floor = lowest.info.predicted_peak_bytes
         if floor > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, floor)
-        found = (bytearray(), floor, lowest.info["recompute_cost"])
+        found = (bytearray(), floor, lowest.info.recompute_cost)
         kept = lowest.kept
     else:
         kept = names_of(problem, found[0])
@@ -533,8 +533,8 @@ def hierarchical(problem: Problem, budget_bytes: int, *, time_limit: float = 60.
     log.info("hierarchical: peak %s within %s, recompute cost %.4g (%.2f s)", format_bytes(peak),
              format_bytes(budget_bytes), cost, time.perf_counter() - started)
     return Plan(kept=kept, method="hierarchical", budget_bytes=budget_bytes,
-                info={"predicted_peak_bytes": peak, "recompute_cost": cost,
-                      "blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)})
+                info=SolveInfo(predicted_peak_bytes=peak, recompute_cost=cost,
+                               details={"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)}))
 
 
 def lowest_peak_plan(problem: Problem) -> Plan:
@@ -558,7 +558,7 @@ def lowest_peak_plan(problem: Problem) -> Plan:
         else:
             lo = mid + 1
     plan = Plan(kept=names_of(problem, best[2]), method="hierarchical",
-                info={"predicted_peak_bytes": best[0], "recompute_cost": best[1]})
+                info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1]))
     problem._cache["hierarchical.lowest"] = plan
     return plan
 

@@ -50,7 +50,7 @@ only a candidate in stages that may still need it). Graphs whose model exceeds
 
 Solver: HiGHS through pulp when highspy is importable (warm-started with the
 hierarchical plan when it fits), else CBC (``pulp.PULP_CBC_CMD``). On time-out the best
-integer solution is returned with ``info["status"] == "time_limit"`` and the
+integer solution is returned with ``info.status == "time_limit"`` and the
 solver's gap and bound, and a warning is logged.
 
 Example
@@ -58,7 +58,7 @@ Example
 >>> from solvers import Problem, simulate
 >>> p = Problem.training_chain(6)
 >>> plan = ilp(p, 5, time_limit=10)
->>> simulate(p, plan).peak_bytes <= 5, plan.info["status"]
+>>> simulate(p, plan).peak_bytes <= 5, plan.info.status
 (True, 'optimal')
 """
 
@@ -74,7 +74,7 @@ from typing import Any, Callable, Iterator
 
 from solvers.errors import InfeasibleBudgetError, SolverError, format_bytes
 from solvers.graph import storage_roots
-from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, Step
+from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, SolveInfo, Step
 from solvers.problem import Problem
 from solvers.simulator import simulate
 
@@ -808,7 +808,7 @@ def ilp(
     Examples
     --------
     >>> p = Problem.training_chain(8)
-    >>> ilp(p, 6).info["recompute_cost"]
+    >>> ilp(p, 6).info.recompute_cost
     3.0
     """
     started = time.perf_counter()
@@ -816,11 +816,11 @@ def ilp(
     if keep_all_core.peak_bytes <= budget_bytes and keep_all_core.recompute_cost == 0:
         plan = _explicit(problem, keep_all)
         return _finish(problem, plan, budget_bytes, started,
-                       {"status": "optimal", "gap": 0.0, "bound": 0.0, "candidate": "keep_all"})
+                       SolveInfo(status="optimal", gap=0.0, bound=0.0, candidate="keep_all"))
     graph = _graph(problem)
     if not graph.backward:
         plan = _explicit(problem, keep_all)
-        return _finish(problem, plan, budget_bytes, started, {"status": "optimal", "gap": 0.0, "bound": 0.0})
+        return _finish(problem, plan, budget_bytes, started, SolveInfo(status="optimal", gap=0.0, bound=0.0))
     _Model._estimate_size(graph, max_variables)  # refuse huge graphs before any work
     start_plan = None
     if warm_start:
@@ -859,7 +859,7 @@ def ilp(
                 # fit where the MILP sees no room. Never fail where keep-all fits.
                 log.info("ilp: the MILP found no schedule within the budget; keep-all fits, returning it")
                 return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
-                               {"status": "fallback", "gap": None, "bound": None, "candidate": "keep_all"})
+                               SolveInfo(status="fallback", candidate="keep_all"))
             remaining = max(1.0, time_limit - (time.perf_counter() - started))
             lowest = _min_feasible(problem, graph, max_variables, remaining, threads, keep_all_core.peak_bytes)
             raise InfeasibleBudgetError(
@@ -872,8 +872,9 @@ def ilp(
                 log.warning("ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan",
                             time_limit, outcome.status)
                 return _finish(problem, Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
-                               budget_bytes, started, {"status": "time_limit", "gap": None, "bound": None,
-                                                       "candidate": "hierarchical", "solver_status": outcome.status})
+                               budget_bytes, started,
+                               SolveInfo(status="time_limit", candidate="hierarchical",
+                                         details={"solver_status": outcome.status}))
             raise SolverError(f"ilp: the solver found no integer solution ({outcome.status}) within "
                               f"{time_limit:g} s; try a longer time_limit or method='hierarchical'")
         kept, _, rec = model.schedule()
@@ -884,14 +885,14 @@ def ilp(
             if keep_all_core.peak_bytes <= budget_bytes and keep_all_core.recompute_cost < result.recompute_cost:
                 log.info("ilp: keep-all is cheaper than the MILP's plan (conservative multi-output model)")
                 return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
-                               {"status": "fallback", "gap": None, "bound": outcome.bound, "candidate": "keep_all"})
-            info = {"status": "optimal" if outcome.status == "optimal" else "time_limit",
-                    "gap": outcome.gap, "bound": outcome.bound, "objective": outcome.objective,
-                    "build_seconds": build_seconds, "milp_seconds": outcome.seconds,
-                    "variables": model.n_variables, "constraints": model.lp.numConstraints(),
-                    "solver": "HiGHS" if _highs_available() else "CBC",
-                    "warm_start": start is not None}
-            if info["status"] == "time_limit":
+                               SolveInfo(status="fallback", bound=outcome.bound, candidate="keep_all"))
+            info = SolveInfo(status="optimal" if outcome.status == "optimal" else "time_limit",
+                             gap=outcome.gap, bound=outcome.bound, objective=outcome.objective,
+                             details={"build_seconds": build_seconds, "milp_seconds": outcome.seconds,
+                                      "variables": model.n_variables, "constraints": model.lp.numConstraints(),
+                                      "solver": "HiGHS" if _highs_available() else "CBC",
+                                      "warm_start": start is not None})
+            if info.status == "time_limit":
                 log.warning("ilp: time limit of %.1f s reached; returning the best plan found "
                             "(recompute cost %g, lower bound %s, gap %s)", time_limit, result.recompute_cost,
                             outcome.bound, outcome.gap)
@@ -920,15 +921,11 @@ def _min_feasible(problem: Problem, graph: _Graph, max_variables: int, time_limi
     return fallback
 
 
-def _finish(problem: Problem, plan: Plan, budget_bytes: int, started: float, details: dict[str, Any]) -> Plan:
+def _finish(problem: Problem, plan: Plan, budget_bytes: int, started: float, outcome: SolveInfo) -> Plan:
     result = simulate(problem, plan)
-    info = {
-        **details,
-        "predicted_peak_bytes": result.peak_bytes,
-        "recompute_cost": result.recompute_cost,
-        "solve_seconds": time.perf_counter() - started,
-    }
-    log.info("ilp: %s, peak %s within %s, recompute cost %g, %.2f s", info.get("status"),
+    info = outcome.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost,
+                           solve_seconds=time.perf_counter() - started)
+    log.info("ilp: %s, peak %s within %s, recompute cost %g, %.2f s", info.status,
              format_bytes(result.peak_bytes), format_bytes(budget_bytes), result.recompute_cost,
-             info["solve_seconds"])
+             info.solve_seconds)
     return Plan(kept=plan.kept, schedule=plan.schedule, method="ilp", budget_bytes=budget_bytes, info=info)

@@ -132,7 +132,7 @@ def test_plan_file_round_trip_and_apply(tmp_path) -> None:
     applied = ckptc.optimize(case.model, plan=path)
     assert_same_training(case, reference, step(case, applied), step(case, reference))
     assert applied.plan.graphs[0].plan.kept == model_plan.graphs[0].plan.kept
-    assert applied.plan.graphs[0].plan.info.get("applied_from_file")
+    assert applied.plan.graphs[0].plan.info.applied_from_file
 
 
 def test_same_model_inputs_and_budget_give_a_byte_identical_file(tmp_path) -> None:

@@ -94,7 +94,7 @@ def test_plan_files_are_byte_identical_across_processes_and_apply_in_another(tmp
     applied = ckptc.optimize(model, plan=paths[0])
     _eager_equal_step(applied, model, reference, inputs)
     assert applied.plan.values("recomputed")
-    assert applied.plan.graphs[0].plan.info.get("applied_from_file")
+    assert applied.plan.graphs[0].plan.info.applied_from_file
 
 
 # -- a plan and a budget it does not fit -------------------------------------------------

@@ -23,6 +23,7 @@ from solvers import (
     Node,
     Plan,
     Problem,
+    SolveInfo,
     SolverError,
     Step,
     min_feasible_budget,
@@ -558,14 +559,17 @@ def test_plan_json_round_trip():
         schedule=[("f1", "forward"), ("f1", "backward")],
         method="dp",
         budget_bytes=123,
-        info={"status": "optimal", "gap": 0.0, "solve_seconds": 0.5},
+        info=SolveInfo(status="optimal", gap=0.0, solve_seconds=0.5, details={"variables": 7}),
     )
     data = plan.to_dict()
     assert list(data) == ["method", "budget_bytes", "kept", "schedule", "info"]
     assert data["kept"] == ["f1", "f2"]
     text = json.dumps(data)
     back = Plan.from_dict(json.loads(text))
-    assert back == plan
+    assert back == plan and back.info == plan.info
+    assert "gap" in data["info"] and "bound" not in data["info"]  # only what the method set
+    with pytest.raises(TypeError):
+        Plan(info={"status": "optimal"})  # typed: a SolveInfo, not a dict
     assert back.schedule[1] == Step("f1", "backward") and isinstance(back.schedule[1], Step)
     assert json.dumps(Plan(kept={"f1", "f2"}).to_dict()) == json.dumps(Plan(kept=["f2", "f1"]).to_dict())
     assert Plan.from_dict(Plan().to_dict()) == Plan()
@@ -585,9 +589,9 @@ def test_solve_fills_info_and_checks_arguments():
     p = Problem.training_chain(16)
     plan = solve(p, 12, "chen_greedy")
     assert plan.budget_bytes == 12 and plan.method == "chen_greedy"
-    assert plan.info["predicted_peak_bytes"] == simulate(p, plan).peak_bytes <= 12
-    assert plan.info["recompute_cost"] == simulate(p, plan).recompute_cost
-    assert plan.info["solve_seconds"] >= 0
+    assert plan.info.predicted_peak_bytes == simulate(p, plan).peak_bytes <= 12
+    assert plan.info.recompute_cost == simulate(p, plan).recompute_cost
+    assert plan.info.solve_seconds >= 0
     json.dumps(plan.to_dict())
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         solve(p, 12, "nope")
@@ -620,8 +624,8 @@ def test_min_feasible_budget_is_reached_by_auto_and_by_no_derived_family_below()
     p = Problem.training_chain(30)
     lowest = min_feasible_budget(p)
     assert lowest < simulate(p, keep_all_plan(p)).peak_bytes
-    assert lowest <= chen_lowest(p).info["predicted_peak_bytes"]
-    assert solve(p, lowest, "auto").info["predicted_peak_bytes"] <= lowest
+    assert lowest <= chen_lowest(p).info.predicted_peak_bytes
+    assert solve(p, lowest, "auto").info.predicted_peak_bytes <= lowest
     for method in ("chen_greedy", "hierarchical"):
         with pytest.raises(InfeasibleBudgetError):
             solve(p, lowest - 1, method)
@@ -640,8 +644,8 @@ def test_auto_returns_keep_all_when_it_fits():
     p = Problem.training_chain(10)
     peak = simulate(p, keep_all_plan(p)).peak_bytes
     plan = solve(p, peak, "auto")
-    assert plan.info["recompute_cost"] == 0
-    assert plan.info["auto"]["chosen"] == plan.method
+    assert plan.info.recompute_cost == 0
+    assert plan.info.chosen == plan.method
 
 
 def test_auto_survives_a_failing_optional_method(monkeypatch):
@@ -655,7 +659,7 @@ def test_auto_survives_a_failing_optional_method(monkeypatch):
     p = Problem.training_chain(12)
     budget = min_feasible_budget(p) + 1
     plan = solve(p, budget, "auto")
-    tried = plan.info["auto"]["tried"]
+    tried = plan.info.tried
     assert tried["hierarchical"]["status"] == "error" and "boom" in tried["hierarchical"]["error"]
     assert tried["ilp"]["status"] == "error" and "InvalidPlanError" in tried["ilp"]["error"]
     assert plan.method == "chen_greedy"
@@ -675,7 +679,7 @@ def test_progress_callback():
 def test_chen_greedy_simulation_count_is_bounded():
     p = Problem.training_chain(500, node_bytes=[1 + (i * 7919) % 13 for i in range(500)])
     for budget in (min_feasible_budget(p), min_feasible_budget(p) + 40, 10**9):
-        assert chen_greedy(p, budget).info["simulations"] <= 30
+        assert chen_greedy(p, budget).info.simulations <= 30
 
 
 # ---------------------------------------------------------------- import/speed

@@ -258,9 +258,9 @@ def layer_chains(draw, min_layers: int = 2, max_layers: int = 30) -> Problem:
 def test_ilp_is_optimal_and_no_method_beats_it_on_chains(problem):
     for budget in budgets_between(problem):
         exact = ilp(problem, budget, time_limit=60)
-        assert exact.info["status"] == "optimal"
-        best = exact.info["recompute_cost"]
-        assert exact.info["bound"] == pytest.approx(best, abs=EPS)
+        assert exact.info.status == "optimal"
+        best = exact.info.recompute_cost
+        assert exact.info.bound == pytest.approx(best, abs=EPS)
         for name, method in METHODS.items():
             if name == "ilp":
                 continue
@@ -275,9 +275,9 @@ def test_hierarchical_never_beats_the_ilp_on_training_chains(problem):
     # schedules may recompute a value several times, hierarchical's plans once.
     for budget in budgets_between(problem, (0.3, 0.7)):
         exact = ilp(problem, budget, time_limit=60)
-        assert exact.info["status"] == "optimal"
+        assert exact.info.status == "optimal"
         heuristic = cost_or_none(hierarchical, problem, budget)
-        assert heuristic is None or heuristic >= exact.info["recompute_cost"] - EPS
+        assert heuristic is None or heuristic >= exact.info.recompute_cost - EPS
 
 
 @fast(40)
@@ -360,16 +360,15 @@ def test_time_limit_returns_the_best_plan_found_with_a_warning(caplog):
     budget = min_feasible_budget(problem)
     with caplog.at_level(logging.WARNING, logger="solvers.ilp"):
         plan = ilp(problem, budget, time_limit=1.0)
-    assert plan.info["status"] == "time_limit"
+    assert plan.info.status == "time_limit"
     assert any(r.name == "solvers.ilp" and r.levelno == logging.WARNING for r in caplog.records)
     result = simulate(problem, plan)
     assert result.peak_bytes <= budget
-    assert plan.info["recompute_cost"] == result.recompute_cost
-    if plan.info["bound"] is not None:
-        assert plan.info["bound"] <= result.recompute_cost + EPS
-        assert plan.info["gap"] is not None and plan.info["gap"] >= 0
-    for key in ("solve_seconds", "status", "gap", "bound", "predicted_peak_bytes", "recompute_cost"):
-        assert key in plan.info
+    assert plan.info.recompute_cost == result.recompute_cost
+    if plan.info.bound is not None:
+        assert plan.info.bound <= result.recompute_cost + EPS
+        assert plan.info.gap is not None and plan.info.gap >= 0
+    assert plan.info.solve_seconds > 0 and plan.info.predicted_peak_bytes == result.peak_bytes
 
 
 def test_ilp_refuses_models_that_are_too_large():
@@ -382,10 +381,10 @@ def test_ilp_info_fields_on_an_optimal_solve():
     problem = _hard_chain(12)
     budget = budgets_between(problem, (0.5,))[0]
     plan = ilp(problem, budget)
-    assert plan.info["status"] == "optimal" and plan.info["gap"] == 0.0
-    assert plan.info["bound"] == pytest.approx(plan.info["recompute_cost"])
-    assert plan.info["predicted_peak_bytes"] == simulate(problem, plan).peak_bytes <= budget
-    assert plan.info["solve_seconds"] > 0
+    assert plan.info.status == "optimal" and plan.info.gap == 0.0
+    assert plan.info.bound == pytest.approx(plan.info.recompute_cost)
+    assert plan.info.predicted_peak_bytes == simulate(problem, plan).peak_bytes <= budget
+    assert plan.info.solve_seconds > 0
 
 
 def test_hierarchical_and_ilp_handle_views_and_policies_validly():

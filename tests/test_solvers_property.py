@@ -216,9 +216,9 @@ def _may_fail(method: str, problem: Problem, budget: int, highest: int) -> bool:
     if method == "chen_sqrt":
         return budget < simulate(problem, chen_sqrt(problem)).peak_bytes
     if method == "chen_greedy":
-        return budget < chen_lowest_peak(problem).info["predicted_peak_bytes"]
+        return budget < chen_lowest_peak(problem).info.predicted_peak_bytes
     if method == "hierarchical":
-        return budget < hierarchical_lowest_peak(problem).info["predicted_peak_bytes"]
+        return budget < hierarchical_lowest_peak(problem).info.predicted_peak_bytes
     if method == "auto":
         return False  # it reaches min_feasible_budget by definition
     # ilp: another schedule family; it must at least match keep-all.
@@ -233,8 +233,8 @@ def _check_fits(method: str, problem: Problem, budget: int, highest: int) -> Non
         return
     result = simulate(problem, plan)
     assert result.peak_bytes <= budget
-    assert plan.info["predicted_peak_bytes"] == result.peak_bytes
-    assert plan.info["recompute_cost"] == result.recompute_cost
+    assert plan.info.predicted_peak_bytes == result.peak_bytes
+    assert plan.info.recompute_cost == result.recompute_cost
     assert plan.budget_bytes == budget
 
 
@@ -297,4 +297,4 @@ def test_chen_greedy_is_never_worse_than_keep_all_or_sqrt(problem):
     sqrt = chen_sqrt(problem)
     sqrt_peak = simulate(problem, sqrt).peak_bytes
     greedy = solve(problem, sqrt_peak, "chen_greedy")
-    assert greedy.info["recompute_cost"] <= simulate(problem, sqrt).recompute_cost
+    assert greedy.info.recompute_cost <= simulate(problem, sqrt).recompute_cost
