@@ -548,11 +548,8 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
             continue
         op = stable[name].rsplit(".", 1)[-1]
         values.append(KeptValue(stable[name], cost.module, op, cost.bytes, cost.flops, decision))
-    stable_plan = solvers.Plan(
-        kept=frozenset(stable[k] for k in plan.kept),
-        schedule=None if plan.schedule is None else tuple(solvers.Step(stable[s.node], s.phase) for s in plan.schedule),
-        method=plan.method,
-        budget_bytes=plan.budget_bytes,
+    stable_plan = dataclasses.replace(
+        jp.plan_in_stable_names(plan),
         # Timings differ run to run; without them files are byte-identical for the same plan.
         info=plan.info.replace(solve_seconds=None, tried={}, details={
             k: v for k, v in plan.info.details.items() if not k.endswith("seconds")}),
@@ -622,31 +619,17 @@ def plan_source_for(
                 f"graph #{index + 1}: the captured graph's fingerprint differs from the plan's "
                 "(the model's code or configuration changed). Plan again."
             )
-        by_stable = {s: n for n, s in jp.stable_names.items()}
         where = f"graphs[{index}].plan"
-
-        def node(name: str, field: str) -> str:
-            try:
-                return by_stable[name]
-            except KeyError:
-                raise CorruptPlanError(
-                    f"the plan is damaged: field '{field}' names node {_show(name)}, which graph "
-                    f"#{index + 1} does not have although its fingerprint matches (the file was "
-                    "edited). Plan the model again."
-                ) from None
-
-        saved = expected.plan
-        plan = solvers.Plan(
-            kept=frozenset(node(k, f"{where}.kept") for k in sorted(saved.kept)),
-            schedule=None
-            if saved.schedule is None
-            else tuple(
-                solvers.Step(node(s.node, f"{where}.schedule[{i}]"), s.phase) for i, s in enumerate(saved.schedule)
-            ),
-            method=saved.method,
-            budget_bytes=saved.budget_bytes,
-            info=saved.info.replace(applied_from_file=True),
-        )
+        try:
+            plan = jp.plan_in_node_names(expected.plan, where)
+        except KeyError as missing:
+            name, field = missing.args
+            raise CorruptPlanError(
+                f"the plan is damaged: field '{field}' names node {_show(name)}, which graph "
+                f"#{index + 1} does not have although its fingerprint matches (the file was "
+                "edited). Plan the model again."
+            ) from None
+        plan = dataclasses.replace(plan, info=plan.info.replace(applied_from_file=True))
         try:
             result = solvers.simulate(jp.problem, plan)  # validates the plan against this graph
         except solvers.InvalidPlanError as error:

@@ -7,6 +7,7 @@ mapping back to nodes and the stable, readable names used in plan files.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -53,6 +54,45 @@ class JointProblem:
     def graph_nodes(self, names: Iterable[str]) -> list[str]:
         """``names`` without the zero-byte markers that are not graph nodes."""
         return [n for n in names if n in self.nodes]
+
+    # The one conversion between FX node names (this process's graph) and stable
+    # names (``transformer.h.3.attn.mm_1``, the same in every process: plan files).
+    def node_name(self, stable_name: str) -> str:
+        """The node of this graph with ``stable_name`` (``KeyError`` if there is none)."""
+        by_stable = self.__dict__.get("_by_stable")
+        if by_stable is None:
+            by_stable = self.__dict__["_by_stable"] = {s: n for n, s in self.stable_names.items()}
+        return by_stable[stable_name]
+
+    def plan_in_stable_names(self, plan: solvers.Plan) -> solvers.Plan:
+        """``plan`` with every node named by its stable name."""
+        stable = self.stable_names
+        return dataclasses.replace(
+            plan,
+            kept=frozenset(stable[k] for k in plan.kept),
+            schedule=None if plan.schedule is None else tuple(
+                solvers.Step(stable[s.node], s.phase) for s in plan.schedule),
+        )
+
+    def plan_in_node_names(self, plan: solvers.Plan, field: str = "plan") -> solvers.Plan:
+        """Inverse of :meth:`plan_in_stable_names`.
+
+        Raises:
+            KeyError: ``(stable name, field)`` of the first name this graph does not have,
+                ``field`` being ``"<field>.kept"`` or ``"<field>.schedule[i]"``.
+        """
+        def node(name: str, where: str) -> str:
+            try:
+                return self.node_name(name)
+            except KeyError:
+                raise KeyError(name, where) from None
+
+        return dataclasses.replace(
+            plan,
+            kept=frozenset(node(k, f"{field}.kept") for k in sorted(plan.kept)),
+            schedule=None if plan.schedule is None else tuple(
+                solvers.Step(node(s.node, f"{field}.schedule[{i}]"), s.phase) for i, s in enumerate(plan.schedule)),
+        )
 
 
 def joint_to_problem(

@@ -223,37 +223,77 @@ class _Model:
 
         self.pulp = pulp
         self.problem, self.g = problem, graph
+        self.budget = budget
         # Auxiliary "alive" variables and their lower bounds, to complete warm starts.
         self.aux: list[tuple[Any, list[Any]]] = []
-        g = graph
-        F, B = len(g.forward), len(g.backward)
-        nbytes = problem._bytes
+        self._n_aux = 0
         self.estimated = self._estimate(max_variables)
-        lp = pulp.LpProblem("ckptc_remat", pulp.LpMinimize)
-        self.lp = lp
+        self.lp = pulp.LpProblem("ckptc_remat", pulp.LpMinimize)
+        self.add_variables()
+        self.add_constraints()
+        self.add_objective()
+        self.n_variables = len(self.lp.variables())
+
+    # -- variables ---------------------------------------------------------
+    def _new_var(self, name: str, **bounds: Any) -> Any:
         # pulp >= 3.3 attaches variables to their model (the old constructor is deprecated).
-        if hasattr(lp, "add_variable"):
-            new_var = lp.add_variable
-        else:  # pragma: no cover - older pulp
-            new_var = pulp.LpVariable
-        self.peak_var = None
-        if budget is None:
-            # Minimum-memory variant: the budget becomes the objective.
-            self.peak_var = new_var("peak", lowBound=0)
-        cap = self.peak_var if budget is None else budget
+        if hasattr(self.lp, "add_variable"):
+            return self.lp.add_variable(name, **bounds)
+        return self.pulp.LpVariable(name, **bounds)  # pragma: no cover - older pulp
 
-        binary = lambda name: new_var(name, lowBound=0, upBound=1, cat="Binary")  # noqa: E731
-        unit = lambda name: new_var(name, lowBound=0, upBound=1)  # noqa: E731
+    def _binary(self, name: str) -> Any:
+        return self._new_var(name, lowBound=0, upBound=1, cat="Binary")
 
-        # --- forward phase variables
+    def _unit(self, name: str) -> Any:
+        return self._new_var(name, lowBound=0, upBound=1)
+
+    def add_variables(self) -> None:
+        """C[i] (computed in forward), K[i] (kept for backward), R[t][i] (recomputed in stage t),
+        S[t][i] (alive entering stage t), and the peak itself in the minimum-memory variant."""
+        g = self.g
+        F, B = len(g.forward), len(g.backward)
+        # Minimum-memory variant (no budget): the peak becomes the objective.
+        self.peak_var = self._new_var("peak", lowBound=0) if self.budget is None else None
+        self.cap = self.peak_var if self.budget is None else self.budget
         C: dict[int, Any] = {}
         K: dict[int, Any] = {}
         for i in range(F):
-            C[i] = 1 if i in g.forced else binary(f"C_{i}")
+            C[i] = 1 if i in g.forced else self._binary(f"C_{i}")
             if g.keepable[i] and g.last_stage[i] >= 0:
-                K[i] = binary(f"K_{i}")
-        self.C, self.K = C, K
-        for i in range(F):
+                K[i] = self._binary(f"K_{i}")
+        R: list[dict[int, Any]] = [dict() for _ in range(B)]
+        S: list[dict[int, Any]] = [dict() for _ in range(B + 1)]
+        for t in range(B):
+            for i in range(F):
+                if g.last_stage[i] < t:
+                    continue
+                if g.recomputable[i]:
+                    R[t][i] = self._binary(f"R_{t}_{i}")
+                if t == 0:
+                    if i in K:
+                        S[0][i] = K[i]
+                else:
+                    S[t][i] = self._unit(f"S_{t}_{i}")
+        self.C, self.K, self.R, self.S = C, K, R, S
+
+    def s_of(self, t: int, i: int) -> Any:
+        return self.S[t].get(i, 0) if t < len(self.g.backward) else 0
+
+    def r_of(self, t: int, i: int) -> Any:
+        return self.R[t].get(i, 0)
+
+    # -- constraints -------------------------------------------------------
+    def add_constraints(self) -> None:
+        """Forward order, correctness (every read available), aliasing, and memory under the cap."""
+        self._add_forward_order()
+        self._add_correctness()
+        self._add_alias_rules()
+        self._add_forward_memory()
+        self._add_backward_memory()
+
+    def _add_forward_order(self) -> None:
+        lp, g, C, K = self.lp, self.g, self.C, self.K
+        for i in range(len(g.forward)):
             if i in K and not isinstance(C[i], int):
                 lp += K[i] <= C[i]
             for j in g.fwd_consumers[i]:
@@ -262,45 +302,28 @@ class _Model:
                 elif not isinstance(C[i], int) and isinstance(C[j], int):
                     lp += C[i] >= 1
 
-        # --- backward variables: S[t][i] (alive entering stage t), R[t][i]
-        R: list[dict[int, Any]] = [dict() for _ in range(B)]
-        S: list[dict[int, Any]] = [dict() for _ in range(B + 1)]
-        for t in range(B):
-            for i in range(F):
-                if g.last_stage[i] < t:
-                    continue
-                if g.recomputable[i]:
-                    R[t][i] = binary(f"R_{t}_{i}")
-                if t == 0:
-                    if i in K:
-                        S[0][i] = K[i]
-                else:
-                    S[t][i] = unit(f"S_{t}_{i}")
-        self.R, self.S = R, S
-
-        def s_of(t: int, i: int):
-            return S[t].get(i, 0) if t < B else 0
-
-        def r_of(t: int, i: int):
-            return R[t].get(i, 0)
-
-        is_out = g.resident
-        # --- correctness
+    def _add_correctness(self) -> None:
+        lp, g, R, S = self.lp, self.g, self.R, self.S
+        B = len(g.backward)
         for t in range(B):
             for j, rj in R[t].items():
-                for p in problem._fwd_preds[g.forward[j]]:
+                for p in self.problem._fwd_preds[g.forward[j]]:
                     ip = g.pos[p]
-                    if is_out[ip]:
+                    if g.resident[ip]:
                         continue
-                    lp += rj <= r_of(t, ip) + s_of(t, ip)
+                    lp += rj <= self.r_of(t, ip) + self.s_of(t, ip)
             for i in g.reads[t]:
-                lp += r_of(t, i) + s_of(t, i) >= 1
+                lp += self.r_of(t, i) + self.s_of(t, i) >= 1
             if t + 1 < B:
                 for i, nxt in S[t + 1].items():
-                    lp += nxt <= s_of(t, i) + r_of(t, i)
+                    lp += nxt <= self.s_of(t, i) + self.r_of(t, i)
             for i in set(R[t]) & set(S[t]):
                 lp += R[t][i] + S[t][i] <= 1
-        # Forbid a second copy of an alias root while an older view still pins the first.
+
+    def _add_alias_rules(self) -> None:
+        """Forbid a second copy of an alias root while an older view still pins the first."""
+        lp, g, R, S = self.lp, self.g, self.R, self.S
+        B = len(g.backward)
         members: dict[int, list[int]] = {}
         for i, st in enumerate(g.storage):
             if st >= 0:
@@ -322,84 +345,81 @@ class _Model:
                         if ir in R[t]:
                             lp += R[t][ir] == 0
 
-        # --- memory
-        group_of = g.storage
-        self._n_aux = 0
+    def _alive(self, bounds: list[Any], name: str) -> Any:
+        """A unit variable at least every expression of ``bounds`` (alive while any use is pending)."""
+        alive = self._unit(name)
+        for e in bounds:
+            self.lp += alive >= e
+        self.aux.append((alive, bounds))
+        return alive
 
-        def add_memory(terms: list[tuple[int, Any]], constant: int, label: str, extra: Any = 0) -> None:
-            """terms: (forward position, liveness expression); sum bytes per storage group."""
-            by_group: dict[int, list[Any]] = {}
-            for i, expr in terms:
-                st = group_of[i]
-                if st < 0 or (isinstance(expr, int) and expr == 0):
-                    continue
-                by_group.setdefault(st, []).append(expr)
-            total = []
-            const = constant
-            for st, exprs in by_group.items():
-                size = nbytes[st]
-                if any(isinstance(e, int) and e >= 1 for e in exprs):
-                    const += size
-                    continue
-                if len(exprs) == 1:
-                    total.append(size * exprs[0])
-                else:
-                    a = unit(f"A_{label}_{st}")
-                    self._n_aux += 1
-                    for e in exprs:
-                        lp.addConstraint(a >= e)
-                    self.aux.append((a, exprs))
-                    total.append(size * a)
-            lp.addConstraint(pulp.lpSum(total) + extra + const <= cap)
+    def _add_memory(self, terms: list[tuple[int, Any]], constant: int, label: str, extra: Any = 0) -> None:
+        """Memory at one step within the cap; ``terms`` are (forward position, liveness expression),
+        summed once per storage group."""
+        nbytes = self.problem._bytes
+        by_group: dict[int, list[Any]] = {}
+        for i, expr in terms:
+            st = self.g.storage[i]
+            if st < 0 or (isinstance(expr, int) and expr == 0):
+                continue
+            by_group.setdefault(st, []).append(expr)
+        total = []
+        const = constant
+        for st, exprs in by_group.items():
+            size = nbytes[st]
+            if any(isinstance(e, int) and e >= 1 for e in exprs):
+                const += size
+                continue
+            if len(exprs) == 1:
+                total.append(size * exprs[0])
+            else:
+                self._n_aux += 1
+                total.append(size * self._alive(exprs, f"A_{label}_{st}"))
+        self.lp.addConstraint(self.pulp.lpSum(total) + extra + const <= self.cap)
 
-        # Forward phase: liveness of i at the step of k (i before k).
-
+    def _add_forward_memory(self) -> None:
+        """Forward phase: at the step of k, each earlier value alive until its last use or kept."""
+        problem, g, C, K = self.problem, self.g, self.C, self.K
+        nbytes = problem._bytes
         roots = storage_roots(problem)
         scratch = _scratch(problem)
-        resident_fwd = problem.resident_bytes
         out_before = 0
         out_seen: set[int] = set()
-        for k in range(F):
+        for k in range(len(g.forward)):
             terms: list[tuple[int, Any]] = []
             vk = g.forward[k]
             for i in range(k):
-                if is_out[i] or roots[g.forward[i]] in g.out_groups:
+                if g.resident[i] or roots[g.forward[i]] in g.out_groups:
                     continue
                 cons_after = [j for j in g.fwd_consumers[i] if j >= k]
                 if not cons_after and i not in K:
                     continue
                 if not cons_after:
                     terms.append((i, K[i]))
-                    continue
-                if len(cons_after) == 1 and i not in K:
+                elif len(cons_after) == 1 and i not in K:
                     terms.append((i, C[cons_after[0]]))
-                    continue
-                if any(isinstance(C[j], int) for j in cons_after):
+                elif any(isinstance(C[j], int) for j in cons_after):
                     terms.append((i, 1 if isinstance(C[i], int) else C[i]))
-                    continue
-                lv = unit(f"LF_{k}_{i}")
-                bounds = [C[j] for j in cons_after] + ([K[i]] if i in K else [])
-                for e in bounds:
-                    lp += lv >= e
-                self.aux.append((lv, bounds))
-                terms.append((i, lv))
+                else:
+                    bounds = [C[j] for j in cons_after] + ([K[i]] if i in K else [])
+                    terms.append((i, self._alive(bounds, f"LF_{k}_{i}")))
             r = roots[vk]
             if r in g.out_groups:
                 # Resident from the first member's allocation on (counted once).
                 if r not in out_seen:
                     out_seen.add(r)
                     out_before += nbytes[r]
-                const = resident_fwd + out_before
             else:
-                const = resident_fwd + out_before
                 terms.append((k, C[k]))
-            add_memory(terms, const, f"f{k}", scratch[vk] * C[k])
+            self._add_memory(terms, problem.resident_bytes + out_before, f"f{k}", scratch[vk] * C[k])
 
-        # Backward stages.
-        for t in range(B):
+    def _add_backward_memory(self) -> None:
+        """Backward stages: at each recomputation of stage t, and at the stage's own step."""
+        g, R, S = self.g, self.R, self.S
+        scratch = _scratch(self.problem)
+        for t in range(len(g.backward)):
             reads_t = set(g.reads[t])
-            steps = sorted(R[t])
-            for k in steps:
+            for k in sorted(R[t]):
                 terms = []
                 for i in set(S[t]) | set(R[t]):
                     if i == k:
@@ -413,37 +433,34 @@ class _Model:
                         terms.append((i, 1))
                         continue
                     cons_after = [R[t][j] for j in g.fwd_consumers[i] if j >= k and j in R[t]]
-                    nxt = s_of(t + 1, i)
+                    nxt = self.s_of(t + 1, i)
                     if not cons_after:
                         terms.append((i, nxt))
-                        continue
-                    if isinstance(nxt, int) and len(cons_after) == 1:
+                    elif isinstance(nxt, int) and len(cons_after) == 1:
                         terms.append((i, cons_after[0]))
-                        continue
-                    lv = unit(f"LB_{t}_{k}_{i}")
-                    bounds = cons_after + ([nxt] if not isinstance(nxt, int) else [])
-                    for e in bounds:
-                        lp += lv >= e
-                    self.aux.append((lv, bounds))
-                    terms.append((i, lv))
+                    else:
+                        bounds = cons_after + ([nxt] if not isinstance(nxt, int) else [])
+                        terms.append((i, self._alive(bounds, f"LB_{t}_{k}_{i}")))
                 for root, holds in g.view_holds.items():
                     if root in g.pos and any(b0 < t <= d0 for b0, d0 in holds):
                         terms.append((g.pos[root], 1))
-                add_memory(terms, g.H[t], f"b{t}_{k}", scratch[g.forward[k]] * R[t][k])
+                self._add_memory(terms, g.H[t], f"b{t}_{k}", scratch[g.forward[k]] * R[t][k])
             terms = []
             for i in set(S[t]) | set(R[t]):
-                terms.append((i, 1 if i in reads_t else s_of(t + 1, i)))
+                terms.append((i, 1 if i in reads_t else self.s_of(t + 1, i)))
             for root, holds in g.view_holds.items():
                 if root in g.pos and any(b0 <= t <= d0 for b0, d0 in holds):
                     terms.append((g.pos[root], 1))
-            add_memory(terms, g.G[t], f"b{t}")
+            self._add_memory(terms, g.G[t], f"b{t}")
 
-        cost = problem._cost
-        if budget is None:
-            lp += self.peak_var
-        else:
-            lp += pulp.lpSum(cost[g.forward[i]] * r for t in range(B) for i, r in R[t].items())
-        self.n_variables = len(lp.variables())
+    # -- objective ---------------------------------------------------------
+    def add_objective(self) -> None:
+        """Least recompute cost under the budget, or (no budget) the least peak."""
+        if self.budget is None:
+            self.lp += self.peak_var
+            return
+        cost, g = self.problem._cost, self.g
+        self.lp += self.pulp.lpSum(cost[g.forward[i]] * r for t in range(len(g.backward)) for i, r in self.R[t].items())
 
     def _estimate(self, max_variables: int) -> int:
         return self._estimate_size(self.g, max_variables)
