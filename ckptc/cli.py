@@ -40,7 +40,7 @@ import ckptc
 import solvers
 from ckptc import report
 from ckptc.errors import CkptcError
-from ckptc.options import STRATEGY_NAMES, budget_to_bytes
+from ckptc.options import STRATEGY_NAMES, CheckpointOptions, budget_to_bytes
 from solvers import format_bytes
 
 log = logging.getLogger("ckptc.cli")
@@ -436,9 +436,15 @@ class ProgressLine:
 
 
 def _planning_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"must_save": args.must_save, "must_recompute": args.must_recompute}
+    """The command's planning options, checked (:class:`~ckptc.options.CheckpointOptions`) before the
+    slow loading and capture; a bad value ends the command with its ``ValueError``."""
+    options: dict[str, Any] = {"must_save": tuple(args.must_save), "must_recompute": tuple(args.must_recompute)}
     if hasattr(args, "solver"):
         options.update(solver=args.solver, strategy=args.strategy)
+    try:
+        CheckpointOptions.from_user(options)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return options
 
 
@@ -457,12 +463,13 @@ def _ensure_writable(path: str) -> Path:
 def command_plan(args: argparse.Namespace, out: TextIO) -> int:
     """``ckptc plan``: plan, save, print a one-line summary."""
     output = _ensure_writable(args.output)
+    options = _planning_options(args)
     workload = load_workload(args.factory)
     progress = ProgressLine()
     try:
         model_plan = ckptc.plan(workload.model, workload.example_inputs, workload.example_kwargs,
                                 budget_bytes=budget_from(args), loss_fn=workload.loss_fn, progress=progress,
-                                **_planning_options(args))
+                                **options)
     finally:
         progress.finish()
     model_plan.save(output)
@@ -487,13 +494,14 @@ def command_show(args: argparse.Namespace, out: TextIO) -> int:
 def command_report(args: argparse.Namespace, out: TextIO) -> int:
     """``ckptc report``: timelines, plot, predicted against measured peak."""
     output = _ensure_writable(args.plot)
+    options = _planning_options(args)
     workload = load_workload(args.factory)
     budget = budget_from(args)
     progress = ProgressLine()
     try:
         timelines = report.memory_timelines(workload.model, workload.example_inputs, workload.example_kwargs,
                                             budget_bytes=budget, loss_fn=workload.loss_fn, progress=progress,
-                                            **_planning_options(args))
+                                            **options)
     finally:
         progress.finish()
     report.memory_timeline_plot(timelines, output, title=f"{workload.name}: memory over one training step")
@@ -520,13 +528,14 @@ def command_report(args: argparse.Namespace, out: TextIO) -> int:
 def command_pareto(args: argparse.Namespace, out: TextIO) -> int:
     """``ckptc pareto``: plan across budgets per solver, print the table, plot the curves."""
     output = _ensure_writable(args.plot)
+    options = _planning_options(args)
     workload = load_workload(args.factory)
     # The sweep as a whole is the long operation worth a progress line.
     progress = ProgressLine(label=f"{PROG} pareto")
     try:
         result = report.pareto_points(workload.model, workload.example_inputs, workload.example_kwargs,
                                       loss_fn=workload.loss_fn, solver_names=args.solvers, points=args.points,
-                                      progress=progress, **_planning_options(args))
+                                      progress=progress, **options)
     finally:
         progress.finish()
     print(report.pareto_table(result), file=out)

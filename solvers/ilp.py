@@ -851,25 +851,10 @@ def ilp(
     last_error = None
     solving_spent = 0.0
     for _attempt in range(_RETRIES):
-        build_started = time.perf_counter()
-        if progress is not None:
-            progress(0.05, "ilp: building the MILP")
-        model = _Model(problem, graph, target, max_variables)
-        build_seconds = time.perf_counter() - build_started
-        start = _start_from_plan(problem, model, start_plan) if start_plan is not None else None
-        if progress is not None:
-            progress(0.2, f"ilp: solving ({model.n_variables:,} variables)")
-        remaining = max(0.5, time_limit - solving_spent)
-        outcome = _solve(model, remaining, start, threads, mip_gap)
-        solving_spent += outcome.seconds
-        if outcome.status == "inconsistent":
-            log.debug("ilp: the solver's solution disagrees with its objective; re-solving without a start")
-            start = None
-            model = _Model(problem, graph, target, max_variables)
-            outcome = _solve(model, max(0.5, time_limit - solving_spent), None, threads, mip_gap)
-            solving_spent += outcome.seconds
-        log.debug("ilp: %s in %.2f s (objective %s, bound %s)", outcome.status, outcome.seconds,
-                  outcome.objective, outcome.bound)
+        attempt = _build_and_solve(problem, graph, target, max_variables, start_plan,
+                                   max(0.5, time_limit - solving_spent), threads, mip_gap, progress)
+        model, outcome = attempt.model, attempt.outcome
+        solving_spent += attempt.solving_seconds
         if outcome.status == "infeasible":
             if keep_all_core.peak_bytes <= budget_bytes:
                 # The model counts multi-output storages conservatively: keep-all can
@@ -903,12 +888,7 @@ def ilp(
                 log.info("ilp: keep-all is cheaper than the MILP's plan (conservative multi-output model)")
                 return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
                                SolveInfo(status="fallback", bound=outcome.bound, candidate="keep_all"))
-            info = SolveInfo(status="optimal" if outcome.status == "optimal" else "time_limit",
-                             gap=outcome.gap, bound=outcome.bound, objective=outcome.objective,
-                             details={"build_seconds": build_seconds, "milp_seconds": outcome.seconds,
-                                      "variables": model.n_variables, "constraints": model.lp.numConstraints(),
-                                      "solver": "HiGHS" if _highs_available() else "CBC",
-                                      "warm_start": start is not None})
+            info = attempt.solve_info()
             if info.status == "time_limit":
                 log.warning("ilp: time limit of %.1f s reached; returning the best plan found "
                             "(recompute cost %g, lower bound %s, gap %s)", time_limit, result.recompute_cost,
@@ -920,6 +900,53 @@ def ilp(
         target -= result.peak_bytes - budget_bytes
     raise SolverError(f"ilp: the MILP's plans exceed the budget in simulate() (last peak {last_error} bytes "
                       f"for budget {budget_bytes}); the graph uses aliases the model does not capture")
+
+
+@dataclass
+class _Attempt:
+    """One MILP built for a target peak and solved."""
+
+    model: _Model
+    outcome: _Outcome
+    build_seconds: float
+    solving_seconds: float
+    warm_started: bool
+
+    def solve_info(self) -> SolveInfo:
+        outcome = self.outcome
+        return SolveInfo(status="optimal" if outcome.status == "optimal" else "time_limit",
+                         gap=outcome.gap, bound=outcome.bound, objective=outcome.objective,
+                         details={"build_seconds": self.build_seconds, "milp_seconds": outcome.seconds,
+                                  "variables": self.model.n_variables,
+                                  "constraints": self.model.lp.numConstraints(),
+                                  "solver": "HiGHS" if _highs_available() else "CBC",
+                                  "warm_start": self.warm_started})
+
+
+def _build_and_solve(problem: Problem, graph: _Graph, target: int, max_variables: int, start_plan: Plan | None,
+                     time_limit: float, threads: int | None, mip_gap: float,
+                     progress: Progress | None) -> _Attempt:
+    """Build the MILP for peak ``target`` and solve it (from ``start_plan`` when given); if the solver's
+    solution disagrees with its objective, solve again without the start."""
+    build_started = time.perf_counter()
+    if progress is not None:
+        progress(0.05, "ilp: building the MILP")
+    model = _Model(problem, graph, target, max_variables)
+    build_seconds = time.perf_counter() - build_started
+    start = _start_from_plan(problem, model, start_plan) if start_plan is not None else None
+    if progress is not None:
+        progress(0.2, f"ilp: solving ({model.n_variables:,} variables)")
+    outcome = _solve(model, time_limit, start, threads, mip_gap)
+    spent = outcome.seconds
+    if outcome.status == "inconsistent":
+        log.debug("ilp: the solver's solution disagrees with its objective; re-solving without a start")
+        start = None
+        model = _Model(problem, graph, target, max_variables)
+        outcome = _solve(model, max(0.5, time_limit - spent), None, threads, mip_gap)
+        spent += outcome.seconds
+    log.debug("ilp: %s in %.2f s (objective %s, bound %s)", outcome.status, outcome.seconds,
+              outcome.objective, outcome.bound)
+    return _Attempt(model, outcome, build_seconds, spent, start is not None)
 
 
 def _min_feasible(problem: Problem, graph: _Graph, max_variables: int, time_limit: float,
