@@ -855,30 +855,11 @@ def ilp(
                                    max(0.5, time_limit - solving_spent), threads, mip_gap, progress)
         model, outcome = attempt.model, attempt.outcome
         solving_spent += attempt.solving_seconds
-        if outcome.status == "infeasible":
-            if keep_all_core.peak_bytes <= budget_bytes:
-                # The model counts multi-output storages conservatively: keep-all can
-                # fit where the MILP sees no room. Never fail where keep-all fits.
-                log.info("ilp: the MILP found no schedule within the budget; keep-all fits, returning it")
-                return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
-                               SolveInfo(status="fallback", candidate="keep_all"))
-            remaining = max(1.0, time_limit - (time.perf_counter() - started))
-            lowest = _min_feasible(problem, graph, max_variables, remaining, threads, keep_all_core.peak_bytes)
-            raise InfeasibleBudgetError(
-                budget_bytes, lowest,
-                f"ilp: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest feasible "
-                f"budget {format_bytes(lowest)} ({lowest} bytes) of any stage schedule for this graph",
-            )
         if outcome.status not in ("optimal", "time_limit", "feasible"):
-            if start_plan is not None:
-                log.warning("ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan",
-                            time_limit, outcome.status)
-                return _finish(problem, Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
-                               budget_bytes, started,
-                               SolveInfo(status="time_limit", candidate="hierarchical",
-                                         details={"solver_status": outcome.status}))
-            raise SolverError(f"ilp: the solver found no integer solution ({outcome.status}) within "
-                              f"{time_limit:g} s; try a longer time_limit or method='hierarchical'")
+            remaining = max(1.0, time_limit - (time.perf_counter() - started))
+            plan, info = _without_a_solution(problem, graph, outcome, budget_bytes, keep_all, keep_all_core.peak_bytes,
+                                             start_plan, time_limit, remaining, max_variables, threads)
+            return _finish(problem, plan, budget_bytes, started, info)
         kept, _, rec = model.schedule()
         kept, rec = _prune(problem, graph, kept, rec)
         plan = _to_plan(problem, graph, kept, rec, budget_bytes)
@@ -947,6 +928,37 @@ def _build_and_solve(problem: Problem, graph: _Graph, target: int, max_variables
     log.debug("ilp: %s in %.2f s (objective %s, bound %s)", outcome.status, outcome.seconds,
               outcome.objective, outcome.bound)
     return _Attempt(model, outcome, build_seconds, spent, start is not None)
+
+
+def _without_a_solution(problem: Problem, graph: _Graph, outcome: _Outcome, budget_bytes: int, keep_all: Plan,
+                        keep_all_peak: int, start_plan: Plan | None, time_limit: float, remaining: float,
+                        max_variables: int, threads: int | None) -> tuple[Plan, SolveInfo]:
+    """The plan to return when the MILP gave no solution: keep-all if it fits, else the warm start.
+
+    Raises:
+        InfeasibleBudgetError: the MILP is infeasible and keep-all does not fit (with the least peak
+            the MILP can reach, solved within ``remaining`` seconds).
+        SolverError: the solver found no integer solution in time and there is no warm start.
+    """
+    if outcome.status == "infeasible":
+        if keep_all_peak <= budget_bytes:
+            # The model counts multi-output storages conservatively: keep-all can
+            # fit where the MILP sees no room. Never fail where keep-all fits.
+            log.info("ilp: the MILP found no schedule within the budget; keep-all fits, returning it")
+            return _explicit(problem, keep_all), SolveInfo(status="fallback", candidate="keep_all")
+        lowest = _min_feasible(problem, graph, max_variables, remaining, threads, keep_all_peak)
+        raise InfeasibleBudgetError(
+            budget_bytes, lowest,
+            f"ilp: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest feasible "
+            f"budget {format_bytes(lowest)} ({lowest} bytes) of any stage schedule for this graph",
+        )
+    if start_plan is not None:
+        log.warning("ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan",
+                    time_limit, outcome.status)
+        return (Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
+                SolveInfo(status="time_limit", candidate="hierarchical", details={"solver_status": outcome.status}))
+    raise SolverError(f"ilp: the solver found no integer solution ({outcome.status}) within "
+                      f"{time_limit:g} s; try a longer time_limit or method='hierarchical'")
 
 
 def _min_feasible(problem: Problem, graph: _Graph, max_variables: int, time_limit: float,
