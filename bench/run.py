@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 import ckptc
+import solvers
 from bench import report
 from bench.alternatives import Alternative, alternatives_for, count_flops, fmt_mib
 from bench.environment import loadavg, provenance, rockmate_status
@@ -244,8 +245,8 @@ class ModelBench:
                         "min_feasible_bytes": getattr(decision.error, "min_feasible_bytes", None)}
             if earlier is not None and decision.plan is None:
                 return {**earlier, "resumed": True}
-            if decision.kind == "error" and isinstance(decision.error, ckptc.CkptcError):
-                # the same planner on the same capture would raise the same at the first step
+            if decision.kind == "error" and isinstance(decision.error, solvers.SolverError):
+                # the same solver on the same capture would raise the same at the first step
                 return {**point, "status": "error", "error": error_text(decision.error), "decided": "offline"}
             if decision.plan is not None:
                 point.update(offline_predicted_peak_bytes=decision.plan.predicted_peak_bytes,

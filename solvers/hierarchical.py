@@ -55,7 +55,7 @@ from solvers.errors import InfeasibleBudgetError, format_bytes
 from solvers.graph import keep_all_mask, own_checkpoint_mask
 from solvers.plan import Plan, SolveInfo
 from solvers.problem import Problem
-from solvers.simulator import _derive, _run, honour_policies_mask, names_of
+from solvers.simulator import evaluate_mask, evaluate_mask_schedule, honour_policies_mask, names_of
 
 __all__ = [
     "hierarchical",
@@ -192,13 +192,11 @@ def price_menu(problem: Problem, chain: BlockChain, options: list[list[tuple[str
     # Keeping everything (no fixed values) is a candidate too: it may keep less
     # than every block's keep_all, which also keeps crossing values backward never reads.
     keep_all = keep_all_mask(problem)
-    nodes, n_fwd = _derive(problem, keep_all)
-    core = _run(problem, nodes, n_fwd, keep_all)
+    core = evaluate_mask(problem, keep_all)
     uniform.append(("keep everything", keep_all, core.peak_bytes, core.recompute_cost))
     own = own_checkpoint_mask(problem)
     if own is not None:  # what the model's own torch.utils.checkpoint does: never do worse
-        nodes, n_fwd = _derive(problem, own)
-        core = _run(problem, nodes, n_fwd, own)
+        core = evaluate_mask(problem, own)
         uniform.append(("the model's own checkpointing", own, core.peak_bytes, core.recompute_cost))
     kept_bytes, need, costs, final_names, final_kept = [], [], [], [], []
     for b in range(n_blocks):
@@ -226,8 +224,7 @@ def _pareto(rows: list[tuple[int, int, float]]) -> list[int]:
 
 def _price(problem: Problem, chain: BlockChain, mask: bytearray) -> tuple[list[tuple[int, int, float]], int, float]:
     """(kept bytes, need, recompute cost) of each block under ``mask``, and the plan's peak and cost."""
-    nodes, n_fwd = _derive(problem, mask)
-    core = _run(problem, nodes, n_fwd, mask)
+    nodes, n_fwd, core = evaluate_mask_schedule(problem, mask)
     timeline = core.timeline
     block_of = chain.block_of
     n_blocks = len(chain.blocks)
@@ -335,7 +332,7 @@ class _BlockMilp:
               time_limit: float = MILP_TIME_LIMIT) -> set[int] | None:
         import pulp
 
-        from solvers.ilp import _make_solver
+        from solvers.ilp import make_milp_solver
 
         p = self.problem
         policy, read, cost, nbytes = p._policy, p._read_by_backward, p._cost, p._bytes
@@ -376,7 +373,7 @@ class _BlockMilp:
             model += recompute + 1e-4 * kept_bytes
         if max_kept_bytes is not None:
             model += pulp.lpSum(nbytes[r] * s for r, s in store.items()) <= max_kept_bytes
-        model.solve(_make_solver(time_limit, None, 1, 1e-4))
+        model.solve(make_milp_solver(time_limit, None, 1, 1e-4))
         if pulp.LpStatus[model.status] != "Optimal" and model.sol_status not in (1, 2):
             return None
         return {v for v, x in keep.items() if (x.value() or 0) > 0.5}
@@ -487,8 +484,7 @@ def _solve_mask(problem: Problem, menu: Menu, budget_bytes: int) -> tuple[bytear
         if choices is None:
             break
         mask = _assemble(problem, menu, choices)
-        nodes, n_fwd = _derive(problem, mask)
-        core = _run(problem, nodes, n_fwd, mask)
+        core = evaluate_mask(problem, mask)
         if core.peak_bytes <= budget_bytes:
             if best is None or core.recompute_cost < best[2]:
                 best = (mask, core.peak_bytes, core.recompute_cost)

@@ -516,7 +516,9 @@ def _highs_available() -> bool:
     return True
 
 
-def _make_solver(time_limit: float, start: dict[str, float] | None, threads: int | None, gap: float):
+def make_milp_solver(time_limit: float, start: dict[str, float] | None, threads: int | None, gap: float):
+    """A pulp solver: HiGHS when ``highspy`` is installed, else the CBC binary pulp ships (also used by
+    the hierarchical solver's MILP options)."""
     import pulp
 
     if not _highs_available():
@@ -558,7 +560,7 @@ def _solve(model: _Model, time_limit: float, start: dict[str, float] | None, thr
     import pulp
 
     lp = model.lp
-    solver = _make_solver(time_limit, start, threads, gap)
+    solver = make_milp_solver(time_limit, start, threads, gap)
     if start is not None and not isinstance(solver, pulp.HiGHS):
         for v in lp.variables():
             if v.name in start:

@@ -89,8 +89,8 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
 
 def _recomputed(problem: Problem, mask: bytearray) -> list[int]:
     """Forward nodes the derived schedule of ``mask`` recomputes in backward."""
-    from solvers.simulator import _derive
+    from solvers.simulator import derived_schedule
 
-    nodes, n_fwd = _derive(problem, mask)
+    nodes, n_fwd = derived_schedule(problem, mask)
     kind = problem._kind
     return list(dict.fromkeys(v for v in nodes[n_fwd:] if kind[v] == _FORWARD))

@@ -189,7 +189,7 @@ def honour_policies_mask(problem: Problem, mask: bytearray) -> bytearray:
         elif policy[v] == _SAVE and read_by_backward[v]:
             mask[v] = 1
     for _ in range(3):
-        nodes, n_fwd = _derive(problem, mask)
+        nodes, n_fwd = derived_schedule(problem, mask)
         recomputed_saves = [v for v in nodes[n_fwd:] if policy[v] == _SAVE]
         if not recomputed_saves:
             break
@@ -200,8 +200,13 @@ def honour_policies_mask(problem: Problem, mask: bytearray) -> bytearray:
 
 def evaluate_mask(problem: Problem, mask: bytearray) -> "_Core":
     """Simulate the derived schedule of a kept mask (bytearray over node positions)."""
-    nodes, n_fwd = _derive(problem, mask)
-    return _run(problem, nodes, n_fwd, mask)
+    return evaluate_mask_schedule(problem, mask)[2]
+
+
+def evaluate_mask_schedule(problem: Problem, mask: bytearray) -> tuple[list[int], int, "_Core"]:
+    """:func:`evaluate_mask` with the derived schedule it simulated: (node indices, forward steps, result)."""
+    nodes, n_fwd = derived_schedule(problem, mask)
+    return nodes, n_fwd, _run(problem, nodes, n_fwd, mask)
 
 
 def mask_of(problem: Problem, kept: Iterable[str]) -> bytearray:
@@ -250,7 +255,7 @@ def _resolve(problem: Problem, plan: Plan) -> tuple[list[int], int, bytearray]:
     """Plan -> (node index per step, number of forward-phase steps, kept mask)."""
     kept = _kept_mask(problem, plan.kept)
     if plan.schedule is None:
-        nodes, n_fwd = _derive(problem, kept)
+        nodes, n_fwd = derived_schedule(problem, kept)
         return nodes, n_fwd, kept
     index = problem.index
     nodes: list[int] = []
@@ -277,7 +282,7 @@ def _resolve(problem: Problem, plan: Plan) -> tuple[list[int], int, bytearray]:
     return nodes, n_fwd, kept
 
 
-def _derive(problem: Problem, kept: bytearray) -> tuple[list[int], int]:
+def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]:
     """Derived schedule of a kept mask as (node indices, number of forward steps)."""
     output, fwd_preds = problem._output, problem._fwd_preds
     forward_idx = problem._forward_idx
