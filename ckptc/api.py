@@ -127,6 +127,7 @@ def optimize(
     must_recompute: Sequence[str] = (),
     compiler: str = "eager",
     measure_time: bool = False,
+    measure_scratch: bool = True,
     hold_outputs: bool | None = None,
     time_limit: float | None = None,
     progress: Callable[[float, str], None] | None = None,
@@ -134,6 +135,9 @@ def optimize(
     max_plans: int = 8,
 ) -> OptimizedModule:
     """Return a module that trains like ``model`` within a memory budget.
+
+    The planning options are those of :class:`~ckptc.options.CheckpointOptions`
+    (checked there, once: an unknown name or a bad value raises ``ValueError``).
 
     Args:
         model: any ``nn.Module`` with trainable parameters.
@@ -148,6 +152,8 @@ def optimize(
         must_save / must_recompute: patterns over stable node names such as
             ``"transformer.h.*.attn.*"`` or ``"*.softmax*"``.
         compiler: ``"eager"`` (default) or ``"inductor"``.
+        measure_time / measure_scratch: price recomputation by measured seconds
+            instead of FLOPs; measure kernels' scratch memory (on by default).
         hold_outputs: whether the caller keeps forward results other than the
             loss (logits) alive until backward ends.  None (default) decides:
             if the model computes and returns its own scalar loss
@@ -173,15 +179,7 @@ def optimize(
         >>> fast = ckptc.optimize(model, budget_gb=40)      # doctest: +SKIP
         >>> loss = fast(input_ids, labels=labels).loss; loss.backward()
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
-    if isinstance(model, OptimizedModule):
-        raise TypeError("this module is already optimized; pass its original_module instead")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            f"{type(model).__name__} has no trainable parameters (none requires grad); "
-            "there is nothing to checkpoint"
-        )
+    _check_trainable(model)
     compiler_ = backend(
         budget_gb,
         budget_bytes=budget_bytes,
@@ -193,11 +191,24 @@ def optimize(
         compiler=compiler,
         hold_outputs=hold_outputs,
         measure_time=measure_time,
+        measure_scratch=measure_scratch,
         time_limit=time_limit,
         model=model,
         progress=progress,
     )
     return OptimizedModule(model, compiler_, verify=verify, max_plans=max_plans)
+
+
+def _check_trainable(model: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, OptimizedModule):
+        raise TypeError("this module is already optimized; pass its original_module instead")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has no trainable parameters (none requires grad); "
+            "there is nothing to checkpoint"
+        )
 
 
 def capture(
@@ -230,10 +241,10 @@ def capture(
     checked = CheckpointOptions.from_user(
         {k: v for k, v in options.items() if k not in ("verify", "max_plans", "progress")}
     )
-    optimized = optimize(model, strategy="none", solver=checked.solver, compiler=checked.compiler,
-                         must_save=checked.must_save, must_recompute=checked.must_recompute,
-                         measure_time=checked.measure_time, hold_outputs=checked.hold_outputs,
-                         verify=False, max_plans=options.get("max_plans", 8))
+    _check_trainable(model)
+    # Captured keeping everything; CapturedStep.plan decides for each budget afterwards.
+    compiler = CheckpointCompiler(checked.replace(strategy="none"), model=model)
+    optimized = OptimizedModule(model, compiler, verify=False)
     with training_state_restored(model):
         for p in model.parameters():
             p.grad = None

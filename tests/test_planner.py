@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import inspect
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,12 @@ def test_options_are_checked_once_with_the_valid_names_and_the_bad_value():
     compiled = torch.compile(model, backend="ckptc", options={"budget_gb": 1, "strategy": "fastest"})
     with pytest.raises(Exception, match="unknown strategy 'fastest'"):
         compiled(torch.randn(4, 64)).sum().backward()
+
+
+def test_optimize_and_capture_take_exactly_the_options():
+    """``optimize`` spells its options out for users; they are exactly CheckpointOptions' (plus the step's own)."""
+    step_only = {"model", "progress", "verify", "max_plans"}
+    assert set(inspect.signature(ckptc.optimize).parameters) - step_only == set(CheckpointOptions.user_names())
 
 
 DECIDING_CALLS = {"solve", "lowest_peak_plan", "min_feasible_budget", "PRESETS", "keep_everything"}
