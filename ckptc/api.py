@@ -279,7 +279,9 @@ def plan(
     if plan is not None:
         from ckptc.plans import load_plan, plan_source_for
 
-        source = plan_source_for(plan if isinstance(plan, ModelPlan) else load_plan(plan), budget)
+        model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
+        source = plan_source_for(model_plan, budget)
+        budget = model_plan.budget_bytes if budget is None else budget
     step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, **options)
     return step.plan(budget_bytes=budget, plan_source=source, progress=progress)
 

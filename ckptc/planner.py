@@ -226,9 +226,10 @@ def tighter_graph_budgets(ran: Sequence[GraphRecord], budget_bytes: int, attempt
     """
     short = [r for r in ran if r.infeasible]
     floor = max(r.min_feasible_bytes for r in ran)
-    if floor > budget_bytes or attempt >= MAX_STEP_RETRIES:
-        raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
     last = max(r.index for r in short)
+    # Nothing before the graph that did not fit can keep less: planning again cannot help.
+    if floor > budget_bytes or attempt >= MAX_STEP_RETRIES or last == 0:
+        raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
     if attempt == 0:
         need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget_bytes for r in short)
         tighter = {j: budget_bytes - need for j in range(last)}
