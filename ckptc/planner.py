@@ -311,6 +311,8 @@ class CapturedStep:
                 return records
             assert budget is not None  # only a budget makes graphs infeasible
             budgets = tighter_graph_budgets(records, budget, attempt, options.graph_budgets)
+            log.info("%s: a later graph did not fit after earlier graphs' plans; planning again with earlier "
+                     "graphs keeping less (budgets %s)", self.model_name, budgets)
             options = options.replace(graph_budgets=budgets)
         raise AssertionError("unreachable")
 
