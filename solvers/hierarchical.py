@@ -332,7 +332,7 @@ class _BlockMilp:
               time_limit: float = MILP_TIME_LIMIT) -> set[int] | None:
         import pulp
 
-        from solvers.ilp import make_milp_solver
+        from solvers.milp import make_milp_solver
 
         p = self.problem
         policy, read, cost, nbytes = p._policy, p._read_by_backward, p._cost, p._bytes
