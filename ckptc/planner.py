@@ -177,11 +177,11 @@ def decide(
         fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0)
         if index in options.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
-        elif options.defer_infeasible and plan_source is None:
-            infeasible = True
+        elif options.defer_infeasible and plan_source is None and index > 0:
+            infeasible = True  # earlier graphs of the step may keep less: seen by the caller
             plan = floor_plan
         else:
-            raise solvers.InfeasibleBudgetError(error.budget_bytes, step_floor) from None
+            raise _refusal(error, step_floor, options) from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
     unoptimized = unoptimized_result(jp).peak_bytes
     record = GraphRecord(
@@ -206,6 +206,24 @@ def decide(
         solvers.format_bytes(unoptimized), result.recompute_cost,
     )
     return record
+
+
+def _refusal(error: solvers.InfeasibleBudgetError, step_floor: int,
+             options: CheckpointOptions) -> solvers.InfeasibleBudgetError:
+    """The error for a graph that cannot fit: the step's floor, or (when ckptc could plan the budget
+    but the chosen solver or preset cannot) that solver's own floor and what to do."""
+    budget = error.budget_bytes
+    if step_floor > budget:
+        return solvers.InfeasibleBudgetError(budget, step_floor)
+    own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
+    how = f"solver {options.solver!r}" if options.strategy == "auto" else f"strategy {options.strategy!r}"
+    return solvers.InfeasibleBudgetError(
+        budget, own,
+        f"{how} found no plan within the budget {solvers.format_bytes(budget)} ({budget} bytes)"
+        + ("" if own is None else f"; its smallest feasible budget is {solvers.format_bytes(own)} ({own} bytes)")
+        + f"; ckptc's floor is {solvers.format_bytes(step_floor)} ({step_floor} bytes): solver='auto' plans "
+        "this budget",
+    )
 
 
 def unoptimized_result(jp: JointProblem) -> solvers.SimResult:

@@ -58,6 +58,9 @@ def test_one_capture_plans_many_budgets_without_running_the_model_again():
         step.plan(budget_bytes=floor - 1)
     assert info.value.min_feasible_bytes == floor
     assert step.plan(budget_bytes=budgets[1], strategy="layer").strategy == "layer"
+    # A budget ckptc can plan but the chosen solver cannot: the error says which and what to do.
+    with pytest.raises(ckptc.InfeasibleBudgetError, match="solver 'chen_sqrt' found no plan.*solver='auto' plans"):
+        step.plan(budget_bytes=floor, solver="chen_sqrt")
 
     # The compiler at a first training step decides exactly what the captured step decided.
     fast = ckptc.optimize(reference, budget_bytes=budgets[1], verify=False)
