@@ -277,11 +277,9 @@ def plan(
     budget = CheckpointOptions.from_user(budget_gb=budget_gb, budget_bytes=budget_bytes).budget_bytes
     source = None
     if plan is not None:
-        from ckptc.plans import load_plan, plan_source_for
+        from ckptc.plans import applied_plan
 
-        model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
-        source = plan_source_for(model_plan, budget)
-        budget = model_plan.budget_bytes if budget is None else budget
+        source, budget = applied_plan(plan, budget)
     step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, **options)
     return step.plan(budget_bytes=budget, plan_source=source, progress=progress)
 

@@ -25,10 +25,8 @@ import torch
 import torch.fx as fx
 
 from ckptc.compiler import CheckpointCompiler
-from ckptc.errors import PlanMismatchError
 from ckptc.options import CheckpointOptions
-from ckptc.plans import ModelPlan, load_plan, plan_source_for
-from solvers import format_bytes
+from ckptc.plans import ModelPlan, applied_plan
 
 # One compiler per options dict: Dynamo passes the same dict for every graph of
 # one torch.compile call.  The dict is kept alive with its compiler so its id
@@ -58,23 +56,10 @@ def backend(
         >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP
     """
     checked = CheckpointOptions.from_user(options, budget_gb=budget_gb)
-    budget = checked.budget_bytes
     source = None
     if plan is not None:
-        model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
-        if budget is not None and model_plan.predicted_peak_bytes > budget:
-            # A plan does not adapt to a budget: it would silently break the promise.
-            raise PlanMismatchError(
-                f"the plan predicts a peak of {format_bytes(model_plan.predicted_peak_bytes)} "
-                f"({model_plan.predicted_peak_bytes} bytes), over the budget given with it, "
-                f"{format_bytes(budget)} ({budget} bytes). Plan again for this budget, or "
-                "apply the plan without a budget."
-            )
-        # An explicit budget is also checked against each graph as applied (the
-        # peak is simulated again on the captured graph).
-        source = plan_source_for(model_plan, budget)
-        if budget is None:
-            checked = checked.replace(budget_bytes=model_plan.budget_bytes)
+        source, budget = applied_plan(plan, checked.budget_bytes)
+        checked = checked.replace(budget_bytes=budget)
     return CheckpointCompiler(checked, model=model, plan_source=source, progress=progress)
 
 

@@ -575,6 +575,29 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     )
 
 
+def applied_plan(plan: "str | os.PathLike[str] | ModelPlan",
+                 budget_bytes: int | None) -> tuple[Callable[[int, "JointProblem"], solvers.Plan], int | None]:
+    """A plan file (or :class:`ModelPlan`) to apply instead of solving: its ``plan_source`` and the
+    budget it runs under (the one given, else the file's).
+
+    Raises:
+        CorruptPlanError: the file is unusable.
+        PlanMismatchError: the plan predicts a peak over the budget given with it.
+    """
+    model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
+    if budget_bytes is not None and model_plan.predicted_peak_bytes > budget_bytes:
+        # A plan does not adapt to a budget: it would silently break the promise.
+        raise PlanMismatchError(
+            f"the plan predicts a peak of {solvers.format_bytes(model_plan.predicted_peak_bytes)} "
+            f"({model_plan.predicted_peak_bytes} bytes), over the budget given with it, "
+            f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes). Plan again for this budget, or "
+            "apply the plan without a budget."
+        )
+    # An explicit budget is also checked against each graph as applied (the
+    # peak is simulated again on the captured graph).
+    return plan_source_for(model_plan, budget_bytes), model_plan.budget_bytes if budget_bytes is None else budget_bytes
+
+
 def plan_source_for(
     model_plan: ModelPlan, budget_bytes: int | None = None
 ) -> Callable[[int, "JointProblem"], solvers.Plan]:
