@@ -52,10 +52,13 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from solvers.errors import CkptcError
+from ckptc.errors import DistributedPlanMismatchError, WrapOrderError
 
 if TYPE_CHECKING:
     from ckptc.compiler import GraphRecord
+
+__all__ = ["DistributedPlanMismatchError", "WrapOrderError", "RankContext", "rank_context", "plan_digest",
+           "check_wrap_order", "check_call_order", "check_backend_context", "local_tensor", "local_nbytes"]
 
 log = logging.getLogger("ckptc.distributed")
 
@@ -63,14 +66,6 @@ SUPPORTED_FORMS = (
     "DDP(ckptc.optimize(model, budget_bytes=B)), or FSDP2 with fully_shard(block) for every block, then "
     "fully_shard(model), then ckptc.optimize(model, budget_bytes=B) (or torch.compile(model, backend='ckptc'))"
 )
-
-
-class WrapOrderError(CkptcError, TypeError):
-    """ckptc and a data-parallel wrapper were combined in an order ckptc does not support."""
-
-
-class DistributedPlanMismatchError(CkptcError):
-    """Ranks planned different checkpointing for the same step (their plans' digests differ)."""
 
 
 @dataclass(frozen=True)
