@@ -207,7 +207,7 @@ class StepRuntime:
             last = max(r.index for r in short)
             if attempt == 0:
                 need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget for r in short)
-                tighter = {j: budget - need for j in range(last)}
+                tighter = {j: max(0, budget - need) for j in range(last)}
             else:  # keep as little as possible before the last graph that did not fit
                 tighter = {j: 0 for j in range(last)}
             shape.graph_budgets = {j: min(b, shape.graph_budgets.get(j, b)) for j, b in tighter.items()}
