@@ -30,7 +30,7 @@ import logging
 import sys
 import warnings
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Iterator
 
 import torch
@@ -207,7 +207,12 @@ class StepRuntime:
             last = max(r.index for r in short)
             if attempt == 0:
                 need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget for r in short)
-                tighter = {j: max(0, budget - need) for j in range(last)}
+                # Each earlier graph lowers its own peak (keeping less) by its share of `need`; a graph
+                # run for several layers (blocks compiled once) keeps its bytes once per run.
+                runs = Counter(r.index for r in ran if r.index < last)
+                peaks = {r.index: r.result.peak_bytes for r in ran}
+                tighter = {j: max(0, min(budget, peaks.get(j, budget)) - -(-need // runs.get(j, 1)))
+                           for j in range(last)}
             else:  # keep as little as possible before the last graph that did not fit
                 tighter = {j: 0 for j in range(last)}
             shape.graph_budgets = {j: min(b, shape.graph_budgets.get(j, b)) for j, b in tighter.items()}
