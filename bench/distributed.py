@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5])
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.5, 0.75, 0.9])
     parser.add_argument("--warmup", type=int, default=6, help="steps before measuring (ckptc's closed loop)")
     parser.add_argument("--quick", action="store_true", help="one budget between per-block and no checkpointing")
     parser.add_argument("-o", "--output", type=Path, default=RESULTS / "distributed.md")
