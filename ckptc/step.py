@@ -211,8 +211,8 @@ class StepRuntime:
                 # run for several layers (blocks compiled once) keeps its bytes once per run.
                 runs = Counter(r.index for r in ran if r.index < last)
                 peaks = {r.index: r.result.peak_bytes for r in ran}
-                tighter = {j: max(0, min(budget, peaks.get(j, budget)) - -(-need // runs.get(j, 1)))
-                           for j in range(last)}
+                shares = {j: -(-need // runs.get(j, 1)) for j in range(last)}  # ceil(need / runs)
+                tighter = {j: max(0, min(budget, peaks.get(j, budget)) - shares[j]) for j in range(last)}
             else:  # keep as little as possible before the last graph that did not fit
                 tighter = {j: 0 for j in range(last)}
             shape.graph_budgets = {j: min(b, shape.graph_budgets.get(j, b)) for j, b in tighter.items()}
