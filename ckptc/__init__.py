@@ -14,7 +14,15 @@ import logging
 
 from ckptc.api import OptimizedModule, capture, optimize, plan
 from ckptc.backend import backend
-from ckptc.errors import BudgetExceededError, CkptcError, CorruptPlanError, PlanMismatchError, UntraceableModelError
+from ckptc.errors import (
+    BudgetExceededError,
+    CkptcError,
+    CorruptPlanError,
+    DistributedPlanMismatchError,
+    PlanMismatchError,
+    UntraceableModelError,
+    WrapOrderError,
+)
 from ckptc.options import CheckpointOptions
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, load_plan
@@ -39,4 +47,6 @@ __all__ = [
     "PlanMismatchError",
     "UntraceableModelError",
     "InfeasibleBudgetError",
+    "WrapOrderError",
+    "DistributedPlanMismatchError",
 ]

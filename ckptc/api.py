@@ -17,6 +17,7 @@ import torch
 
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
+from ckptc.distributed import check_call_order, check_wrap_order
 from ckptc.options import CheckpointOptions
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, _parameter_sizes
@@ -109,6 +110,7 @@ class OptimizedModule(torch.nn.Module):
             p.requires_grad for p in model.parameters()
         ):
             return model(*args, **kwargs)
+        check_call_order(self)
         return self._ckptc_runtime.call(args, kwargs)
 
     def __repr__(self) -> str:
@@ -179,7 +181,7 @@ def optimize(
         >>> fast = ckptc.optimize(model, budget_gb=40)      # doctest: +SKIP
         >>> loss = fast(input_ids, labels=labels).loss; loss.backward()
     """
-    _check_trainable(model)
+    _check_model(model)
     compiler_ = backend(
         budget_gb,
         budget_bytes=budget_bytes,
@@ -199,11 +201,12 @@ def optimize(
     return OptimizedModule(model, compiler_, verify=verify, max_plans=max_plans)
 
 
-def _check_trainable(model: Any) -> None:
+def _check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, OptimizedModule):
         raise TypeError("this module is already optimized; pass its original_module instead")
+    check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"{type(model).__name__} has no trainable parameters (none requires grad); "
@@ -241,7 +244,7 @@ def capture(
     checked = CheckpointOptions.from_user(
         {k: v for k, v in options.items() if k not in ("verify", "max_plans", "progress")}
     )
-    _check_trainable(model)
+    _check_model(model)
     # Captured keeping everything; CapturedStep.plan decides for each budget afterwards.
     compiler = CheckpointCompiler(checked.replace(strategy="none"), model=model)
     optimized = OptimizedModule(model, compiler, verify=False)

@@ -29,6 +29,7 @@ import torch.fx as fx
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
+from ckptc.distributed import check_backend_context, local_nbytes
 from ckptc.meter import resident_bytes
 from ckptc.options import CheckpointOptions
 from ckptc.planner import GraphRecord, PlanSource, decide
@@ -144,6 +145,8 @@ class CheckpointCompiler:
 
     # -- torch.compile backend entry point ---------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if not self.track_steps:
+            check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
             outside, input_ids = self._bytes_outside_graph(example_inputs)
             return self.partition(joint, outside=outside, input_ids=input_ids, **kw)
@@ -195,7 +198,7 @@ class CheckpointCompiler:
         in_graph = resident_bytes(*[t for t in graph_tensors if id(t) in state_ids])
         seen = set(graph_ids).union(*(r.input_ids for r in self.active))
         later_grads = sum(
-            p.numel() * p.element_size() for i, p in params.items() if p.requires_grad and i not in seen
+            local_nbytes(p) for i, p in params.items() if p.requires_grad and i not in seen
         )
         return max(0, state - in_graph) + later_grads, graph_ids
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -249,12 +250,14 @@ def tighter_graph_budgets(ran: Sequence[GraphRecord], budget_bytes: int, attempt
     if floor > budget_bytes or attempt >= MAX_STEP_RETRIES or last == 0:
         raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
     if attempt == 0:
-        # Earlier graphs' peaks lowered by what the later graph lacks: a graph's kept bytes
-        # are part of its own peak, so a lower peak makes it keep less (the budget alone
-        # would not bind a graph whose peak is already well below it).
         need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget_bytes for r in short)
+        # Each earlier graph lowers its own peak (keeping less) by its share of `need` (the budget
+        # alone would not bind a graph whose peak is well below it); a graph run for several
+        # layers (blocks compiled once) keeps its bytes once per run.
+        runs = Counter(r.index for r in ran if r.index < last)
         peaks = {r.index: r.result.peak_bytes for r in ran}
-        tighter = {j: max(0, budget_for_planning_floor(peaks.get(j, budget_bytes)) - need) for j in range(last)}
+        shares = {j: -(-need // runs.get(j, 1)) for j in range(last)}  # ceil(need / runs)
+        tighter = {j: max(0, min(budget_bytes, peaks.get(j, budget_bytes)) - shares[j]) for j in range(last)}
     else:  # keep as little as possible before the last graph that did not fit
         tighter = {j: 0 for j in range(last)}
     return {j: min(b, current.get(j, b)) for j, b in tighter.items()}

@@ -37,6 +37,7 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
+from ckptc import distributed
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, UntraceableModelError
 from ckptc.meter import StepMeter, resident_bytes
@@ -96,6 +97,8 @@ class StepRuntime:
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
         self._warned: set[str] = set()
+        self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
+        self._ranks_known = False
 
     # -- public ----------------------------------------------------------------
     @property
@@ -115,6 +118,8 @@ class StepRuntime:
         if self._step_open and self._outputs and all(ref() is None for ref in self._outputs):
             self._end_step(measured=False)  # the last step's results died without a backward
         opened = not self._step_open
+        if not self._ranks_known:
+            self.ranks, self._ranks_known = distributed.rank_context(self.model), True
         if opened:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
@@ -251,7 +256,8 @@ class StepRuntime:
     def _compile(self, shape: ShapePlan) -> None:
         """Give ``shape`` a fresh compiler and ``torch.compile`` of the model (plans on its next call)."""
         compiler = self.template.spawn(
-            extra_baseline_bytes=shape.correction_bytes, hold_outputs=shape.hold_outputs,
+            extra_baseline_bytes=shape.correction_bytes + (self.ranks.baseline_bytes if self.ranks else 0),
+            hold_outputs=shape.hold_outputs,
             graph_budgets=shape.graph_budgets, defer_infeasible=self.template.budget_bytes is not None,
         )
         compiler.active = self.active
@@ -283,7 +289,7 @@ class StepRuntime:
                 # (README, "What the budget counts"); measure a step that starts there.
                 log.info("step starts with gradients present (accumulation): not measured")
                 return
-            baseline = resident_bytes(self.model, args, kwargs)
+            baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
             self._meter = StepMeter(_device_of(self.model), baseline).start()
 
     def _abort_step(self) -> None:
@@ -329,6 +335,17 @@ class StepRuntime:
         measurement = meter.stop() if meter is not None else None
         if not measured or self._step_compiled:
             measurement = None
+        if self.ranks is not None and measured and (self._step_compiled or measurement is not None):
+            # Steps that plan or are measured: every rank checks that all ran the same plans and
+            # decides from the largest peak of any rank (steady-state steps add no collective).
+            try:
+                agreed = self.ranks.agree(self.active, None if measurement is None else measurement.peak_bytes)
+            except distributed.DistributedPlanMismatchError as error:
+                log.error("%s", error)
+                self._pending = error
+                return
+            if measurement is not None and agreed is not None:
+                measurement = dataclasses.replace(measurement, peak_bytes=agreed)
         for shape in self._step_plans:
             mine = {id(r) for r in shape.compiler.records}
             shape.last_records = [r for r in self.active if id(r) in mine]
