@@ -31,7 +31,7 @@ __all__ = [
     "is_primal",
     "BackendCompilerFailed",
     "DynamoError",
-    "compile_limits",
+    "compile_config",
     "outside_fake_mode",
     "is_op_overload",
     "op_name",
@@ -245,14 +245,26 @@ from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402
 from torch._dynamo.exc import TorchDynamoException as DynamoError  # noqa: E402
 
 
-def compile_limits():
-    """Raise Dynamo's recompile limits while ckptc-compiled code runs.
+def compile_config():
+    """Dynamo's configuration while ckptc-compiled code runs (and is captured).
 
-    Every ``optimize`` call compiles the model's code again with its own
-    backend; past Dynamo's default limit of 8 it would silently fall back to
-    eager execution, which would also silently drop the plan.
+    * Recompile limits raised: every ``optimize`` call compiles the model's
+      code again with its own backend; past Dynamo's default limit of 8 it
+      would silently fall back to eager execution, dropping the plan.
+    * ``allow_rnn``: ``nn.LSTM``/``GRU``/``RNN`` are traced (unrolled) instead
+      of skipped; :mod:`ckptc.coverage` refuses the cases the trace gets wrong.
+    * ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops``:
+      ``.item()``, ``nonzero`` and boolean indexing (MoE routing) stay in the
+      graph instead of breaking it; their unbacked sizes are priced at their
+      upper bound (:func:`concrete_upper_bound`).
     """
-    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
+    return torch._dynamo.config.patch(
+        recompile_limit=256,
+        accumulated_recompile_limit=4096,
+        allow_rnn=True,
+        capture_scalar_outputs=True,
+        capture_dynamic_output_shape_ops=True,
+    )
 
 
 def outside_fake_mode():

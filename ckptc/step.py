@@ -37,6 +37,7 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
+from ckptc import coverage
 from ckptc.compiler import CheckpointCompiler, GraphRecord, budget_for_planning_floor
 from ckptc.errors import BudgetExceededError, UntraceableModelError
 from ckptc.meter import StepMeter, resident_bytes
@@ -122,6 +123,7 @@ class StepRuntime:
         signature = _signature(args, kwargs)
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
+        coverage.refuse_before_capture(self.model)
         shape = self._plan_for(key)
         if opened:
             self._begin_step(args, kwargs, shape)
@@ -143,6 +145,7 @@ class StepRuntime:
                 raise BudgetExceededError(
                     shape.measured_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
                 ) from error
+            coverage.refuse_uncaptured(self.model, self.active[before:])
             if len(self.active) == before:
                 raise UntraceableModelError(
                     f"ckptc could not run the training step of {type(self.model).__name__} under a plan: "
@@ -213,7 +216,7 @@ class StepRuntime:
         raise AssertionError("unreachable")
 
     def _run_once(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
-        with internals.compile_limits():
+        with internals.compile_config():
             try:
                 return shape.compiled(*args, **kwargs)
             except internals.BackendCompilerFailed as error:
