@@ -43,6 +43,10 @@ __all__ = [
     "storage_key",
     "profiler_events",
     "workaround_decompositions",
+    "upper_bound",
+    "binds_unbacked_symbols",
+    "graph_break_reasons",
+    "observe_ops",
 ]
 
 
@@ -113,6 +117,68 @@ def profiler_events(prof: Any) -> Iterable[Any]:
     ``device_type()``; allocator events are named ``"[memory]"``.
     """
     return prof.profiler.kineto_results.events()
+
+
+def upper_bound(value: Any) -> int | None:
+    """The largest value an int-like can take: itself if concrete, else the top of its symbolic range.
+
+    Sizes in a captured graph are symbolic when they depend on data (the
+    number of tokens routed to an expert, from ``nonzero``: "unbacked", ranging
+    up to the input's size) or on an input dimension marked dynamic (ranging
+    up to the ``max`` it was marked with).  ``None`` when the range has no
+    finite top.  Never adds a guard.
+    """
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        node = value.node
+        constant = node.maybe_as_int() if isinstance(value, torch.SymInt) else None
+        if constant is not None:
+            return constant
+        top = node.shape_env.bound_sympy(node.expr).upper
+        if not top.is_finite:
+            return None
+        return int(top) if isinstance(value, torch.SymInt) else int(float(top)) + 1
+    try:
+        return int(value)  # sympy numbers, numpy integers
+    except TypeError:
+        return None
+
+
+def binds_unbacked_symbols(node: fx.Node) -> bool:
+    """True if ``node`` creates a data-dependent size or scalar (``nonzero``, ``item``, boolean indexing)."""
+    return bool(node.meta.get("unbacked_bindings"))
+
+
+def graph_break_reasons() -> dict[str, int]:
+    """How often Dynamo broke a graph (or skipped a frame) for each reason, since the process began.
+
+    Reasons are Dynamo's messages (``"Dynamic shape operator\\n Explanation: ..."``);
+    diff two snapshots to get the breaks of one capture.
+    """
+    from torch._dynamo.utils import counters
+
+    reasons: dict[str, int] = {}
+    for kind in ("graph_break", "unimplemented"):
+        for reason, count in counters[kind].items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    return reasons
+
+
+def observe_ops(callback: Callable[[Any, tuple, dict, Any], None]) -> Any:
+    """A context manager calling ``callback(op, args, kwargs, out)`` after every aten op run inside it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            callback(func, args, kwargs, out)
+            return out
+
+    return _Observer()
 
 
 def workaround_decompositions() -> dict[Any, Callable]:

@@ -19,12 +19,17 @@ Two concerns, one home:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+import solvers
+from ckptc import _torch_internals as internals
+from ckptc.costs import op_flops
 from ckptc.errors import UntraceableModelError
+from solvers.errors import human_bytes
 
 if TYPE_CHECKING:
     from ckptc.compiler import GraphRecord
@@ -93,3 +98,168 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord]) -> Non
                 + " Padded (not packed) inputs are captured."
             )
 
+
+
+# -- the coverage report ------------------------------------------------------
+@dataclasses.dataclass
+class EagerForward:
+    """The model's forward run once eagerly on a call that plans: the reference the graphs are compared to.
+
+    Attributes:
+        flops: FLOPs of every aten op of the forward (priced like the graphs' nodes).
+        saved_bytes: activations eager autograd saves for backward (distinct
+            storages, parameters and inputs excluded).
+        breaks: Dynamo's reasons for the graph breaks of the capture that
+            followed, most frequent first (set by :meth:`capture_ended`).
+    """
+
+    flops: int
+    saved_bytes: int
+    breaks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    _breaks_before: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def measure(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "EagerForward":
+        """Run ``model(*args, **kwargs)`` once, keeping nothing for backward.
+
+        Saved tensors are counted and dropped (a pack hook), so the run needs
+        no more memory than inference.  The caller restores the buffers and the
+        random state the forward changed.
+        """
+        state = {internals.storage_key(t) for t in _tensors_of(model, args, kwargs)}
+        seen: set[Any] = set()
+        totals = {"flops": 0, "saved": 0}
+
+        def count(op: Any, op_args: tuple, op_kwargs: dict, out: Any) -> None:
+            totals["flops"] += op_flops(op, op_args, op_kwargs, out)
+
+        def pack(tensor: torch.Tensor) -> None:
+            key = internals.storage_key(tensor)
+            if key not in state and key not in seen:
+                seen.add(key)
+                totals["saved"] += tensor.untyped_storage().nbytes()
+
+        def unpack(_: None) -> torch.Tensor:
+            raise RuntimeError("ckptc's coverage measurement keeps nothing for backward")
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+                internals.observe_ops(count):
+            model(*args, **kwargs)
+        return cls(totals["flops"], totals["saved"], _breaks_before=internals.graph_break_reasons())
+
+    def capture_ended(self) -> None:
+        """Record the graph breaks Dynamo reported since :meth:`measure`."""
+        after = internals.graph_break_reasons()
+        merged: dict[str, int] = {}
+        for reason, count in after.items():
+            new = count - self._breaks_before.get(reason, 0)
+            if new > 0:
+                short = _short_reason(reason)
+                merged[short] = merged.get(short, 0) + new
+        self.breaks = sorted(merged.items(), key=lambda t: -t[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCoverage:
+    """One captured graph's share of the step.
+
+    Attributes:
+        index: the graph's position in the step.
+        forward_flops: its forward FLOPs (data-dependent sizes at their upper bound).
+        saved_bytes: what it keeps for backward when nothing is recomputed.
+        flops_share / memory_share: those as fractions of the eager forward's
+            FLOPs and saved activations.
+        data_dependent: it has sizes that depend on data (``nonzero``, MoE
+            routing), priced at their upper bound: its shares then overstate
+            what one step runs (they can exceed 1).
+    """
+
+    index: int
+    forward_flops: int
+    saved_bytes: int
+    flops_share: float
+    memory_share: float
+    data_dependent: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """How much of the training step ckptc's graphs cover, and why the step is split.
+
+    What runs outside every graph (eager code between graph breaks, frames
+    Dynamo skipped) is neither counted nor checkpointed; the run-time check
+    (``verify=True``) then corrects the plan by what it measures.
+
+    Attributes:
+        graphs: per graph, its share of the eager forward's FLOPs and activations.
+        eager_flops / eager_saved_bytes: the whole forward, run eagerly.
+        breaks: Dynamo's reasons for splitting the step, with their counts.
+    """
+
+    graphs: list[GraphCoverage]
+    eager_flops: int
+    eager_saved_bytes: int
+    breaks: list[tuple[str, int]]
+
+    @property
+    def flops_share(self) -> float:
+        """Fraction of the forward's FLOPs inside graphs (at most 1; sizes at their bounds can overshoot)."""
+        return min(1.0, sum(g.flops_share for g in self.graphs))
+
+    @property
+    def memory_share(self) -> float:
+        """Fraction of the forward's activations saved inside graphs (at most 1)."""
+        return min(1.0, sum(g.memory_share for g in self.graphs))
+
+    @classmethod
+    def of(cls, eager: EagerForward, records: Iterable[GraphRecord]) -> "Coverage":
+        from ckptc.policies import STRATEGIES  # policies imports the solvers; keep this module light
+
+        graphs = []
+        for r in records:
+            problem = r.problem
+            flops = sum(r.joint_problem.node_cost(n).flops for n in r.joint_problem.graph_nodes(problem.forward_nodes))
+            saved = solvers.simulate(problem, STRATEGIES["none"](r.joint_problem)).kept_bytes
+            graphs.append(GraphCoverage(
+                index=r.index, forward_flops=flops, saved_bytes=saved,
+                flops_share=flops / eager.flops if eager.flops else 1.0,
+                memory_share=saved / eager.saved_bytes if eager.saved_bytes else 1.0,
+                data_dependent=any(internals.binds_unbacked_symbols(n) for n in r.joint_problem.nodes.values()),
+            ))
+        return cls(graphs, eager.flops, eager.saved_bytes, list(eager.breaks))
+
+    def summary(self) -> str:
+        """One line: graphs, shares, the most frequent break reason."""
+        text = (f"{len(self.graphs)} graph(s) cover {100 * self.flops_share:.0f}% of forward FLOPs and "
+                f"{100 * self.memory_share:.0f}% of activations")
+        if self.breaks:
+            text += f"; {sum(n for _, n in self.breaks)} break(s), most often: {self.breaks[0][0]}"
+        return text
+
+    def __str__(self) -> str:
+        lines = [f"coverage: {self.summary()}"]
+        for g in self.graphs:
+            lines.append(f"  graph {g.index}: {100 * g.flops_share:5.1f}% of forward FLOPs, "
+                         f"{100 * g.memory_share:5.1f}% of activations ({human_bytes(g.saved_bytes)})"
+                         + (", data-dependent sizes at their upper bound" if g.data_dependent else ""))
+        outside = max(0.0, 1.0 - self.flops_share)
+        if outside:
+            lines.append(f"  outside graphs (eager, unplanned): {100 * outside:.1f}% of forward FLOPs")
+        for reason, count in self.breaks:
+            lines.append(f"  break x{count}: {reason}")
+        return "\n".join(lines)
+
+
+def _short_reason(reason: str) -> str:
+    """Dynamo's break message in one line: its title and its explanation."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    title = lines[0] if lines else reason
+    explanation = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
+                        if line.startswith("Explanation:")), "")
+    text = f"{title}: {explanation}" if explanation else title
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _tensors_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    inputs = [t for t in internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return [*model.parameters(), *model.buffers(), *inputs]

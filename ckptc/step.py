@@ -64,6 +64,7 @@ class ShapePlan:
     measured_peak_bytes: int | None = None
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     graph_budgets: dict[int, int] = dataclasses.field(default_factory=dict)
+    eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
 
 
 class StepRuntime:
@@ -186,11 +187,16 @@ class StepRuntime:
         """
         before = len(self.active)
         saved = ForwardState(self.model) if not shape.compiler.records else None
+        if saved is not None and shape.eager is None:  # the reference of the coverage report
+            shape.eager = coverage.EagerForward.measure(self.model, args, kwargs)
+            saved.restore()
         for attempt in range(MAX_STEP_RETRIES + 1):
             output = self._run_once(shape, args, kwargs)
             ran = self.active[before:]
             short = [r for r in ran if r.infeasible]
             if not short:
+                if saved is not None and shape.eager is not None:
+                    shape.eager.capture_ended()
                 return output
             del output
             del self.active[before:]
