@@ -47,6 +47,8 @@ __all__ = [
     "binds_unbacked_symbols",
     "graph_break_reasons",
     "observe_ops",
+    "mark_dynamic",
+    "is_dynamic_shape_conflict",
 ]
 
 
@@ -179,6 +181,28 @@ def observe_ops(callback: Callable[[Any, tuple, dict, Any], None]) -> Any:
             return out
 
     return _Observer()
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> None:
+    """Let ``tensor``'s dimension ``dim`` take any size in ``[low, high]`` without capturing again.
+
+    Sizes in the captured graph that depend on it become symbolic, ranging
+    over ``[low, high]`` (see :func:`upper_bound`).  If the model's code
+    needs the exact size (a branch on it), capture fails with an error
+    :func:`is_dynamic_shape_conflict` recognises.
+    """
+    torch._dynamo.mark_dynamic(tensor, dim, min=low, max=high)
+
+
+def is_dynamic_shape_conflict(error: BaseException) -> bool:
+    """True if ``error`` says a dimension marked dynamic had to be specialized by the model's code."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    while error is not None:
+        if isinstance(error, ConstraintViolationError) or "Constraints violated" in str(error):
+            return True
+        error = getattr(error, "inner_exception", None) or error.__cause__  # type: ignore[assignment]
+    return False
 
 
 def workaround_decompositions() -> dict[Any, Callable]:

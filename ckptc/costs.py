@@ -331,7 +331,8 @@ def _measure_runtimes(joint: fx.GraphModule, repeats: int) -> None:
 def _materialize(v: Any) -> Any:
     """A real tensor laid out like a fake one (same strides: kernels copy
     non-contiguous inputs, and that copy is scratch memory too): random floats,
-    zeros for integers (safe indices), ones for booleans."""
+    zeros for integers (safe indices), ones for booleans; symbolic sizes at
+    their upper bound."""
     if isinstance(v, torch.Tensor):
         shape = _priced_shape(v.shape)
         try:
@@ -341,6 +342,9 @@ def _materialize(v: Any) -> Any:
         if v.dtype.is_floating_point or v.dtype.is_complex:
             return real.normal_()
         return real.fill_(1 if v.dtype == torch.bool else 0)
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        # A real op given a symbolic size would pin it to one value (the graph would lose its range).
+        return priced_size(v, "a size argument")
     return v
 
 

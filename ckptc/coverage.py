@@ -101,6 +101,7 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord]) -> Non
 
 
 # -- the coverage report ------------------------------------------------------
+PARTIAL_COVERAGE_WARNING = 0.95  # warn when graphs cover less of the forward's FLOPs than this
 @dataclasses.dataclass
 class EagerForward:
     """The model's forward run once eagerly on a call that plans: the reference the graphs are compared to.
@@ -147,8 +148,17 @@ class EagerForward:
             model(*args, **kwargs)
         return cls(totals["flops"], totals["saved"], _breaks_before=internals.graph_break_reasons())
 
-    def capture_ended(self) -> None:
-        """Record the graph breaks Dynamo reported since :meth:`measure`."""
+    def capture_ended(self, model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
+        """Record the graph breaks Dynamo reported since :meth:`measure`; warn if the graphs
+        that ran leave part of the forward to eager code (unplanned, only the run-time check sees it)."""
+        self._record_breaks()
+        report = Coverage.of(self, ran)
+        if report.breaks and report.flops_share < PARTIAL_COVERAGE_WARNING:
+            log.warning("ckptc: %s's training step is split: %s. Code outside the graphs runs eagerly and "
+                        "unplanned (the measured check corrects the budget for it); removing the break moves "
+                        "it into a plan.", type(model).__name__, report.summary())
+
+    def _record_breaks(self) -> None:
         after = internals.graph_break_reasons()
         merged: dict[str, int] = {}
         for reason, count in after.items():

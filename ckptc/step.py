@@ -40,6 +40,7 @@ from ckptc import _torch_internals as internals
 from ckptc import coverage
 from ckptc.compiler import CheckpointCompiler, GraphRecord, budget_for_planning_floor
 from ckptc.errors import BudgetExceededError, UntraceableModelError
+from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, resident_bytes
 
 log = logging.getLogger("ckptc.step")
@@ -98,6 +99,7 @@ class StepRuntime:
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
         self._warned: set[str] = set()
+        self.lengths = LengthBuckets()
 
     # -- public ----------------------------------------------------------------
     @property
@@ -110,7 +112,15 @@ class StepRuntime:
         return list(self.active)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
-        """One training call of the model under its plan."""
+        """One training call of the model under its plan (its length bucket's, see :mod:`ckptc.lengths`)."""
+        try:
+            return self._call(args, kwargs)
+        except Exception as error:
+            if not self.lengths.fall_back(error):
+                raise
+            return self._call(args, kwargs)  # the same call, planned for its exact sizes
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if self._pending is not None:
             error, self._pending = self._pending, None
             raise error
@@ -121,7 +131,7 @@ class StepRuntime:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
-        signature = _signature(args, kwargs)
+        signature = self.lengths.key(args, kwargs, _signature(args, kwargs))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
         coverage.refuse_before_capture(self.model)
@@ -196,7 +206,7 @@ class StepRuntime:
             short = [r for r in ran if r.infeasible]
             if not short:
                 if saved is not None and shape.eager is not None:
-                    shape.eager.capture_ended()
+                    shape.eager.capture_ended(self.model, ran)
                 return output
             del output
             del self.active[before:]
