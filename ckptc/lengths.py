@@ -53,6 +53,7 @@ class LengthBuckets:
         self.buckets_planned: set[tuple] = set()
         self.refused: set[tuple] = set()
         self.last_bucket: tuple | None = None  # the bucketed key of the latest call, None if exact
+        self.exact: set[tuple] = set()  # signatures planned for their exact sizes
 
     def key(self, args: tuple, kwargs: dict, signature: tuple) -> tuple:
         """The plan key of a call: ``signature`` (one described leaf per entry after the first,
@@ -71,12 +72,13 @@ class LengthBuckets:
         family = self.families.get(family_key)
         if family is None:
             self.families[family_key] = _Family(shapes)
+            self.exact.add(signature)
             return signature
         for i, (old, new) in enumerate(zip(family.shapes, shapes, strict=True)):
             if old is not None and new is not None:
                 family.varying.update((i, d) for d, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
         family.shapes = shapes
-        if not family.varying:
+        if not family.varying or signature in self.exact:  # a size planned exactly keeps its plan
             return signature
         buckets = {(i, d): bucket_of(shapes[i][d]) for i, d in sorted(family.varying)}  # type: ignore[index]
         described = list(signature)
@@ -87,6 +89,7 @@ class LengthBuckets:
             described[i + 1] = (tuple(shape), *entry[1:])
         bucketed = tuple(described)
         if bucketed in self.refused:
+            self.exact.add(signature)
             return signature
         for (i, d), (low, high) in buckets.items():
             if low < high:
