@@ -120,12 +120,14 @@ class EagerForward:
     _breaks_before: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
-    def measure(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "EagerForward":
+    def measure(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "EagerForward | None":
         """Run ``model(*args, **kwargs)`` once, keeping nothing for backward.
 
         Saved tensors are counted and dropped (a pack hook), so the run needs
         no more memory than inference.  The caller restores the buffers and the
-        random state the forward changed.
+        random state the forward changed.  None (no report) if the forward
+        cannot run this way (tensor subclasses, custom autograd that unpacks
+        saved tensors in forward): the report is optional, training is not.
         """
         state = {internals.storage_key(t) for t in _tensors_of(model, args, kwargs)}
         seen: set[Any] = set()
@@ -143,9 +145,14 @@ class EagerForward:
         def unpack(_: None) -> torch.Tensor:
             raise RuntimeError("ckptc's coverage measurement keeps nothing for backward")
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
-                internals.observe_ops(count):
-            model(*args, **kwargs)
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+                    internals.observe_ops(count):
+                model(*args, **kwargs)
+        except Exception:
+            log.info("no coverage report for %s: its forward did not run under ckptc's op counter",
+                     type(model).__name__, exc_info=True)
+            return None
         return cls(totals["flops"], totals["saved"], _breaks_before=internals.graph_break_reasons())
 
     def capture_ended(self, model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
