@@ -14,7 +14,9 @@ Two concerns, one home:
   were in no planned graph (it ran eagerly, unplanned).  Both raise
   :class:`~ckptc.errors.UntraceableModelError` naming the module.
 * **The coverage report** (:class:`Coverage`): per captured graph, its share of
-  the step's FLOPs and memory and the reason for the graph break that ended it.
+  the eager forward's FLOPs and saved activations, and Dynamo's reasons for
+  the step's graph breaks (per step, not per graph: Dynamo counts reasons, it
+  does not say which graph a break ended).
 """
 
 from __future__ import annotations
