@@ -412,7 +412,7 @@ class StepRuntime:
             return
         self._warned.add(key)
         log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)  # past call(), _call()
 
 
 # -- helpers -----------------------------------------------------------------
