@@ -64,3 +64,27 @@ def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eag
     assert len(runtime.plans) == 2  # length 24 exactly, then the bucket [17, 32] once
     assert [r.getMessage() for r in caplog.records if "new length bucket" in r.getMessage()] == [
         "new length bucket: planning once for input 0 dim 1 in [17, 32], input 1 dim 1 in [17, 32]"]
+
+
+def test_a_bucket_that_cannot_be_planned_falls_back_to_exact_lengths() -> None:
+    """Its top over the budget (or the model pinning the size): that bucket's lengths are planned one by one."""
+    import solvers
+    from ckptc.lengths import LengthBuckets
+    from ckptc.step import _signature
+
+    buckets = LengthBuckets()
+
+    def key(length: int) -> tuple:
+        x = torch.zeros(2, length)
+        return buckets.key((x,), {}, _signature((x,), {}))
+
+    assert key(20) == _signature((torch.zeros(2, 20),), {})  # the first length: exact
+    bucketed = key(24)
+    assert bucketed[1][0] == (2, (17, 32))
+    assert key(30) == bucketed  # same bucket, same plan
+    assert not buckets.fall_back(ValueError("not a planning failure"))
+    key(30)
+    assert buckets.fall_back(solvers.InfeasibleBudgetError(100, 200))
+    assert key(30) == _signature((torch.zeros(2, 30),), {})  # exact from now on
+    assert not buckets.fall_back(solvers.InfeasibleBudgetError(100, 200))  # an exact length: the error stands
+    assert key(40)[1][0] == (2, (33, 64))  # other buckets are unaffected
