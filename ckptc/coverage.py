@@ -74,12 +74,14 @@ def refuse_before_capture(model: torch.nn.Module) -> None:
             )
 
 
-def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
+def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager: EagerForward | None = None) -> None:
     """Refuse a training call in which an RNN ran outside every planned graph.
 
     ``ran`` are the graphs the call ran; each records the ids of its inputs
     (parameters included).  An RNN with trainable parameters that no graph
-    took ran eagerly: its activations were not counted.
+    took ran eagerly: its activations were not counted.  ``eager``, the
+    reference forward of the call's plan, tells which RNNs the forward calls
+    at all (an unused one is not refused).
 
     Raises:
         UntraceableModelError: naming the first such module.
@@ -89,6 +91,8 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord]) -> Non
         return
     seen: set[int] = set().union(*(r.input_ids for r in ran))
     for name, rnn in rnns:
+        if eager is not None and name not in eager.recurrent_modules_run:
+            continue
         trainable = [p for p in rnn.parameters() if p.requires_grad]
         if trainable and not any(id(p) in seen for p in trainable):
             raise UntraceableModelError(
@@ -114,10 +118,12 @@ class EagerForward:
             storages, parameters and inputs excluded).
         breaks: Dynamo's reasons for the graph breaks of the capture that
             followed, most frequent first (set by :meth:`capture_ended`).
+        recurrent_modules_run: qualified names of the RNNs the forward called.
     """
 
     flops: int
     saved_bytes: int
+    recurrent_modules_run: frozenset[str] = frozenset()
     breaks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     _breaks_before: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -147,6 +153,9 @@ class EagerForward:
         def unpack(_: None) -> torch.Tensor:
             raise RuntimeError("ckptc's coverage measurement keeps nothing for backward")
 
+        called: set[str] = set()
+        hooks = [rnn.register_forward_pre_hook(lambda *_, name=name: called.add(name))
+                 for name, rnn in recurrent_modules(model)]
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
                     internals.observe_ops(count):
@@ -155,7 +164,11 @@ class EagerForward:
             log.info("no coverage report for %s: its forward did not run under ckptc's op counter",
                      type(model).__name__, exc_info=True)
             return None
-        return cls(totals["flops"], totals["saved"], _breaks_before=internals.graph_break_reasons())
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return cls(totals["flops"], totals["saved"], frozenset(called),
+                   _breaks_before=internals.graph_break_reasons())
 
     def capture_ended(self, model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
         """Record the graph breaks Dynamo reported since :meth:`measure`; warn if the graphs

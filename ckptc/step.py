@@ -156,7 +156,7 @@ class StepRuntime:
                 raise BudgetExceededError(
                     shape.measured_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
                 ) from error
-            coverage.refuse_uncaptured(self.model, self.active[before:])
+            coverage.refuse_uncaptured(self.model, self.active[before:], shape.eager)
             if len(self.active) == before:
                 raise UntraceableModelError(
                     f"ckptc could not run the training step of {type(self.model).__name__} under a plan: "
