@@ -49,6 +49,7 @@ __all__ = [
     "observe_ops",
     "mark_dynamic",
     "is_dynamic_shape_conflict",
+    "graph_break_after",
 ]
 
 
@@ -167,6 +168,26 @@ def graph_break_reasons() -> dict[str, int]:
         for reason, count in counters[kind].items():
             reasons[reason] = reasons.get(reason, 0) + count
     return reasons
+
+
+def graph_break_after(gm: fx.GraphModule) -> str | None:
+    """Why Dynamo ended the graph ``gm`` at a graph break, and where in the model's code; None if it did not.
+
+    Dynamo hands every graph to the backend with the reason it stopped
+    tracing (``compile_subgraph_reason``): the end of the frame, or a break
+    with the user's stack at that point.
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    text = str(reason.reason).strip().splitlines()[0] if str(reason.reason).strip() else "graph break"
+    stack = list(getattr(reason, "user_stack", None) or [])
+    if stack:
+        frame = stack[-1]
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
+        code = (frame.line or "").strip()
+        text += f" (at {where}{': ' + code if code else ''})"
+    return text
 
 
 def observe_ops(callback: Callable[[Any, tuple, dict, Any], None]) -> Any:

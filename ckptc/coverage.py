@@ -204,6 +204,8 @@ class GraphCoverage:
         data_dependent: it has sizes that depend on data (``nonzero``, MoE
             routing), priced at their upper bound: its shares then overstate
             what one step runs (they can exceed 1).
+        break_after: why Dynamo ended this graph at a graph break and where in
+            the model's code (None: the graph ends with its frame).
     """
 
     index: int
@@ -212,6 +214,7 @@ class GraphCoverage:
     flops_share: float
     memory_share: float
     data_dependent: bool = False
+    break_after: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +260,7 @@ class Coverage:
                 flops_share=flops / eager.flops if eager.flops else 1.0,
                 memory_share=saved / eager.saved_bytes if eager.saved_bytes else 1.0,
                 data_dependent=any(internals.binds_unbacked_symbols(n) for n in r.joint_problem.nodes.values()),
+                break_after=r.break_after,
             ))
         return cls(graphs, eager.flops, eager.saved_bytes, list(eager.breaks))
 
@@ -274,6 +278,8 @@ class Coverage:
             lines.append(f"  graph {g.index}: {100 * g.flops_share:5.1f}% of forward FLOPs, "
                          f"{100 * g.memory_share:5.1f}% of activations ({human_bytes(g.saved_bytes)})"
                          + (", data-dependent sizes at their upper bound" if g.data_dependent else ""))
+            if g.break_after:
+                lines.append(f"    ends at a graph break: {g.break_after}")
         outside = max(0.0, 1.0 - self.flops_share)
         if outside:
             lines.append(f"  outside graphs (eager, unplanned): {100 * outside:.1f}% of forward FLOPs")

@@ -62,3 +62,6 @@ def test_coverage_names_the_graph_breaks_and_what_runs_outside_graphs() -> None:
     shares = [g.flops_share for g in coverage.graphs]
     assert all(0 < s < 1 for s in shares) and 0.9 < sum(shares) <= 1.0, shares
     assert "break x1: Data-dependent branching" in str(coverage)
+    where = coverage.graphs[0].break_after
+    assert where is not None and "test_coverage.py" in where and "if h.sum() > 0" in where, where
+    assert coverage.graphs[1].break_after is None
