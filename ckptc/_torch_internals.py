@@ -49,6 +49,7 @@ __all__ = [
     "observe_ops",
     "mark_dynamic",
     "is_dynamic_shape_conflict",
+    "unmark_dynamic",
     "graph_break_after",
 ]
 
@@ -213,6 +214,15 @@ def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> None:
     :func:`is_dynamic_shape_conflict` recognises.
     """
     torch._dynamo.mark_dynamic(tensor, dim, min=low, max=high)
+
+
+def unmark_dynamic(tensor: torch.Tensor) -> None:
+    """Undo :func:`mark_dynamic` on every dimension of ``tensor`` (marks live on the tensor object,
+    so a tensor passed again would keep its dimensions dynamic)."""
+    for attribute in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides",
+                      "_has_dynamo_dim_marking"):
+        if attribute in tensor.__dict__:
+            delattr(tensor, attribute)
 
 
 def is_dynamic_shape_conflict(error: BaseException) -> bool:

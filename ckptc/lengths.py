@@ -63,6 +63,9 @@ class LengthBuckets:
         bucket, so the plan's graphs run for every size in it without capturing again.
         """
         leaves = internals.tree_leaves((args, kwargs))
+        for leaf in leaves:  # marks stay on tensor objects: a tensor passed again starts unmarked
+            if isinstance(leaf, torch.Tensor):
+                internals.unmark_dynamic(leaf)
         shapes = [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         family_key = (len(signature), tuple(
             (entry[1:], len(entry[0])) if isinstance(leaf, torch.Tensor) else entry

@@ -88,3 +88,36 @@ def test_a_bucket_that_cannot_be_planned_falls_back_to_exact_lengths() -> None:
     assert key(30) == _signature((torch.zeros(2, 30),), {})  # exact from now on
     assert not buckets.fall_back(solvers.InfeasibleBudgetError(100, 200))  # an exact length: the error stands
     assert key(40)[1][0] == (2, (33, 64))  # other buckets are unaffected
+
+
+def test_a_model_that_needs_the_exact_length_is_planned_per_length() -> None:
+    """Capture pins a dimension marked dynamic (the code branches on its exact value): ckptc plans that
+    bucket's lengths one by one instead of failing."""
+
+    class PinsTheLength(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.proj(x))
+            if x.shape[1] == 24:
+                h = h * 2
+            return h.square().sum()
+
+    torch.manual_seed(0)
+    model = PinsTheLength()
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_bytes=10**8)
+    for length in (20, 24, 28, 24):
+        x = torch.randn(2, length, 8)
+        for net in (model, reference):
+            for p in net.parameters():
+                p.grad = None
+        loss, ref_loss = fast(x), reference(x)
+        loss.backward()
+        ref_loss.backward()
+        assert torch.allclose(loss, ref_loss)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad)
+    assert fast._ckptc_runtime.lengths.refused  # the bucket (16, 32] fell back to exact lengths
