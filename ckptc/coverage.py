@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -50,6 +51,9 @@ def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.RNNBas
     return [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.RNNBase)]
 
 
+_told_unrolled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
 def _drops_dropout(rnn: torch.nn.RNNBase) -> bool:
     """Whether the captured (unrolled) RNN would differ from eager: dropout between stacked layers."""
     return rnn.training and rnn.dropout > 0 and rnn.num_layers > 1
@@ -72,6 +76,11 @@ def refuse_before_capture(model: torch.nn.Module) -> None:
                 + _WHAT_TO_DO.format(name=name)
                 + f" Or set dropout=0 on '{name}' (captured exactly, unrolled over time steps)."
             )
+        if rnn.training and rnn not in _told_unrolled:
+            _told_unrolled.add(rnn)
+            log.warning("ckptc captures %s '%s' unrolled over its time steps: gradients equal eager, but capture "
+                        "and planning grow with the sequence length and each step runs slower than PyTorch's "
+                        "fused RNN kernel.", type(rnn).__name__, name)
 
 
 def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager: EagerForward | None = None) -> None:
