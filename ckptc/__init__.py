@@ -14,7 +14,15 @@ import logging
 
 from ckptc.api import OptimizedModule, optimize, plan
 from ckptc.backend import backend
-from ckptc.errors import BudgetExceededError, CkptcError, CorruptPlanError, PlanMismatchError, UntraceableModelError
+from ckptc.errors import (
+    BudgetExceededError,
+    CkptcError,
+    CorruptPlanError,
+    DistributedPlanMismatchError,
+    PlanMismatchError,
+    UntraceableModelError,
+    WrapOrderError,
+)
 from ckptc.plans import ModelPlan, load_plan
 from solvers import InfeasibleBudgetError
 
@@ -34,4 +42,6 @@ __all__ = [
     "PlanMismatchError",
     "UntraceableModelError",
     "InfeasibleBudgetError",
+    "WrapOrderError",
+    "DistributedPlanMismatchError",
 ]

@@ -420,3 +420,19 @@ def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None
 def profiler_active() -> bool:
     """Whether a ``torch.profiler`` session is running (one cannot be nested in another)."""
     return bool(torch._C._autograd._profiler_enabled())
+
+
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` module whose forward is running (DDP sets it for Dynamo), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard without dispatching (works inside fake-tensor tracing); other tensors as given."""
+    if not torch.distributed.is_available():
+        return tensor
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

@@ -18,6 +18,7 @@ import torch
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
+from ckptc.distributed import check_call_order, check_wrap_order
 from ckptc.plans import ModelPlan
 from ckptc.step import ForwardState, StepRuntime
 
@@ -109,6 +110,7 @@ class OptimizedModule(torch.nn.Module):
             p.requires_grad for p in model.parameters()
         ):
             return model(*args, **kwargs)
+        check_call_order(self)
         return self._ckptc_runtime.call(args, kwargs)
 
     def __repr__(self) -> str:
@@ -177,6 +179,7 @@ def optimize(
         raise TypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, OptimizedModule):
         raise TypeError("this module is already optimized; pass its original_module instead")
+    check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"{type(model).__name__} has no trainable parameters (none requires grad); "

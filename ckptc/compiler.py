@@ -30,6 +30,7 @@ import torch.fx as fx
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
+from ckptc.distributed import check_backend_context, local_nbytes
 from ckptc.meter import resident_bytes
 from ckptc.policies import STRATEGIES, policies_from_patterns
 from ckptc.problem import JointProblem, joint_to_problem
@@ -222,6 +223,8 @@ class CheckpointCompiler:
 
     # -- torch.compile backend entry point ---------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if not self.track_steps:
+            check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
             outside, input_ids = self._bytes_outside_graph(example_inputs)
             parts = self.partition(joint, outside=outside, input_ids=input_ids, **kw)
@@ -276,7 +279,7 @@ class CheckpointCompiler:
         in_graph = resident_bytes(*[t for t in graph_tensors if id(t) in state_ids])
         seen = set(graph_ids).union(*(r.input_ids for r in self.active))
         later_grads = sum(
-            p.numel() * p.element_size() for i, p in params.items() if p.requires_grad and i not in seen
+            local_nbytes(p) for i, p in params.items() if p.requires_grad and i not in seen
         )
         return max(0, state - in_graph) + later_grads, graph_ids
 

@@ -22,7 +22,8 @@ import torch
 
 from solvers.errors import CkptcError
 
-__all__ = ["CkptcError", "UntraceableModelError", "PlanMismatchError", "CorruptPlanError"]
+__all__ = ["CkptcError", "UntraceableModelError", "PlanMismatchError", "CorruptPlanError", "WrapOrderError",
+           "DistributedPlanMismatchError"]
 
 
 class UntraceableModelError(CkptcError):
@@ -48,6 +49,16 @@ class PlanMismatchError(CkptcError, ValueError):
 class CorruptPlanError(CkptcError, ValueError):
     """A plan file cannot be read: truncated, not JSON, not a ckptc plan, or a
     field with a wrong type or value (the message names the field)."""
+
+
+class WrapOrderError(CkptcError, TypeError):
+    """ckptc and a data-parallel wrapper were combined in an order ckptc does not support
+    (the message names the supported one: ``DDP(ckptc.optimize(model))``, or ``fully_shard``
+    on every block and the root before ``ckptc.optimize``)."""
+
+
+class DistributedPlanMismatchError(CkptcError):
+    """Ranks planned different checkpointing for the same step (their plans' digests differ)."""
 
 
 class BudgetExceededError(CkptcError):

@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 
 from ckptc._torch_internals import profiler_events, storage_key
+from ckptc.distributed import local_tensor
 
 log = logging.getLogger("ckptc.meter")
 
@@ -48,11 +49,12 @@ def resident_bytes(*objects: Any) -> int:
     """Bytes of the distinct storages behind tensors, modules' parameters and buffers.
 
     Tensors sharing a storage (tied weights, views) are counted once; gradients
-    already present on parameters are included.
+    already present on parameters are included; a ``DTensor`` (FSDP2) counts its local shard.
     """
     seen: set[Hashable] = set()
     total = 0
     for tensor in _tensors(objects):
+        tensor = local_tensor(tensor)  # a sharded parameter holds only its shard on this rank
         if tensor.is_meta:
             continue
         ref = storage_key(tensor)

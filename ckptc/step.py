@@ -30,14 +30,14 @@ import logging
 import sys
 import warnings
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Iterator
 
 import torch
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc import coverage
+from ckptc import coverage, distributed
 from ckptc.compiler import CheckpointCompiler, GraphRecord, budget_for_planning_floor
 from ckptc.errors import BudgetExceededError, UntraceableModelError
 from ckptc.lengths import LengthBuckets
@@ -100,6 +100,8 @@ class StepRuntime:
         self._pending: BaseException | None = None
         self._warned: set[str] = set()
         self.lengths = LengthBuckets()
+        self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
+        self._ranks_known = False
 
     # -- public ----------------------------------------------------------------
     @property
@@ -127,6 +129,8 @@ class StepRuntime:
         if self._step_open and self._outputs and all(ref() is None for ref in self._outputs):
             self._end_step(measured=False)  # the last step's results died without a backward
         opened = not self._step_open
+        if not self._ranks_known:
+            self.ranks, self._ranks_known = distributed.rank_context(self.model), True
         if opened:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
@@ -197,7 +201,9 @@ class StepRuntime:
         """
         before = len(self.active)
         saved = ForwardState(self.model) if not shape.compiler.records else None
-        if saved is not None and shape.eager is None:  # the reference of the coverage report
+        # The reference of the coverage report; not under DDP/FSDP2, where an extra eager forward
+        # would run collectives and leave FSDP2 expecting a backward.
+        if saved is not None and shape.eager is None and self.ranks is None:
             shape.eager = coverage.EagerForward.measure(self.model, args, kwargs)
             saved.restore()
         for attempt in range(MAX_STEP_RETRIES + 1):
@@ -221,7 +227,12 @@ class StepRuntime:
             last = max(r.index for r in short)
             if attempt == 0:
                 need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget for r in short)
-                tighter = {j: budget - need for j in range(last)}
+                # Each earlier graph lowers its own peak (keeping less) by its share of `need`; a graph
+                # run for several layers (blocks compiled once) keeps its bytes once per run.
+                runs = Counter(r.index for r in ran if r.index < last)
+                peaks = {r.index: r.result.peak_bytes for r in ran}
+                shares = {j: -(-need // runs.get(j, 1)) for j in range(last)}  # ceil(need / runs)
+                tighter = {j: max(0, min(budget, peaks.get(j, budget)) - shares[j]) for j in range(last)}
             else:  # keep as little as possible before the last graph that did not fit
                 tighter = {j: 0 for j in range(last)}
             shape.graph_budgets = {j: min(b, shape.graph_budgets.get(j, b)) for j, b in tighter.items()}
@@ -274,7 +285,8 @@ class StepRuntime:
     def _compile(self, shape: ShapePlan) -> None:
         """Give ``shape`` a fresh compiler and ``torch.compile`` of the model (plans on its next call)."""
         compiler = self.template.spawn(
-            extra_baseline_bytes=shape.correction_bytes, hold_outputs=shape.hold_outputs,
+            extra_baseline_bytes=shape.correction_bytes + (self.ranks.baseline_bytes if self.ranks else 0),
+            hold_outputs=shape.hold_outputs,
             graph_budgets=shape.graph_budgets, defer_infeasible=self.template.budget_bytes is not None,
         )
         compiler.active = self.active
@@ -306,7 +318,7 @@ class StepRuntime:
                 # (README, "What the budget counts"); measure a step that starts there.
                 log.info("step starts with gradients present (accumulation): not measured")
                 return
-            baseline = resident_bytes(self.model, args, kwargs)
+            baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
             self._meter = StepMeter(_device_of(self.model), baseline).start()
 
     def _abort_step(self) -> None:
@@ -352,6 +364,17 @@ class StepRuntime:
         measurement = meter.stop() if meter is not None else None
         if not measured or self._step_compiled:
             measurement = None
+        if self.ranks is not None and measured and (self._step_compiled or measurement is not None):
+            # Steps that plan or are measured: every rank checks that all ran the same plans and
+            # decides from the largest peak of any rank (steady-state steps add no collective).
+            try:
+                agreed = self.ranks.agree(self.active, None if measurement is None else measurement.peak_bytes)
+            except distributed.DistributedPlanMismatchError as error:
+                log.error("%s", error)
+                self._pending = error
+                return
+            if measurement is not None and agreed is not None:
+                measurement = dataclasses.replace(measurement, peak_bytes=agreed)
         for shape in self._step_plans:
             mine = {id(r) for r in shape.compiler.records}
             shape.last_records = [r for r in self.active if id(r) in mine]
