@@ -31,7 +31,7 @@ __all__ = [
     "is_primal",
     "BackendCompilerFailed",
     "DynamoError",
-    "compile_limits",
+    "compile_config",
     "outside_fake_mode",
     "is_op_overload",
     "op_name",
@@ -43,6 +43,14 @@ __all__ = [
     "storage_key",
     "profiler_events",
     "workaround_decompositions",
+    "upper_bound",
+    "binds_unbacked_symbols",
+    "graph_break_reasons",
+    "observe_ops",
+    "mark_dynamic",
+    "is_dynamic_shape_conflict",
+    "unmark_dynamic",
+    "graph_break_after",
 ]
 
 
@@ -113,6 +121,119 @@ def profiler_events(prof: Any) -> Iterable[Any]:
     ``device_type()``; allocator events are named ``"[memory]"``.
     """
     return prof.profiler.kineto_results.events()
+
+
+def upper_bound(value: Any) -> int | None:
+    """The largest value an int-like can take: itself if concrete, else the top of its symbolic range.
+
+    Sizes in a captured graph are symbolic when they depend on data (the
+    number of tokens routed to an expert, from ``nonzero``: "unbacked", ranging
+    up to the input's size) or on an input dimension marked dynamic (ranging
+    up to the ``max`` it was marked with).  ``None`` when the range has no
+    finite top.  Never adds a guard.
+    """
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        node = value.node
+        constant = node.maybe_as_int() if isinstance(value, torch.SymInt) else None
+        if constant is not None:
+            return constant
+        top = node.shape_env.bound_sympy(node.expr).upper
+        if not top.is_finite:
+            return None
+        return int(top) if isinstance(value, torch.SymInt) else int(float(top)) + 1
+    try:
+        return int(value)  # sympy numbers, numpy integers
+    except TypeError:
+        return None
+
+
+def binds_unbacked_symbols(node: fx.Node) -> bool:
+    """True if ``node`` creates a data-dependent size or scalar (``nonzero``, ``item``, boolean indexing)."""
+    return bool(node.meta.get("unbacked_bindings"))
+
+
+def graph_break_reasons() -> dict[str, int]:
+    """How often Dynamo broke a graph (or skipped a frame) for each reason, since the process began.
+
+    Reasons are Dynamo's messages (``"Dynamic shape operator\\n Explanation: ..."``);
+    diff two snapshots to get the breaks of one capture.
+    """
+    from torch._dynamo.utils import counters
+
+    reasons: dict[str, int] = {}
+    for kind in ("graph_break", "unimplemented"):
+        for reason, count in counters[kind].items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    return reasons
+
+
+def graph_break_after(gm: fx.GraphModule) -> str | None:
+    """Why Dynamo ended the graph ``gm`` at a graph break, and where in the model's code; None if it did not.
+
+    Dynamo hands every graph to the backend with the reason it stopped
+    tracing (``compile_subgraph_reason``): the end of the frame, or a break
+    with the user's stack at that point.
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    text = str(reason.reason).strip().splitlines()[0] if str(reason.reason).strip() else "graph break"
+    stack = list(getattr(reason, "user_stack", None) or [])
+    if stack:
+        frame = stack[-1]
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
+        code = (frame.line or "").strip()
+        text += f" (at {where}{': ' + code if code else ''})"
+    return text
+
+
+def observe_ops(callback: Callable[[Any, tuple, dict, Any], None]) -> Any:
+    """A context manager calling ``callback(op, args, kwargs, out)`` after every aten op run inside it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            callback(func, args, kwargs, out)
+            return out
+
+    return _Observer()
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> None:
+    """Let ``tensor``'s dimension ``dim`` take any size in ``[low, high]`` without capturing again.
+
+    Sizes in the captured graph that depend on it become symbolic, ranging
+    over ``[low, high]`` (see :func:`upper_bound`).  If the model's code
+    needs the exact size (a branch on it), capture fails with an error
+    :func:`is_dynamic_shape_conflict` recognises.
+    """
+    torch._dynamo.mark_dynamic(tensor, dim, min=low, max=high)
+
+
+def unmark_dynamic(tensor: torch.Tensor) -> None:
+    """Undo :func:`mark_dynamic` on every dimension of ``tensor`` (marks live on the tensor object,
+    so a tensor passed again would keep its dimensions dynamic)."""
+    for attribute in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides",
+                      "_has_dynamo_dim_marking"):
+        if attribute in tensor.__dict__:
+            delattr(tensor, attribute)
+
+
+def is_dynamic_shape_conflict(error: BaseException) -> bool:
+    """True if ``error`` says a dimension marked dynamic had to be specialized by the model's code."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    while error is not None:
+        if isinstance(error, ConstraintViolationError) or "Constraints violated" in str(error):
+            return True
+        error = getattr(error, "inner_exception", None) or error.__cause__  # type: ignore[assignment]
+    return False
 
 
 def workaround_decompositions() -> dict[Any, Callable]:
@@ -245,14 +366,26 @@ from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402
 from torch._dynamo.exc import TorchDynamoException as DynamoError  # noqa: E402
 
 
-def compile_limits():
-    """Raise Dynamo's recompile limits while ckptc-compiled code runs.
+def compile_config():
+    """Dynamo's configuration while ckptc-compiled code runs (and is captured).
 
-    Every ``optimize`` call compiles the model's code again with its own
-    backend; past Dynamo's default limit of 8 it would silently fall back to
-    eager execution, which would also silently drop the plan.
+    * Recompile limits raised: every ``optimize`` call compiles the model's
+      code again with its own backend; past Dynamo's default limit of 8 it
+      would silently fall back to eager execution, dropping the plan.
+    * ``allow_rnn``: ``nn.LSTM``/``GRU``/``RNN`` are traced (unrolled) instead
+      of skipped; :mod:`ckptc.coverage` refuses the cases the trace gets wrong.
+    * ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops``:
+      ``.item()``, ``nonzero`` and boolean indexing (MoE routing) stay in the
+      graph instead of breaking it; their unbacked sizes are priced at their
+      upper bound (:func:`concrete_upper_bound`).
     """
-    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
+    return torch._dynamo.config.patch(
+        recompile_limit=256,
+        accumulated_recompile_limit=4096,
+        allow_rnn=True,
+        capture_scalar_outputs=True,
+        capture_dynamic_output_shape_ops=True,
+    )
 
 
 def outside_fake_mode():

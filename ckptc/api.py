@@ -17,6 +17,7 @@ import torch
 
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
+from ckptc.coverage import Coverage
 from ckptc.distributed import check_call_order, check_wrap_order
 from ckptc.options import CheckpointOptions
 from ckptc.planner import CapturedStep
@@ -98,6 +99,8 @@ class OptimizedModule(torch.nn.Module):
         result = ModelPlan.from_records(unique, compiler.options, compiler.model)
         if runtime.last is not None:
             result.measured_peak_bytes = runtime.last.measured_peak_bytes
+            if runtime.last.eager is not None:
+                result.coverage = Coverage.of(runtime.last.eager, unique)
         return result
 
     def train(self, mode: bool = True) -> "OptimizedModule":

@@ -474,6 +474,8 @@ def command_plan(args: argparse.Namespace, out: TextIO) -> int:
         progress.finish()
     model_plan.save(output)
     print(f"{output}: {report.summary_line(model_plan)}", file=out)
+    if model_plan.coverage is not None and model_plan.coverage.breaks:  # the step is split: say where and why
+        print(model_plan.coverage, file=out)
     return EXIT_OK
 
 

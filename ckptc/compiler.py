@@ -149,7 +149,10 @@ class CheckpointCompiler:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
             outside, input_ids = self._bytes_outside_graph(example_inputs)
-            return self.partition(joint, outside=outside, input_ids=input_ids, **kw)
+            parts = self.partition(joint, outside=outside, input_ids=input_ids, **kw)
+            if self._just_planned is not None:
+                self._just_planned.break_after = internals.graph_break_after(gm)
+            return parts
 
         backend = internals.aot_backend(
             fw_compiler=self._compile_forward,

@@ -33,7 +33,9 @@ from ckptc._torch_internals import (
     storage_key,
     tree_leaves,
     tree_map,
+    upper_bound,
 )
+from ckptc.errors import UntraceableModelError
 
 log = logging.getLogger("ckptc.costs")
 
@@ -138,6 +140,32 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
     return costs
 
 
+def priced_size(value: Any, what: str = "a size") -> int:
+    """A size (bytes, elements, FLOPs) as a concrete int, at the top of its range if symbolic.
+
+    Data-dependent sizes (tokens routed to an expert) and dynamic dimensions are
+    priced at the largest value they can take, so a plan that fits at that size
+    fits at every size the graph can run with.
+
+    Raises:
+        UntraceableModelError: the size depends on data without a known upper
+            bound (a size read with ``.item()``), so no price is safe.
+    """
+    top = upper_bound(value)
+    if top is None:
+        raise UntraceableModelError(
+            f"ckptc cannot price {what} of the captured graph: it is {value}, which depends on the data with no "
+            "upper bound known, so no plan could promise to fit the budget.\n"
+            "What to do: bound it where it is computed (torch._check(n <= N) after n = t.item()), or compute it "
+            "outside the model's forward."
+        )
+    return top
+
+
+def _numel(t: torch.Tensor) -> int:
+    return priced_size(t.numel(), "the number of elements of a tensor")
+
+
 def is_random(node: fx.Node) -> bool:
     """True for ops that draw from a random number generator."""
     return is_random_op(node.target)
@@ -163,8 +191,9 @@ def _storage_bytes(
             ref = storage_key(t)
             nbytes = t.untyped_storage().nbytes()
         except (NotImplementedError, RuntimeError):  # e.g. sparse or nested tensors
-            new_bytes += t.numel() * t.element_size()
+            new_bytes += _numel(t) * t.element_size()
             continue
+        nbytes = priced_size(nbytes, f"the bytes of {node.name}")
         owner = storage_owner.get(ref)
         if owner is None:
             if not multi_output:
@@ -221,31 +250,35 @@ def _vals(args: Any) -> Any:
 
 
 def count_flops(node: fx.Node) -> int:
-    """FLOPs of one aten node from its fake-tensor metadata.
+    """FLOPs of one aten node from its fake-tensor metadata (see :func:`op_flops`)."""
+    if not is_op_overload(node.target):
+        return 0
+    return op_flops(node.target, _vals(node.args), _vals(node.kwargs), node.meta.get("val"), node.name)
+
+
+def op_flops(target: Any, args: Any, kwargs: Any, out: Any, name: str = "an op") -> int:
+    """FLOPs of one call of the aten op ``target`` (fake or real tensors).
 
     Matmuls, convolutions and attention use ``torch.utils.flop_counter``'s
     formulas; every other op is priced by the elements it reads and writes, so
     pointwise ops and reductions are cheap but never free.  Views cost 0.
     """
-    target = node.target
-    if not is_op_overload(target):
-        return 0
-    out = node.meta.get("val")
     formula = flop_registry.get(target.overloadpacket)
-    args, kwargs = _vals(node.args), _vals(node.kwargs)
     if formula is not None:
         try:
-            return int(formula(*args, **kwargs, out_val=out))
+            return priced_size(formula(*args, **kwargs, out_val=out), f"the FLOPs of {name}")
+        except UntraceableModelError:
+            raise
         except Exception:  # a formula that does not fit this overload's arguments
             log.debug("flop formula failed for %s", target, exc_info=True)
     if "scaled_dot_product" in op_name(target):
-        return _attention_flops(op_name(target), args)
+        return priced_size(_attention_flops(op_name(target), args), f"the FLOPs of {name}")
     if target.is_view or op_schema_name(target) in ("aten::alias",):
         return 0
     touched = 0
     for t in tree_leaves((args, kwargs, out)):
         if isinstance(t, torch.Tensor):
-            touched += t.numel()
+            touched += _numel(t)
     return touched
 
 
@@ -298,16 +331,26 @@ def _measure_runtimes(joint: fx.GraphModule, repeats: int) -> None:
 def _materialize(v: Any) -> Any:
     """A real tensor laid out like a fake one (same strides: kernels copy
     non-contiguous inputs, and that copy is scratch memory too): random floats,
-    zeros for integers (safe indices), ones for booleans."""
+    zeros for integers (safe indices), ones for booleans; symbolic sizes at
+    their upper bound."""
     if isinstance(v, torch.Tensor):
+        shape = _priced_shape(v.shape)
         try:
-            real = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+            real = torch.empty_strided(shape, _priced_shape(v.stride()), dtype=v.dtype, device=v.device)
         except RuntimeError:  # layouts without strides (sparse, nested)
-            real = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
+            real = torch.empty(shape, dtype=v.dtype, device=v.device)
         if v.dtype.is_floating_point or v.dtype.is_complex:
             return real.normal_()
         return real.fill_(1 if v.dtype == torch.bool else 0)
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        # A real op given a symbolic size would pin it to one value (the graph would lose its range).
+        return priced_size(v, "a size argument")
     return v
+
+
+def _priced_shape(sizes: Iterable[Any]) -> tuple[int, ...]:
+    """Sizes or strides at the top of their ranges (see :func:`priced_size`)."""
+    return tuple(priced_size(s, "a dimension") for s in sizes)
 
 
 def _signature(node: fx.Node) -> tuple:
@@ -315,7 +358,7 @@ def _signature(node: fx.Node) -> tuple:
         if isinstance(v, fx.Node):
             val = v.meta.get("val")
             if isinstance(val, torch.Tensor):
-                return ("T", tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
+                return ("T", _priced_shape(val.shape), _priced_shape(val.stride()), val.dtype, val.device)
             return ("V", repr(val))
         return repr(v)
 

@@ -88,6 +88,7 @@ class GraphRecord:
     floor_kept_bytes: int = 0
     infeasible: bool = False
     earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
+    break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where
 
     @property
     def step_bytes(self) -> int:

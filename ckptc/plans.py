@@ -27,6 +27,7 @@ from ckptc._torch_internals import is_op_overload
 from ckptc.errors import CorruptPlanError, PlanMismatchError
 
 if TYPE_CHECKING:
+    from ckptc.coverage import Coverage
     from ckptc.options import CheckpointOptions
     from ckptc.planner import GraphRecord
     from ckptc.problem import JointProblem
@@ -126,6 +127,8 @@ class ModelPlan:
     gradient_bytes: int | None = None
     # Measured at run time (ckptc.optimize(..., verify=True)); not saved in plan files.
     measured_peak_bytes: int | None = None
+    # What the graphs cover of the step and why it is split (ckptc.coverage); not saved in plan files.
+    coverage: Coverage | None = field(default=None, repr=False, compare=False)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -175,6 +178,7 @@ class ModelPlan:
             + f"recompute={self.recompute_percent:.1f}% of step FLOPs, "
             f"kept={len(self.values('kept'))}, recomputed={len(self.values('recomputed'))}, "
             f"strategy={self.strategy!r}, solver={self.solver!r})"
+            + ("" if self.coverage is None else f"\n{self.coverage}")
         )
 
     # -- construction -----------------------------------------------------
@@ -512,7 +516,8 @@ def target_name(target: Any) -> str:
 
 def _describe(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
-        return (tuple(int(s) for s in val.shape), str(val.dtype).replace("torch.", ""))
+        # A symbolic size (data-dependent, or a dynamic dimension) is named by its expression ("u0").
+        return (tuple(s if isinstance(s, int) else str(s) for s in val.shape), str(val.dtype).replace("torch.", ""))
     if isinstance(val, (tuple, list)):
         return tuple(_describe(v) for v in val)
     return type(val).__name__

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import solvers
 from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
-from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost
+from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size
 
 log = logging.getLogger("ckptc.problem")
 
@@ -251,7 +251,7 @@ def returns_own_loss(forward_results: Iterable[fx.Node]) -> bool:
         if (
             node.op != "placeholder"
             and isinstance(val, torch.Tensor)
-            and val.numel() == 1
+            and _numel(node) == 1
             and val.dtype.is_floating_point
         ):
             return True
@@ -285,7 +285,7 @@ def cost_of(node: fx.Node) -> NodeCost:
 
 def _numel(node: fx.Node) -> int:
     val = node.meta.get("val")
-    return val.numel() if isinstance(val, torch.Tensor) else 0
+    return priced_size(val.numel(), f"the size of {node.name}") if isinstance(val, torch.Tensor) else 0
 
 
 def _readers_of_mutated_inputs(joint: fx.GraphModule, mutated_inputs: frozenset[str]) -> set[str]:

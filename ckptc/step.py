@@ -37,9 +37,10 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc import distributed
+from ckptc import coverage, distributed
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, UntraceableModelError
+from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, resident_bytes
 from ckptc.planner import MAX_STEP_RETRIES, GraphRecord, tighter_graph_budgets
 
@@ -64,6 +65,7 @@ class ShapePlan:
     measured_peak_bytes: int | None = None
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     graph_budgets: dict[int, int] = dataclasses.field(default_factory=dict)
+    eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
 
 
 class StepRuntime:
@@ -97,6 +99,7 @@ class StepRuntime:
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
         self._warned: set[str] = set()
+        self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
 
@@ -111,7 +114,15 @@ class StepRuntime:
         return list(self.active)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
-        """One training call of the model under its plan."""
+        """One training call of the model under its plan (its length bucket's, see :mod:`ckptc.lengths`)."""
+        try:
+            return self._call(args, kwargs)
+        except Exception as error:
+            if not self.lengths.fall_back(error):
+                raise
+            return self._call(args, kwargs)  # the same call, planned for its exact sizes
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if self._pending is not None:
             error, self._pending = self._pending, None
             raise error
@@ -124,9 +135,10 @@ class StepRuntime:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
-        signature = _signature(args, kwargs)
+        signature = self.lengths.key(args, kwargs, _signature(args, kwargs))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
+        coverage.refuse_before_capture(self.model)
         shape = self._plan_for(key)
         if opened:
             self._begin_step(args, kwargs, shape)
@@ -148,6 +160,7 @@ class StepRuntime:
                 raise BudgetExceededError(
                     shape.measured_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
                 ) from error
+            coverage.refuse_uncaptured(self.model, self.active[before:], shape.eager)
             if len(self.active) == before:
                 raise UntraceableModelError(
                     f"ckptc could not run the training step of {type(self.model).__name__} under a plan: "
@@ -188,11 +201,18 @@ class StepRuntime:
         """
         before = len(self.active)
         saved = ForwardState(self.model) if not shape.compiler.records else None
+        # The reference of the coverage report; not under DDP/FSDP2, where an extra eager forward
+        # would run collectives and leave FSDP2 expecting a backward.
+        if saved is not None and shape.eager is None and self.ranks is None:
+            shape.eager = coverage.EagerForward.measure(self.model, args, kwargs)
+            saved.restore()
         for attempt in range(MAX_STEP_RETRIES + 1):
             output = self._run_once(shape, args, kwargs)
             ran = self.active[before:]
             short = [r for r in ran if r.infeasible]
             if not short:
+                if saved is not None and shape.eager is not None:
+                    shape.eager.capture_ended(self.model, ran)
                 return output
             del output
             del self.active[before:]
@@ -213,7 +233,7 @@ class StepRuntime:
         raise AssertionError("unreachable")
 
     def _run_once(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
-        with internals.compile_limits():
+        with internals.compile_config():
             try:
                 return shape.compiled(*args, **kwargs)
             except internals.BackendCompilerFailed as error:
@@ -406,7 +426,7 @@ class StepRuntime:
             return
         self._warned.add(key)
         log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)  # past call(), _call()
 
 
 # -- helpers -----------------------------------------------------------------

@@ -195,6 +195,73 @@ def make_llama(size: str = "tiny", seq_len: int | None = None, batch: int | None
     return ModelCase("llama", model, (input_ids,), {"labels": input_ids.clone()})
 
 
+_MIXTRAL_SIZES = {
+    "tiny": _Size(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, num_local_experts=4,
+                       num_experts_per_tok=2), seq_len=32, batch=2),
+}
+
+
+def make_mixtral(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
+                 *, attn_implementation: str = "eager") -> ModelCase:
+    """Mixtral sparse mixture of experts (``MixtralForCausalLM``): top-2 routing over 4 experts per layer.
+
+    Its MoE block loops over the experts that received tokens (a data-dependent loop), which
+    ``torch.compile`` cannot keep in one graph.
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    spec = _pick_size("mixtral", _MIXTRAL_SIZES, size)
+    seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
+    config = MixtralConfig(**spec.config, use_cache=False, attn_implementation=attn_implementation)
+    with _seeded(seed):
+        model = MixtralForCausalLM(config).train()
+        input_ids = _random_tokens(config.vocab_size, batch, seq_len)
+    return ModelCase("mixtral", model, (input_ids,), {"labels": input_ids.clone()})
+
+
+_OLMOE_SIZES = {
+    "tiny": _Size(dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=128, max_position_embeddings=128, num_experts=4,
+                       num_experts_per_tok=2), seq_len=16, batch=2),
+}
+
+
+def make_olmoe(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
+               *, attn_implementation: str = "eager") -> ModelCase:
+    """OLMoE sparse mixture of experts (``OlmoeForCausalLM``): top-2 of 4 experts, a static loop over experts
+    whose token selection (``torch.where``) has a data-dependent size."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    spec = _pick_size("olmoe", _OLMOE_SIZES, size)
+    seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
+    config = OlmoeConfig(**spec.config, use_cache=False, attn_implementation=attn_implementation)
+    with _seeded(seed):
+        model = OlmoeForCausalLM(config).train()
+        input_ids = _random_tokens(config.vocab_size, batch, seq_len)
+    return ModelCase("olmoe", model, (input_ids,), {"labels": input_ids.clone()})
+
+
+_OPT_SIZES = {
+    "tiny": _Size(dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                       max_position_embeddings=128, word_embed_proj_dim=64), seq_len=32, batch=2),
+}
+
+
+def make_opt(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
+             *, attn_implementation: str = "eager") -> ModelCase:
+    """OPT causal LM (``OPTForCausalLM``): learned positions from the attention mask's cumulative sum, dropout."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    spec = _pick_size("opt", _OPT_SIZES, size)
+    seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
+    config = OPTConfig(**spec.config, use_cache=False, attn_implementation=attn_implementation)
+    with _seeded(seed):
+        model = OPTForCausalLM(config).train()
+        input_ids = _random_tokens(config.vocab_size, batch, seq_len)
+    return ModelCase("opt", model, (input_ids,), {"labels": input_ids.clone()})
+
+
 _BERT_SIZES = {
     "tiny": _Size(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                        vocab_size=256, max_position_embeddings=128), seq_len=32, batch=2),
@@ -538,6 +605,9 @@ def _cross_entropy_to(logits: Tensor, *, labels: Tensor) -> Tensor:
 MODELS: dict[str, ModelFactory] = {
     "gpt2": make_gpt2,
     "llama": make_llama,
+    "mixtral": make_mixtral,
+    "olmoe": make_olmoe,
+    "opt": make_opt,
     "bert": make_bert,
     "mamba": make_mamba,
     "vit": make_vit,
@@ -549,7 +619,8 @@ MODELS: dict[str, ModelFactory] = {
 }
 
 MODEL_SIZES: dict[str, tuple[str, ...]] = {
-    "gpt2": tuple(_GPT2_SIZES), "llama": tuple(_LLAMA_SIZES), "bert": tuple(_BERT_SIZES),
+    "gpt2": tuple(_GPT2_SIZES), "llama": tuple(_LLAMA_SIZES), "mixtral": tuple(_MIXTRAL_SIZES),
+    "olmoe": tuple(_OLMOE_SIZES), "opt": tuple(_OPT_SIZES), "bert": tuple(_BERT_SIZES),
     "mamba": tuple(_MAMBA_SIZES), "vit": tuple(_VIT_SIZES), "enformer": tuple(_ENFORMER_SIZES),
     "hyena": tuple(_HYENA_SIZES), "caduceus": tuple(_CADUCEUS_SIZES), "mlp": tuple(_MLP_SIZES),
     "convnet": tuple(_CONVNET_SIZES),

@@ -1,0 +1,311 @@
+"""What of the model's training step ckptc's graphs cover, and what they cannot.
+
+Two concerns, one home:
+
+* **Refusals.**  Code that Dynamo does not capture runs eagerly between the
+  graphs ckptc plans: its activations are neither counted nor checkpointed,
+  so the budget would silently not hold.  Recurrent modules (``nn.LSTM``,
+  ``nn.GRU``, ``nn.RNN``) are the common case.  ckptc captures them (Dynamo's
+  ``allow_rnn``, enabled around ckptc's compiles, unrolls them into the graph),
+  but that trace drops the dropout between stacked layers, and packed
+  sequences are still skipped.  :func:`refuse_before_capture` refuses a
+  training call whose RNNs would train with wrong gradients;
+  :func:`refuse_uncaptured` refuses a call after which an RNN's parameters
+  were in no planned graph (it ran eagerly, unplanned).  Both raise
+  :class:`~ckptc.errors.UntraceableModelError` naming the module.
+* **The coverage report** (:class:`Coverage`): per captured graph, its share of
+  the eager forward's FLOPs and saved activations, and Dynamo's reasons for
+  the step's graph breaks (per step, not per graph: Dynamo counts reasons, it
+  does not say which graph a break ended).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from ckptc import _torch_internals as internals
+from ckptc.costs import op_flops
+from ckptc.errors import UntraceableModelError
+from solvers.errors import human_bytes
+
+if TYPE_CHECKING:
+    from ckptc.compiler import GraphRecord
+
+log = logging.getLogger("ckptc.coverage")
+
+_WHAT_TO_DO = (
+    "What to do: optimize only the submodules that do not contain '{name}' (each with ckptc.optimize and a "
+    "share of the budget) and run '{name}' as it is, or checkpoint the model yourself with "
+    "torch.utils.checkpoint."
+)
+
+
+def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.RNNBase]]:
+    """Every ``nn.LSTM``/``nn.GRU``/``nn.RNN`` in ``model`` with its qualified name (``encoder.rnn``)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.RNNBase)]
+
+
+_told_unrolled: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _drops_dropout(rnn: torch.nn.RNNBase) -> bool:
+    """Whether the captured (unrolled) RNN would differ from eager: dropout between stacked layers."""
+    return rnn.training and rnn.dropout > 0 and rnn.num_layers > 1
+
+
+def refuse_before_capture(model: torch.nn.Module) -> None:
+    """Refuse a training call of ``model`` whose capture would train differently from eager.
+
+    Raises:
+        UntraceableModelError: an RNN applies dropout between its layers; the
+            captured graph would silently leave it out (gradients differ).
+    """
+    for name, rnn in recurrent_modules(model):
+        if _drops_dropout(rnn):
+            raise UntraceableModelError(
+                f"ckptc cannot train {type(model).__name__} within a budget: its {type(rnn).__name__} "
+                f"'{name}' applies dropout={rnn.dropout} between its {rnn.num_layers} layers, and "
+                "torch.compile's trace of recurrent modules leaves that dropout out (gradients would differ "
+                "from eager PyTorch), while running it eagerly would leave its activations unplanned.\n"
+                + _WHAT_TO_DO.format(name=name)
+                + f" Or set dropout=0 on '{name}' (captured exactly, unrolled over time steps)."
+            )
+        if rnn.training and rnn not in _told_unrolled:
+            _told_unrolled.add(rnn)
+            log.warning("ckptc captures %s '%s' unrolled over its time steps: gradients equal eager, but capture "
+                        "and planning grow with the sequence length and each step runs slower than PyTorch's "
+                        "fused RNN kernel.", type(rnn).__name__, name)
+
+
+def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager: EagerForward | None = None) -> None:
+    """Refuse a training call in which an RNN ran outside every planned graph.
+
+    ``ran`` are the graphs the call ran; each records the ids of its inputs
+    (parameters included).  An RNN with trainable parameters that no graph
+    took ran eagerly: its activations were not counted.  ``eager``, the
+    reference forward of the call's plan, tells which RNNs the forward calls
+    at all (an unused one is not refused).
+
+    Raises:
+        UntraceableModelError: naming the first such module.
+    """
+    rnns = recurrent_modules(model)
+    if not rnns:
+        return
+    seen: set[int] = set().union(*(r.input_ids for r in ran))
+    for name, rnn in rnns:
+        if eager is not None and name not in eager.recurrent_modules_run:
+            continue
+        trainable = [p for p in rnn.parameters() if p.requires_grad]
+        if trainable and not any(id(p) in seen for p in trainable):
+            raise UntraceableModelError(
+                f"ckptc cannot train {type(model).__name__} within a budget: its {type(rnn).__name__} "
+                f"'{name}' ran outside the captured graphs (torch.compile does not capture recurrent "
+                "modules called with packed sequences or in code it skips), so its activations would be "
+                "neither counted nor checkpointed and the budget would not hold.\n"
+                + _WHAT_TO_DO.format(name=name)
+                + " Padded (not packed) inputs are captured."
+            )
+
+
+
+# -- the coverage report ------------------------------------------------------
+PARTIAL_COVERAGE_WARNING = 0.95  # warn when graphs cover less of the forward's FLOPs than this
+@dataclasses.dataclass
+class EagerForward:
+    """The model's forward run once eagerly on a call that plans: the reference the graphs are compared to.
+
+    Attributes:
+        flops: FLOPs of every aten op of the forward (priced like the graphs' nodes).
+        saved_bytes: activations eager autograd saves for backward (distinct
+            storages, parameters and inputs excluded).
+        breaks: Dynamo's reasons for the graph breaks of the capture that
+            followed, most frequent first (set by :meth:`capture_ended`).
+        recurrent_modules_run: qualified names of the RNNs the forward called.
+    """
+
+    flops: int
+    saved_bytes: int
+    recurrent_modules_run: frozenset[str] = frozenset()
+    breaks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    _breaks_before: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def measure(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "EagerForward | None":
+        """Run ``model(*args, **kwargs)`` once, keeping nothing for backward.
+
+        Saved tensors are counted and dropped (a pack hook), so the run needs
+        no more memory than inference.  The caller restores the buffers and the
+        random state the forward changed.  None (no report) if the forward
+        cannot run this way (tensor subclasses, custom autograd that unpacks
+        saved tensors in forward): the report is optional, training is not.
+        """
+        state = {internals.storage_key(t) for t in _tensors_of(model, args, kwargs)}
+        seen: set[Any] = set()
+        totals = {"flops": 0, "saved": 0}
+
+        def count(op: Any, op_args: tuple, op_kwargs: dict, out: Any) -> None:
+            totals["flops"] += op_flops(op, op_args, op_kwargs, out)
+
+        def pack(tensor: torch.Tensor) -> None:
+            key = internals.storage_key(tensor)
+            if key not in state and key not in seen:
+                seen.add(key)
+                totals["saved"] += tensor.untyped_storage().nbytes()
+
+        def unpack(_: None) -> torch.Tensor:
+            raise RuntimeError("ckptc's coverage measurement keeps nothing for backward")
+
+        called: set[str] = set()
+        hooks = [rnn.register_forward_pre_hook(lambda *_, name=name: called.add(name))
+                 for name, rnn in recurrent_modules(model)]
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+                    internals.observe_ops(count):
+                model(*args, **kwargs)
+        except Exception:
+            log.info("no coverage report for %s: its forward did not run under ckptc's op counter",
+                     type(model).__name__, exc_info=True)
+            return None
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return cls(totals["flops"], totals["saved"], frozenset(called),
+                   _breaks_before=internals.graph_break_reasons())
+
+    def capture_ended(self, model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
+        """Record the graph breaks Dynamo reported since :meth:`measure`; warn if the graphs
+        that ran leave part of the forward to eager code (unplanned, only the run-time check sees it)."""
+        self._record_breaks()
+        report = Coverage.of(self, ran)
+        if report.breaks and report.flops_share < PARTIAL_COVERAGE_WARNING:
+            log.warning("ckptc: %s's training step is split: %s. Code outside the graphs runs eagerly and "
+                        "unplanned (the measured check corrects the budget for it); removing the break moves "
+                        "it into a plan.", type(model).__name__, report.summary())
+
+    def _record_breaks(self) -> None:
+        after = internals.graph_break_reasons()
+        merged: dict[str, int] = {}
+        for reason, count in after.items():
+            new = count - self._breaks_before.get(reason, 0)
+            if new > 0:
+                short = _short_reason(reason)
+                merged[short] = merged.get(short, 0) + new
+        self.breaks = sorted(merged.items(), key=lambda t: -t[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCoverage:
+    """One captured graph's share of the step.
+
+    Attributes:
+        index: the graph's position in the step.
+        forward_flops: its forward FLOPs (data-dependent sizes at their upper bound).
+        saved_bytes: what it keeps for backward when nothing is recomputed.
+        flops_share / memory_share: those as fractions of the eager forward's
+            FLOPs and saved activations.
+        data_dependent: it has sizes that depend on data (``nonzero``, MoE
+            routing), priced at their upper bound: its shares then overstate
+            what one step runs (they can exceed 1).
+        break_after: why Dynamo ended this graph at a graph break and where in
+            the model's code (None: the graph ends with its frame).
+    """
+
+    index: int
+    forward_flops: int
+    saved_bytes: int
+    flops_share: float
+    memory_share: float
+    data_dependent: bool = False
+    break_after: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """How much of the training step ckptc's graphs cover, and why the step is split.
+
+    What runs outside every graph (eager code between graph breaks, frames
+    Dynamo skipped) is neither counted nor checkpointed; the run-time check
+    (``verify=True``) then corrects the plan by what it measures.
+
+    Attributes:
+        graphs: per graph, its share of the eager forward's FLOPs and activations.
+        eager_flops / eager_saved_bytes: the whole forward, run eagerly.
+        breaks: Dynamo's reasons for splitting the step, with their counts.
+    """
+
+    graphs: list[GraphCoverage]
+    eager_flops: int
+    eager_saved_bytes: int
+    breaks: list[tuple[str, int]]
+
+    @property
+    def flops_share(self) -> float:
+        """Fraction of the forward's FLOPs inside graphs (at most 1; sizes at their bounds can overshoot)."""
+        return min(1.0, sum(g.flops_share for g in self.graphs))
+
+    @property
+    def memory_share(self) -> float:
+        """Fraction of the forward's activations saved inside graphs (at most 1)."""
+        return min(1.0, sum(g.memory_share for g in self.graphs))
+
+    @classmethod
+    def of(cls, eager: EagerForward, records: Iterable[GraphRecord]) -> "Coverage":
+        from ckptc.planner import unoptimized_result  # the planner imports the solvers; keep this module light
+
+        graphs = []
+        for r in records:
+            problem = r.problem
+            flops = sum(r.joint_problem.node_cost(n).flops for n in r.joint_problem.graph_nodes(problem.forward_nodes))
+            saved = unoptimized_result(r.joint_problem).kept_bytes
+            graphs.append(GraphCoverage(
+                index=r.index, forward_flops=flops, saved_bytes=saved,
+                flops_share=flops / eager.flops if eager.flops else 1.0,
+                memory_share=saved / eager.saved_bytes if eager.saved_bytes else 1.0,
+                data_dependent=any(internals.binds_unbacked_symbols(n) for n in r.joint_problem.nodes.values()),
+                break_after=r.break_after,
+            ))
+        return cls(graphs, eager.flops, eager.saved_bytes, list(eager.breaks))
+
+    def summary(self) -> str:
+        """One line: graphs, shares, the most frequent break reason."""
+        text = (f"{len(self.graphs)} graph(s) cover {100 * self.flops_share:.0f}% of forward FLOPs and "
+                f"{100 * self.memory_share:.0f}% of activations")
+        if self.breaks:
+            text += f"; {sum(n for _, n in self.breaks)} break(s), most often: {self.breaks[0][0]}"
+        return text
+
+    def __str__(self) -> str:
+        lines = [f"coverage: {self.summary()}"]
+        for g in self.graphs:
+            lines.append(f"  graph {g.index}: {100 * g.flops_share:5.1f}% of forward FLOPs, "
+                         f"{100 * g.memory_share:5.1f}% of activations ({human_bytes(g.saved_bytes)})"
+                         + (", data-dependent sizes at their upper bound" if g.data_dependent else ""))
+            if g.break_after:
+                lines.append(f"    ends at a graph break: {g.break_after}")
+        outside = max(0.0, 1.0 - self.flops_share)
+        if outside:
+            lines.append(f"  outside graphs (eager, unplanned): {100 * outside:.1f}% of forward FLOPs")
+        for reason, count in self.breaks:
+            lines.append(f"  break x{count}: {reason}")
+        return "\n".join(lines)
+
+
+def _short_reason(reason: str) -> str:
+    """Dynamo's break message in one line: its title and its explanation."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    title = lines[0] if lines else reason
+    explanation = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
+                        if line.startswith("Explanation:")), "")
+    text = f"{title}: {explanation}" if explanation else title
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _tensors_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    inputs = [t for t in internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return [*model.parameters(), *model.buffers(), *inputs]

@@ -1,0 +1,67 @@
+"""Fewer, larger graphs, and a report of what they cover.
+
+ckptc captures with Dynamo's ``capture_scalar_outputs`` and
+``capture_dynamic_output_shape_ops``, so data-dependent ops (``nonzero``,
+``torch.where(mask)``, boolean indexing: mixture-of-experts routing) stay in the
+graph instead of splitting it.  Their sizes are priced at the top of their range
+(every token routed to one expert), so the budget holds whatever the routing.
+``ModelPlan.coverage`` says what share of the step each graph covers and why
+the step is split.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import ckptc
+from tests.helpers import assert_same_training, get_case, step
+
+
+def test_moe_routing_stays_in_one_graph_trains_like_eager_and_fits_the_budget() -> None:
+    """OLMoE (top-2 of 4 experts): 11 graphs without the data-dependent capture options (7 breaks at nonzero)."""
+    case = get_case("olmoe")
+    reference = copy.deepcopy(case.model)
+    unoptimized = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, strategy="none")
+    assert len(unoptimized.graphs) == 1
+    coverage = unoptimized.coverage
+    assert coverage is not None and not coverage.breaks
+    assert coverage.flops_share == 1.0 and coverage.graphs[0].data_dependent
+    assert "1 graph(s) cover 100% of forward FLOPs" in repr(unoptimized)
+
+    budget = (unoptimized.min_feasible_bytes + unoptimized.unoptimized_peak_bytes) // 2
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    loss = step(case, fast)
+    assert_same_training(case, reference, loss, step(case, reference))
+    assert fast.plan.values("recomputed")
+    step(case, fast)  # measured (verify=True)
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+
+
+def test_coverage_names_the_graph_breaks_and_what_runs_outside_graphs() -> None:
+    """A model whose forward branches on a tensor's value: Dynamo splits it there, and the report says so."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Linear(16, 16)
+            self.second = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.first(x))
+            if h.sum() > 0:  # data-dependent control flow: a graph break
+                h = h * 2
+            return torch.tanh(self.second(h)).sum()
+
+    torch.manual_seed(0)
+    plan = ckptc.plan(Branchy(), (torch.randn(8, 16),), strategy="none")
+    coverage = plan.coverage
+    assert coverage is not None and len(coverage.graphs) == len(plan.graphs) == 2
+    assert any("Data-dependent branching" in reason for reason, _ in coverage.breaks), coverage.breaks
+    shares = [g.flops_share for g in coverage.graphs]
+    assert all(0 < s < 1 for s in shares) and 0.9 < sum(shares) <= 1.0, shares
+    assert "break x1: Data-dependent branching" in str(coverage)
+    where = coverage.graphs[0].break_after
+    assert where is not None and "test_coverage.py" in where and "if h.sum() > 0" in where, where
+    assert coverage.graphs[1].break_after is None

@@ -1,0 +1,123 @@
+"""Variable sequence lengths: one plan per bucket of lengths, and the budget holds at every length.
+
+The first length is planned exactly; once a dimension varies, its sizes fall in
+power-of-two buckets ``(2**(k-1), 2**k]``, each planned once with the dimension
+dynamic and every size priced at the bucket's top.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import ckptc
+from ckptc.lengths import bucket_of
+from ckptc.meter import measure_peak, resident_bytes
+from tests.zoo import get_case
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 16, 17, 32, 33)] == [
+        (1, 1), (2, 2), (3, 4), (3, 4), (5, 8), (9, 16), (17, 32), (17, 32), (33, 64)]
+
+
+def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eager(
+        caplog: pytest.LogCaptureFixture) -> None:
+    case = get_case("gpt2", seq_len=32)
+    model = case.model
+    reference = copy.deepcopy(model)
+
+    def run(net: torch.nn.Module, length: int) -> torch.Tensor:
+        ids = case.example_inputs[0][:, :length].contiguous()
+        for p in net.parameters():
+            p.grad = None
+        torch.manual_seed(length)  # dropout
+        loss = net(ids, labels=ids.clone()).loss
+        loss.backward()
+        return loss.detach()
+
+    for p in reference.parameters():
+        p.grad = None
+    eager_peak = measure_peak(lambda: run(reference, 32), baseline_bytes=resident_bytes(reference))[1].peak_bytes
+    budget = int(0.8 * eager_peak)  # below keeping everything at the bucket's top: something is recomputed
+    fast = ckptc.optimize(model, budget_bytes=budget, verify=False)
+    lengths = (24, 20, 32, 17, 28, 31, 18, 25)
+    with caplog.at_level(logging.INFO, logger="ckptc.lengths"):
+        for length in lengths:
+            run(fast, length)  # planning allocates too (it profiles ops): measure a step that does not plan
+            ids = case.example_inputs[0][:, :length]
+            for p in model.parameters():
+                p.grad = None  # before the baseline is taken: the budget counts a step from None gradients
+            _, measured = measure_peak(lambda length=length: run(fast, length),
+                                       baseline_bytes=resident_bytes(model, ids, ids))
+            assert measured.peak_bytes <= budget, (length, measured.peak_bytes, budget)
+            if length in (20, 31):
+                loss = run(fast, length)
+                ours = [p.grad.clone() for p in model.parameters()]
+                assert torch.allclose(loss, run(reference, length), rtol=1e-4, atol=1e-5)
+                for mine, ref in zip(ours, (p.grad for p in reference.parameters()), strict=True):
+                    assert torch.allclose(mine, ref, rtol=1e-4, atol=1e-5)
+    runtime = fast._ckptc_runtime
+    assert len(runtime.plans) == 2  # length 24 exactly, then the bucket [17, 32] once
+    assert [r.getMessage() for r in caplog.records if "new length bucket" in r.getMessage()] == [
+        "new length bucket: planning once for input 0 dim 1 in [17, 32], input 1 dim 1 in [17, 32]"]
+
+
+def test_a_bucket_that_cannot_be_planned_falls_back_to_exact_lengths() -> None:
+    """Its top over the budget (or the model pinning the size): that bucket's lengths are planned one by one."""
+    import solvers
+    from ckptc.lengths import LengthBuckets
+    from ckptc.step import _signature
+
+    buckets = LengthBuckets()
+
+    def key(length: int) -> tuple:
+        x = torch.zeros(2, length)
+        return buckets.key((x,), {}, _signature((x,), {}))
+
+    assert key(20) == _signature((torch.zeros(2, 20),), {})  # the first length: exact
+    bucketed = key(24)
+    assert bucketed[1][0] == (2, (17, 32))
+    assert key(30) == bucketed  # same bucket, same plan
+    assert not buckets.fall_back(ValueError("not a planning failure"))
+    key(30)
+    assert buckets.fall_back(solvers.InfeasibleBudgetError(100, 200))
+    assert key(30) == _signature((torch.zeros(2, 30),), {})  # exact from now on
+    assert not buckets.fall_back(solvers.InfeasibleBudgetError(100, 200))  # an exact length: the error stands
+    assert key(40)[1][0] == (2, (33, 64))  # other buckets are unaffected
+
+
+def test_a_model_that_needs_the_exact_length_is_planned_per_length() -> None:
+    """Capture pins a dimension marked dynamic (the code branches on its exact value): ckptc plans that
+    bucket's lengths one by one instead of failing."""
+
+    class PinsTheLength(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.proj(x))
+            if x.shape[1] == 24:
+                h = h * 2
+            return h.square().sum()
+
+    torch.manual_seed(0)
+    model = PinsTheLength()
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_bytes=10**8)
+    for length in (20, 24, 28, 24):
+        x = torch.randn(2, length, 8)
+        for net in (model, reference):
+            for p in net.parameters():
+                p.grad = None
+        loss, ref_loss = fast(x), reference(x)
+        loss.backward()
+        ref_loss.backward()
+        assert torch.allclose(loss, ref_loss)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad)
+    assert fast._ckptc_runtime.lengths.refused  # the bucket (16, 32] fell back to exact lengths
