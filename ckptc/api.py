@@ -257,9 +257,12 @@ def capture(
         output = optimized(*example_inputs, **(example_kwargs or {}))
         loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
         loss.backward()
-    records = list({id(r): r for r in optimized._ckptc_runtime.step_records()}.values())
+    runtime = optimized._ckptc_runtime
+    records = list({id(r): r for r in runtime.step_records()}.values())
+    eager = None if runtime.last is None else runtime.last.eager
+    coverage = None if eager is None else Coverage.of(eager, records)
     sizes = _parameter_sizes(model)
-    return CapturedStep(records, checked, model_name=type(model).__name__, **sizes)
+    return CapturedStep(records, checked, model_name=type(model).__name__, coverage=coverage, **sizes)
 
 
 def plan(

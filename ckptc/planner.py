@@ -289,7 +289,7 @@ class CapturedStep:
 
     def __init__(self, records: Sequence[GraphRecord], options: CheckpointOptions, *,
                  parameter_bytes: int | None = None, gradient_bytes: int | None = None,
-                 model_name: str = "model") -> None:
+                 model_name: str = "model", coverage: Any = None) -> None:
         if not records:
             raise ValueError("a captured step needs at least one graph")
         self.records = list(records)
@@ -297,6 +297,7 @@ class CapturedStep:
         self.parameter_bytes = parameter_bytes
         self.gradient_bytes = gradient_bytes
         self.model_name = model_name
+        self.coverage = coverage  # what the graphs cover of the step (ckptc.coverage), the same for every budget
         self._keep_everything = self._decide_all(options.replace(budget_bytes=None, strategy="none"))
 
     @property
@@ -364,6 +365,7 @@ class CapturedStep:
             solver=solver or self.options.solver,
             parameter_bytes=self.parameter_bytes,
             gradient_bytes=self.gradient_bytes,
+            coverage=self.coverage,
         )
 
     def _decide_all(self, options: CheckpointOptions, plan_source: PlanSource | None = None,
@@ -376,6 +378,7 @@ class CapturedStep:
             jp = with_baseline(captured.joint_problem, baseline)
             record = decide(jp, options, index=position, earlier=earlier, plan_source=plan_source,
                             progress=progress, input_ids=captured.input_ids)
+            record.break_after = captured.break_after
             decided[id(captured)] = record
             out.append(record)
         return out
