@@ -29,9 +29,11 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.demo-installed
 	$(PY) -m ckptc.demo
 
-# Lint only (ruff check: pyflakes, pycodestyle, isort, bugbear, pyupgrade); never reformats.
+# Lint (ruff check: pyflakes, pycodestyle, isort, bugbear, pyupgrade) and format check; never reformats.
+# ruff is pinned in the dev extra: another version may format differently.  `ruff format .` fixes it.
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider

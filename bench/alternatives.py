@@ -200,8 +200,11 @@ class Alternative:
         if self.family == "library_ckpt":
             if hasattr(model, "use_checkpointing") and hasattr(model, "trunk_checkpointed"):
                 model.use_checkpointing = True
-                return Runner(model, model, {"how": "enformer-pytorch use_checkpointing=True "
-                                                    "(checkpoint_sequential over transformer blocks)"})
+                return Runner(
+                    model,
+                    model,
+                    {"how": "enformer-pytorch use_checkpointing=True (checkpoint_sequential over transformer blocks)"},
+                )
             raise Skip("the model's library has no checkpointing switch of its own (other than Hugging Face's)")
         if self.family == "aot_eager":
             compiled = torch.compile(model, backend="aot_eager")
@@ -223,8 +226,11 @@ class Alternative:
         """How this point configures ckptc: the options of ``ckptc.optimize`` and of the offline
         plan (:meth:`ckptc.CapturedStep.plan`) alike, so both decide the same plan."""
         if self.family == "ckptc":
-            options: dict[str, Any] = {"budget_bytes": self.budget_bytes, "strategy": "auto",
-                                       "solver": self.solver or "auto"}
+            options: dict[str, Any] = {
+                "budget_bytes": self.budget_bytes,
+                "strategy": "auto",
+                "solver": self.solver or "auto",
+            }
             if time_limit is not None and self.solver in ("ilp", "auto"):
                 options["time_limit"] = time_limit
             return options
@@ -246,8 +252,9 @@ def fmt_mib(nbytes: int | float | None) -> str:
     return f"{value:.1f}" if value >= 100 else f"{value:.3g}"
 
 
-def ckptc_budgets(unopt: int, floor: int, fractions: tuple[float, ...], below: tuple[float, ...],
-                  lower: int | None = None) -> list[tuple[str, float, int]]:
+def ckptc_budgets(
+    unopt: int, floor: int, fractions: tuple[float, ...], below: tuple[float, ...], lower: int | None = None
+) -> list[tuple[str, float, int]]:
     """(kind, fraction, bytes): budgets in [floor, unopt] at ``fractions``, and
     budgets under the floor at ``below`` fractions of the way from the floor down
     to ``lower`` (``floor - f * (floor - lower)``), where ilp may still
@@ -286,8 +293,17 @@ def alternatives_for(
     for kind, frac, nbytes in ckptc_budgets(unopt, floor, fractions, below, lower):
         for s in solvers:
             floor_note = " (floor)" if kind == "range" and frac == 0 else ""
-            alts.append(Alternative("ckptc", f"ckptc {s} @{fmt_mib(nbytes)}MiB{floor_note}", solver=s,
-                                    budget_bytes=nbytes, budget_fraction=frac, budget_kind=kind, compiled=True))
+            alts.append(
+                Alternative(
+                    "ckptc",
+                    f"ckptc {s} @{fmt_mib(nbytes)}MiB{floor_note}",
+                    solver=s,
+                    budget_bytes=nbytes,
+                    budget_fraction=frac,
+                    budget_kind=kind,
+                    compiled=True,
+                )
+            )
     for s in strategies:
         alts.append(Alternative("ckptc_strategy", f"ckptc strategy={s}", strategy=s, compiled=True))
     return alts
@@ -298,7 +314,18 @@ def fresh_copy(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "Alternative", "Runner", "Skip", "SOLVERS", "STRATEGIES", "AOT_BUDGETS", "alternatives_for",
-    "ckptc_budgets", "count_flops", "find_block_containers", "wrap_blocks", "is_hf_model", "fresh_copy", "fmt_mib",
+    "Alternative",
+    "Runner",
+    "Skip",
+    "SOLVERS",
+    "STRATEGIES",
+    "AOT_BUDGETS",
+    "alternatives_for",
+    "ckptc_budgets",
+    "count_flops",
+    "find_block_containers",
+    "wrap_blocks",
+    "is_hf_model",
+    "fresh_copy",
+    "fmt_mib",
 ]
-

@@ -44,14 +44,21 @@ def _run(problem: Problem, method: str, budget: int, time_limit: float) -> dict[
     try:
         plan = METHODS[method](problem, budget, time_limit=time_limit)
     except InfeasibleBudgetError as e:
-        return {"status": "infeasible", "seconds": time.perf_counter() - started,
-                "min_feasible_bytes": e.min_feasible_bytes}
+        return {
+            "status": "infeasible",
+            "seconds": time.perf_counter() - started,
+            "min_feasible_bytes": e.min_feasible_bytes,
+        }
     except SolverError as e:
         return {"status": "refused", "seconds": time.perf_counter() - started, "error": str(e).split(";")[0]}
     seconds = time.perf_counter() - started
     result = simulate(problem, plan)
-    row = {"status": plan.info.status or "ok", "seconds": seconds, "recompute_cost": result.recompute_cost,
-           "peak_bytes": result.peak_bytes}
+    row = {
+        "status": plan.info.status or "ok",
+        "seconds": seconds,
+        "recompute_cost": result.recompute_cost,
+        "peak_bytes": result.peak_bytes,
+    }
     row.update({k: v for k, v in (("gap", plan.info.gap), ("bound", plan.info.bound)) if v is not None})
     return row
 
@@ -64,16 +71,25 @@ def bench(sizes: list[int], shapes: list[str], ilp_time_limit: float, seed: int)
             lowest = min_feasible_budget(problem)
             highest = simulate(problem, keep_all_plan(problem)).peak_bytes
             budget = (lowest + highest) // 2
-            record: dict[str, Any] = {"nodes": len(problem), "shape": shape, "forward": len(problem._forward_idx),
-                                      "budget_bytes": budget, "min_feasible_bytes": lowest,
-                                      "keep_all_bytes": highest, "methods": {}}
+            record: dict[str, Any] = {
+                "nodes": len(problem),
+                "shape": shape,
+                "forward": len(problem._forward_idx),
+                "budget_bytes": budget,
+                "min_feasible_bytes": lowest,
+                "keep_all_bytes": highest,
+                "methods": {},
+            }
             for method in ("chen_sqrt", "chen_greedy", "hierarchical", "ilp", "auto"):
                 if method not in METHODS:
                     continue
                 row = _run(problem, method, budget, ilp_time_limit)
                 record["methods"][method] = row
-                print(f"  {len(problem):>6} nodes {shape:<5} {method:<11} {row['status']:<12} {row['seconds']:8.3f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {len(problem):>6} nodes {shape:<5} {method:<11} {row['status']:<12} {row['seconds']:8.3f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             ilp_row = record["methods"].get("ilp", {})
             if ilp_row.get("status") == "optimal":
                 record["reference"], record["reference_cost"] = "ilp optimum", ilp_row["recompute_cost"]
@@ -86,8 +102,10 @@ def bench(sizes: list[int], shapes: list[str], ilp_time_limit: float, seed: int)
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| nodes | shape | method | status | time (s) | cost / reference | reference | peak / budget |",
-             "|---:|---|---|---|---:|---:|---|---:|"]
+    lines = [
+        "| nodes | shape | method | status | time (s) | cost / reference | reference | peak / budget |",
+        "|---:|---|---|---|---:|---:|---|---:|",
+    ]
     for rec in records:
         ref = rec["reference_cost"]
         for method, row in rec["methods"].items():
@@ -100,8 +118,10 @@ def table(records: list[dict[str, Any]]) -> str:
                 peak = f"{row['peak_bytes'] / rec['budget_bytes']:.3f}"
             else:
                 rel, peak = "-", "-"
-            lines.append(f"| {rec['nodes']} | {rec['shape']} | {method} | {row['status']} | {row['seconds']:.3f} | "
-                         f"{rel} | {rec['reference']} | {peak} |")
+            lines.append(
+                f"| {rec['nodes']} | {rec['shape']} | {method} | {row['status']} | {row['seconds']:.3f} | "
+                f"{rel} | {rec['reference']} | {peak} |"
+            )
     return "\n".join(lines)
 
 
@@ -119,8 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     records = bench(sizes, shapes, limit, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"quick": args.quick, "seed": args.seed, "ilp_time_limit": limit,
-                                    "seconds": time.perf_counter() - started, "graphs": records}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "quick": args.quick,
+                "seed": args.seed,
+                "ilp_time_limit": limit,
+                "seconds": time.perf_counter() - started,
+                "graphs": records,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(table(records))
     print(f"\n(total {time.perf_counter() - started:.1f} s; written to {args.out.relative_to(ROOT)})")
     return 0

@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                 fast, params = runs[verify]
                 seconds[verify]["ordinary"].append(_timed(lambda: _step(fast, batch, params)))  # noqa: B023
 
-    print(f"GPT-2 {args.layers} layers, batch {args.batch} x {args.seq}, budget {budget:,} B "
-          f"(halfway between floor {floor:,} and unoptimized {unoptimized:,}); {args.models} models per setting")
+    print(
+        f"GPT-2 {args.layers} layers, batch {args.batch} x {args.seq}, budget {budget:,} B "
+        f"(halfway between floor {floor:,} and unoptimized {unoptimized:,}); {args.models} models per setting"
+    )
     print(f"measured peaks of the verified steps: {measured}")
     print("| verify | planning call (s) | second call (s) | ordinary step (s) | second / ordinary |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -83,8 +83,15 @@ def _largest(value: int) -> int:
     return int(t)
 
 
-def _measure(label: str, model: torch.nn.Module, module: Any, ids: torch.Tensor, rank: int,
-             warmup: int, log: Callable[[str], None]) -> dict[str, Any]:
+def _measure(
+    label: str,
+    model: torch.nn.Module,
+    module: Any,
+    ids: torch.Tensor,
+    rank: int,
+    warmup: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     from bench.alternatives import count_flops
     from ckptc.meter import measure_peak, resident_bytes
 
@@ -101,10 +108,18 @@ def _measure(label: str, model: torch.nn.Module, module: Any, ids: torch.Tensor,
     t0 = time.perf_counter()
     _step(module, ids, seed=99 + rank)
     step_s = time.perf_counter() - t0
-    row = {"label": label, "peak_bytes": m.peak_bytes, "max_rank_peak_bytes": _largest(m.peak_bytes),
-           "flops": tally.total, "step_seconds": step_s, "seconds": time.perf_counter() - start}
-    log(f"{label}: rank {rank} peak {m.peak_bytes / MiB:.1f} MiB (max over ranks "
-        f"{row['max_rank_peak_bytes'] / MiB:.1f}), {tally.total / 1e9:.2f} GFLOP, step {step_s:.2f} s")
+    row = {
+        "label": label,
+        "peak_bytes": m.peak_bytes,
+        "max_rank_peak_bytes": _largest(m.peak_bytes),
+        "flops": tally.total,
+        "step_seconds": step_s,
+        "seconds": time.perf_counter() - start,
+    }
+    log(
+        f"{label}: rank {rank} peak {m.peak_bytes / MiB:.1f} MiB (max over ranks "
+        f"{row['max_rank_peak_bytes'] / MiB:.1f}), {tally.total / 1e9:.2f} GFLOP, step {step_s:.2f} s"
+    )
     return row
 
 
@@ -186,14 +201,18 @@ def _render(data: dict[str, Any], command: str, seconds: float) -> str:
         budget = r.get("budget_bytes")
         budget_s = "-" if budget is None else f"{budget / MiB:.1f} MiB"
         if "infeasible_floor_bytes" in r:
-            lines.append(f"| {r['label']} | {budget_s} | infeasible (floor {r['infeasible_floor_bytes'] / MiB:.1f} MiB)"
-                         " | - | - | - |")
+            lines.append(
+                f"| {r['label']} | {budget_s} | infeasible (floor {r['infeasible_floor_bytes'] / MiB:.1f} MiB)"
+                " | - | - | - |"
+            )
             continue
         peak = r["max_rank_peak_bytes"]
         within = "-" if budget is None else ("yes" if peak <= budget else "**no**")
         recompute = 100.0 * (r["flops"] - base) / base if base else 0.0
-        lines.append(f"| {r['label']} | {budget_s} | {peak / MiB:.1f} MiB | {within} | {recompute:.1f}% | "
-                     f"{r['step_seconds']:.2f} s |")
+        lines.append(
+            f"| {r['label']} | {budget_s} | {peak / MiB:.1f} MiB | {within} | {recompute:.1f}% | "
+            f"{r['step_seconds']:.2f} s |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -207,8 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one budget between per-block and no checkpointing")
     parser.add_argument("-o", "--output", type=Path, default=RESULTS / "distributed.md")
     args = parser.parse_args(argv)
-    options = {"size": args.size, "seq_len": args.seq_len, "batch": args.batch,
-               "fractions": [0.5] if args.quick else args.fractions, "warmup": args.warmup}
+    options = {
+        "size": args.size,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "fractions": [0.5] if args.quick else args.fractions,
+        "warmup": args.warmup,
+    }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

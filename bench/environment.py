@@ -29,10 +29,19 @@ def provenance() -> dict[str, Any]:
 
         root = Path(__file__).resolve().parent.parent
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                    timeout=10).stdout.strip() or None
-            status = subprocess.run(["git", "status", "--porcelain", "--", "ckptc", "solvers", "bench/*.py"],
-                                    cwd=root, capture_output=True, text=True, timeout=10).stdout
+            commit = (
+                subprocess.run(
+                    ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+                ).stdout.strip()
+                or None
+            )
+            status = subprocess.run(
+                ["git", "status", "--porcelain", "--", "ckptc", "solvers", "bench/*.py"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
             dirty = bool(status.strip())
         except (OSError, subprocess.SubprocessError):
             commit = None
@@ -49,9 +58,12 @@ def rockmate_status() -> dict[str, Any]:
         importlib.import_module("rockmate")
     except Exception as error:  # noqa: BLE001 - any import failure means "not usable"
         return {"usable": False, "import_error": f"{type(error).__name__}: {error}", "note": ROCKMATE_NOTE}
-    return {"usable": False, "import_error": None,
-            "note": "rockmate imports, but this benchmark has no Rockmate runner (the install attempt failed); "
-                    + ROCKMATE_NOTE}
+    return {
+        "usable": False,
+        "import_error": None,
+        "note": "rockmate imports, but this benchmark has no Rockmate runner (the install attempt failed); "
+        + ROCKMATE_NOTE,
+    }
 
 
 def loadavg() -> list[float] | None:

@@ -43,8 +43,11 @@ def _headline_peak(name: str, method: str, seq_len: int, budget: int) -> dict[st
     if method == "ckptc":
         # The smallest budget ckptc can plan for (auto): predicted from the captured step.
         step = ckptc.capture(model, case.example_inputs, case.example_kwargs, loss_fn=case.loss)
-        out.update(peak_bytes=step.floor_bytes, kind="predicted (ckptc min feasible)",
-                   unoptimized_predicted=step.unoptimized_peak_bytes)
+        out.update(
+            peak_bytes=step.floor_bytes,
+            kind="predicted (ckptc min feasible)",
+            unoptimized_predicted=step.unoptimized_peak_bytes,
+        )
     else:
         if method == "per_block":
             wrapped, how = wrap_blocks(model, every=1)
@@ -72,16 +75,22 @@ def _verify_ckptc(name: str, seq_len: int, budget: int) -> dict[str, Any]:
     zero_grads(model)
     _, m = measure_peak(step, baseline_bytes=resident_bytes(model, case.example_inputs, case.example_kwargs))
     plan = fast.plan
-    out = {"seq_len": seq_len, "measured_peak_bytes": m.peak_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
-           "recompute_pct_predicted": plan.recompute_percent, "within_budget": m.peak_bytes <= budget,
-           "seconds": time.perf_counter() - start}
+    out = {
+        "seq_len": seq_len,
+        "measured_peak_bytes": m.peak_bytes,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "recompute_pct_predicted": plan.recompute_percent,
+        "within_budget": m.peak_bytes <= budget,
+        "seconds": time.perf_counter() - start,
+    }
     del fast, case, model
     reset_compiler_state()
     return out
 
 
-def longest_fitting(name: str, method: str, budget: int, deadline_at: float, start: int, grain: int,
-                    max_len: int = 2**22) -> dict[str, Any]:
+def longest_fitting(
+    name: str, method: str, budget: int, deadline_at: float, start: int, grain: int, max_len: int = 2**22
+) -> dict[str, Any]:
     """Doubling then bisection over sequence length (multiples of ``grain``) until peak <= budget is bracketed."""
     trials: list[dict[str, Any]] = []
     stopped = []
@@ -95,8 +104,11 @@ def longest_fitting(name: str, method: str, budget: int, deadline_at: float, sta
         except Exception as error:  # noqa: BLE001 - an out-of-memory or capture failure is "does not fit"
             r = {"seq_len": length, "method": method, "error": error_text(error), "fits": False}
         trials.append(r)
-        print(f"[{time.strftime('%H:%M:%S')}] headline {name} {method} L={length}: "
-              f"{fmt_mib(r.get('peak_bytes'))} MiB fits={r['fits']}", flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] headline {name} {method} L={length}: "
+            f"{fmt_mib(r.get('peak_bytes'))} MiB fits={r['fits']}",
+            flush=True,
+        )
         return bool(r["fits"])
 
     lo, hi = 0, None
@@ -127,23 +139,35 @@ def longest_fitting(name: str, method: str, budget: int, deadline_at: float, sta
         if ok is None:
             break
         lo, hi = (mid, hi) if ok else (lo, mid)
-    return {"method": method, "longest_fitting": lo or None, "shortest_failing": hi, "trials": trials,
-            "grain": grain, "complete": not stopped}
+    return {
+        "method": method,
+        "longest_fitting": lo or None,
+        "shortest_failing": hi,
+        "trials": trials,
+        "grain": grain,
+        "complete": not stopped,
+    }
 
 
-def headline(out: Path, budget_gb: float = 1.0, time_budget_s: float = 900.0,
-             models: tuple[str, ...] = ("enformer", "hyena")) -> dict[str, Any]:
+def headline(
+    out: Path, budget_gb: float = 1.0, time_budget_s: float = 900.0, models: tuple[str, ...] = ("enformer", "hyena")
+) -> dict[str, Any]:
     budget = int(budget_gb * 2**30)
     started = time.perf_counter()
-    result: dict[str, Any] = {"budget_bytes": budget, "time_budget_s": time_budget_s, "models": {},
-                              "source": provenance(),
-                              "method_notes": {
-                                  "none": "eager PyTorch, measured peak of the first step",
-                                  "per_block": "torch.utils.checkpoint(use_reentrant=False) on every repeated block "
-                                               "(bench.alternatives.wrap_blocks), measured peak of the first step",
-                                  "ckptc": "ckptc's smallest feasible budget (predicted from the captured step) "
-                                           "<= budget; the longest length found is then trained under the budget "
-                                           "and measured"}}
+    result: dict[str, Any] = {
+        "budget_bytes": budget,
+        "time_budget_s": time_budget_s,
+        "models": {},
+        "source": provenance(),
+        "method_notes": {
+            "none": "eager PyTorch, measured peak of the first step",
+            "per_block": "torch.utils.checkpoint(use_reentrant=False) on every repeated block "
+            "(bench.alternatives.wrap_blocks), measured peak of the first step",
+            "ckptc": "ckptc's smallest feasible budget (predicted from the captured step) "
+            "<= budget; the longest length found is then trained under the budget "
+            "and measured",
+        },
+    }
     methods = ("none", "per_block", "ckptc")
     share = time_budget_s / (len(models) * len(methods))
     for name in models:

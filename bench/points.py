@@ -78,11 +78,14 @@ def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
 
 
-def compare(loss: torch.Tensor, module: torch.nn.Module, ref_loss: torch.Tensor,
-            ref_grads: dict[str, torch.Tensor | None]) -> dict[str, Any]:
+def compare(
+    loss: torch.Tensor, module: torch.nn.Module, ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor | None]
+) -> dict[str, Any]:
     """Loss and every gradient against eager's, with the largest differences."""
-    out: dict[str, Any] = {"loss_equal": bool(torch.allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)),
-                           "loss_abs_diff": float((loss - ref_loss).abs().max())}
+    out: dict[str, Any] = {
+        "loss_equal": bool(torch.allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)),
+        "loss_abs_diff": float((loss - ref_loss).abs().max()),
+    }
     mismatched, worst, worst_name = [], 0.0, None
     for name, p in module.named_parameters():
         ref = ref_grads.get(name)
@@ -96,8 +99,13 @@ def compare(loss: torch.Tensor, module: torch.nn.Module, ref_loss: torch.Tensor,
             worst, worst_name = diff, name
         if not torch.allclose(p.grad, ref, rtol=RTOL, atol=ATOL):
             mismatched.append(name)
-    out.update(grads_equal=not mismatched, grad_mismatches=mismatched[:5], n_grad_mismatches=len(mismatched),
-               grad_max_abs_diff=worst, grad_max_abs_diff_param=worst_name)
+    out.update(
+        grads_equal=not mismatched,
+        grad_mismatches=mismatched[:5],
+        n_grad_mismatches=len(mismatched),
+        grad_max_abs_diff=worst,
+        grad_max_abs_diff_param=worst_name,
+    )
     out["matches_eager"] = out["loss_equal"] and out["grads_equal"]
     return out
 
@@ -141,8 +149,9 @@ def reset_compiler_state() -> None:
     gc.collect()
 
 
-def measure_point(alt: Alternative, point: dict[str, Any], ref: Reference, *, reps: int,
-              time_limit: float | None) -> dict[str, Any]:
+def measure_point(
+    alt: Alternative, point: dict[str, Any], ref: Reference, *, reps: int, time_limit: float | None
+) -> dict[str, Any]:
     """Run ``alt`` on a fresh copy of the model and fill ``point`` with what was measured."""
     case = ref.case
     reset_compiler_state()
@@ -157,9 +166,12 @@ def measure_point(alt: Alternative, point: dict[str, Any], ref: Reference, *, re
         plan = runner.optimized.plan
         records = runner.optimized.compiler.records
         point.update(
-            predicted_peak_bytes=plan.predicted_peak_bytes, predicted_recompute_pct=plan.recompute_percent,
-            plan_min_feasible_bytes=plan.min_feasible_bytes, plan_method=[g.plan.method for g in plan.graphs],
-            kept=len(plan.values("kept")), recomputed=len(plan.values("recomputed")),
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            predicted_recompute_pct=plan.recompute_percent,
+            plan_min_feasible_bytes=plan.min_feasible_bytes,
+            plan_method=[g.plan.method for g in plan.graphs],
+            kept=len(plan.values("kept")),
+            recomputed=len(plan.values("recomputed")),
             partition_s=sum(r.solve_seconds for r in records),
             solve_s=sum(r.plan.info.solve_seconds or 0.0 for r in records),
             auto_choice=[g.plan.info.chosen for g in plan.graphs] if alt.solver == "auto" else None,
@@ -172,9 +184,7 @@ def measure_point(alt: Alternative, point: dict[str, Any], ref: Reference, *, re
     with count_flops() as tally:  # second warm-up step
         step()
     point["flops"] = tally.total
-    point["recompute_pct"] = (
-        100.0 * (tally.total - ref.flops) / ref.flops if ref.flops else 0.0
-    )
+    point["recompute_pct"] = 100.0 * (tally.total - ref.flops) / ref.flops if ref.flops else 0.0
     zero_grads(runner.module)
     baseline = resident_bytes(runner.module, case.example_inputs, case.example_kwargs)
     _, measurement = measure_peak(step, baseline_bytes=baseline)
@@ -186,15 +196,27 @@ def measure_point(alt: Alternative, point: dict[str, Any], ref: Reference, *, re
     for _ in range(reps):  # interleaved: machine noise hits both alike
         eager_times.append(timed(eager_step)[1])
         times.append(timed(step)[1])
-    point.update(time_s=statistics.median(times), eager_time_s=statistics.median(eager_times),
-                 time_ratio=statistics.median(times) / statistics.median(eager_times),
-                 times_s=times, eager_times_s=eager_times, status="ok")
+    point.update(
+        time_s=statistics.median(times),
+        eager_time_s=statistics.median(eager_times),
+        time_ratio=statistics.median(times) / statistics.median(eager_times),
+        times_s=times,
+        eager_times_s=eager_times,
+        status="ok",
+    )
     del runner, model
     return point
 
 
-def run_point(alt: Alternative, point: dict[str, Any], ref: Reference, *, reps: int, time_limit: float | None,
-              point_timeout: float | None) -> dict[str, Any]:
+def run_point(
+    alt: Alternative,
+    point: dict[str, Any],
+    ref: Reference,
+    *,
+    reps: int,
+    time_limit: float | None,
+    point_timeout: float | None,
+) -> dict[str, Any]:
     """:func:`measure_point` within ``point_timeout`` seconds; a failure is a result with its status and error."""
     try:
         with deadline(point_timeout):
@@ -202,9 +224,16 @@ def run_point(alt: Alternative, point: dict[str, Any], ref: Reference, *, reps: 
     except Skip as reason:
         return {**point, "status": "skipped", "reason": str(reason)}
     except Exception as error:  # noqa: BLE001 - every failure is a result
-        status = "timeout" if isinstance(error, PointTimeout) else (
-            "infeasible" if isinstance(error, solvers.InfeasibleBudgetError) else "error")
-        return {**point, "status": status, "error": error_text(error),
-                "traceback": traceback.format_exc(limit=-4)[-1500:]}
+        status = (
+            "timeout"
+            if isinstance(error, PointTimeout)
+            else ("infeasible" if isinstance(error, solvers.InfeasibleBudgetError) else "error")
+        )
+        return {
+            **point,
+            "status": status,
+            "error": error_text(error),
+            "traceback": traceback.format_exc(limit=-4)[-1500:],
+        }
     finally:
         reset_compiler_state()

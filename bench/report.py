@@ -60,31 +60,43 @@ def model_markdown(result: dict[str, Any]) -> str:
     probe = result.get("probe", {})
     lines = [f"# {name} ({result.get('size')}): ckptc vs alternatives", ""]
     machine = result.get("machine", {})
-    lines.append(f"Inputs {result.get('input_shapes')}, {result.get('parameters', 0) / 1e6:.2f} M parameters, "
-                 f"torch {result.get('torch')}, {machine.get('threads')} threads; "
-                 f"load average {machine.get('load_avg_start')} -> {machine.get('load_avg_end')}.")
+    lines.append(
+        f"Inputs {result.get('input_shapes')}, {result.get('parameters', 0) / 1e6:.2f} M parameters, "
+        f"torch {result.get('torch')}, {machine.get('threads')} threads; "
+        f"load average {machine.get('load_avg_start')} -> {machine.get('load_avg_end')}."
+    )
     if eager:
-        lines.append(f"Eager: measured peak {mib(eager.get('peak_bytes'))} MiB "
-                     f"(resident {mib(eager.get('baseline_bytes'))} MiB), "
-                     f"{eager.get('flops', 0) / 1e9:.2f} GFLOP per step (FlopCounterMode formulas).")
+        lines.append(
+            f"Eager: measured peak {mib(eager.get('peak_bytes'))} MiB "
+            f"(resident {mib(eager.get('baseline_bytes'))} MiB), "
+            f"{eager.get('flops', 0) / 1e9:.2f} GFLOP per step (FlopCounterMode formulas)."
+        )
     if probe.get("status") == "ok":
-        lines.append(f"ckptc capture: {probe['graphs']} graph(s), "
-                     f"predicted unoptimized peak {mib(probe['unoptimized_peak_bytes'])} MiB, "
-                     f"smallest feasible (ckptc's floor) {mib(probe['min_feasible_bytes'])} MiB.")
+        lines.append(
+            f"ckptc capture: {probe['graphs']} graph(s), "
+            f"predicted unoptimized peak {mib(probe['unoptimized_peak_bytes'])} MiB, "
+            f"smallest feasible (ckptc's floor) {mib(probe['min_feasible_bytes'])} MiB."
+        )
     elif probe:
         lines.append(f"ckptc capture failed: {probe.get('error')}")
     if result.get("status") == "error":
         lines.append(f"\n**Model failed:** {result.get('error')}")
-    lines += ["", "| alternative | status | peak MiB | peak vs eager | recompute % "
-              "| ckptc predicted peak MiB / recompute % | step time x eager | first step s (solve s) | = eager |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += [
+        "",
+        "| alternative | status | peak MiB | peak vs eager | recompute % "
+        "| ckptc predicted peak MiB / recompute % | step time x eager | first step s (solve s) | = eager |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     eager_peak = eager.get("peak_bytes")
     for p in result.get("points", []):
         status = p["status"]
         if _ok(p):
             vs = f"{100 * (p['peak_bytes'] / eager_peak - 1):+.1f}%" if eager_peak else "-"
-            pred = (f"{mib(p.get('predicted_peak_bytes'))} / {pct(p.get('predicted_recompute_pct'))}"
-                    if p.get("predicted_peak_bytes") is not None else "-")
+            pred = (
+                f"{mib(p.get('predicted_peak_bytes'))} / {pct(p.get('predicted_recompute_pct'))}"
+                if p.get("predicted_peak_bytes") is not None
+                else "-"
+            )
             first = pct(p.get("first_step_s"))
             if p.get("solve_s") is not None:
                 first += f" ({p['solve_s']:.2f})"
@@ -93,16 +105,22 @@ def model_markdown(result: dict[str, Any]) -> str:
             note = f" = {p['same_plan_as']}" if p.get("same_plan_as") else ""
             if p.get("within_budget") is False:
                 note += " **over budget**"
-            lines.append(f"| {p['label']} | ok{note} | {mib(p['peak_bytes'])} | {vs} | {pct(p.get('recompute_pct'))} "
-                         f"| {pred} | {pct(p.get('time_ratio'), 2)} | {first} | {match} |")
+            lines.append(
+                f"| {p['label']} | ok{note} | {mib(p['peak_bytes'])} | {vs} | {pct(p.get('recompute_pct'))} "
+                f"| {pred} | {pct(p.get('time_ratio'), 2)} | {first} | {match} |"
+            )
         else:
             why = (p.get("reason") or p.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
             lines.append(f"| {p['label']} | {status}: {why} | - | - | - | - | - | - | - |")
-    lines += ["", "recompute % = (FLOPs of the step - eager's) / eager's, counted with torch.utils.flop_counter's "
-              "formulas (matmul, convolution, attention, FFT ops; pointwise ops count 0). "
-              "ckptc's predicted recompute % uses its own cost model (all ops). "
-              "'= X': the solver returned the same plan as X, measured once. "
-              "Step time: median of interleaved repetitions against eager in the same run.", ""]
+    lines += [
+        "",
+        "recompute % = (FLOPs of the step - eager's) / eager's, counted with torch.utils.flop_counter's "
+        "formulas (matmul, convolution, attention, FFT ops; pointwise ops count 0). "
+        "ckptc's predicted recompute % uses its own cost model (all ops). "
+        "'= X': the solver returned the same plan as X, measured once. "
+        "Step time: median of interleaved repetitions against eager in the same run.",
+        "",
+    ]
     for note in result.get("notes", []):
         lines.append(f"* {note}")
     return "\n".join(lines) + "\n"
@@ -131,9 +149,13 @@ def pareto_plot(result: dict[str, Any], path: Path) -> bool:
         "ckpt_every_other": dict(marker="D", s=60, color="tab:orange"),
         "library_ckpt": dict(marker="P", s=80, color="tab:brown"),
     }
-    solver_colors = {"chen_sqrt": "tab:gray", "chen_greedy": "tab:olive", "hierarchical": "tab:blue",
-                     "ilp": "tab:purple",
-                     "auto": "tab:green"}
+    solver_colors = {
+        "chen_sqrt": "tab:gray",
+        "chen_greedy": "tab:olive",
+        "hierarchical": "tab:blue",
+        "ilp": "tab:purple",
+        "auto": "tab:green",
+    }
     strategy_markers = {"layer": "^", "segment": "v", "selective": "<"}
 
     def xy(ps: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
@@ -156,12 +178,19 @@ def pareto_plot(result: dict[str, Any], path: Path) -> bool:
         x, y = xy(aot)
         ax.plot(x, y, "o--", color="tab:cyan", label="aot_eager (activation_memory_budget)", zorder=3)
         for p in aot:
-            ax.annotate(f"{p['budget_fraction']:g}", (p["recompute_pct"], p["peak_bytes"] / MiB), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points", color="tab:cyan")
+            ax.annotate(
+                f"{p['budget_fraction']:g}",
+                (p["recompute_pct"], p["peak_bytes"] / MiB),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+                color="tab:cyan",
+            )
         hollow_wrong(aot)
     for solver, color in solver_colors.items():
-        ps = sorted([p for p in points if p["family"] == "ckptc" and p.get("solver") == solver],
-                    key=lambda p: p["peak_bytes"])
+        ps = sorted(
+            [p for p in points if p["family"] == "ckptc" and p.get("solver") == solver], key=lambda p: p["peak_bytes"]
+        )
         if ps:
             x, y = xy(ps)
             ax.plot(x, y, "o-", color=color, alpha=0.8, ms=5, label=f"ckptc {solver}", zorder=3)
@@ -170,16 +199,19 @@ def pareto_plot(result: dict[str, Any], path: Path) -> bool:
         ps = [p for p in points if p["family"] == "ckptc_strategy" and p.get("strategy") == strat]
         if ps:
             x, y = xy(ps)
-            ax.scatter(x, y, marker=marker, s=70, color="tab:green", edgecolor="black", label=f"ckptc {strat}",
-                       zorder=4)
+            ax.scatter(
+                x, y, marker=marker, s=70, color="tab:green", edgecolor="black", label=f"ckptc {strat}", zorder=4
+            )
             hollow_wrong(ps)
     eager_peak = result.get("eager", {}).get("peak_bytes")
     if eager_peak:
         ax.axhline(eager_peak / MiB, color="black", lw=0.6, ls=":")
     ax.set_xlabel("recompute FLOPs, % of eager step (FlopCounterMode)")
     ax.set_ylabel("measured peak memory of the step (MiB)")
-    ax.set_title(f"{result['model']} ({result.get('size')}): peak memory vs recompute "
-                 "(lower-left is better; x = gradients differ)")
+    ax.set_title(
+        f"{result['model']} ({result.get('size')}): peak memory vs recompute "
+        "(lower-left is better; x = gradients differ)"
+    )
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best", framealpha=0.8)
@@ -201,8 +233,9 @@ def write_model(out: Path, result: dict[str, Any]) -> None:
 
 
 def dominates(q: dict[str, Any], p: dict[str, Any]) -> bool:
-    return (q["peak_bytes"] <= p["peak_bytes"] * (1 + PEAK_TOL)
-            and q["recompute_pct"] <= p["recompute_pct"] + RECOMPUTE_TOL)
+    return (
+        q["peak_bytes"] <= p["peak_bytes"] * (1 + PEAK_TOL) and q["recompute_pct"] <= p["recompute_pct"] + RECOMPUTE_TOL
+    )
 
 
 def explain(p: dict[str, Any], ckptc_points: list[dict[str, Any]]) -> str:
@@ -213,8 +246,10 @@ def explain(p: dict[str, Any], ckptc_points: list[dict[str, Any]]) -> str:
     lowest = min(ckptc_points, key=lambda q: q["peak_bytes"])
     if not within:
         gap = lowest["peak_bytes"] / p["peak_bytes"] - 1
-        why = (f"its peak {mib(p['peak_bytes'])} MiB is below every ckptc point: ckptc's lowest is "
-               f"{mib(lowest['peak_bytes'])} MiB ({gap:+.1%}, {lowest['label']}")
+        why = (
+            f"its peak {mib(p['peak_bytes'])} MiB is below every ckptc point: ckptc's lowest is "
+            f"{mib(lowest['peak_bytes'])} MiB ({gap:+.1%}, {lowest['label']}"
+        )
         pred = lowest.get("predicted_peak_bytes")
         if pred:
             why += f", predicted {mib(pred)} MiB"
@@ -226,12 +261,16 @@ def explain(p: dict[str, Any], ckptc_points: list[dict[str, Any]]) -> str:
             why += f"; it pays {p['recompute_pct']:.1f}% recompute for it vs ckptc's {lowest['recompute_pct']:.1f}%"
         return why
     best = min(within, key=lambda q: q["recompute_pct"])
-    why = (f"at <= {mib(p['peak_bytes'])} MiB ckptc's cheapest point recomputes {best['recompute_pct']:.1f}% "
-           f"({best['label']}, {mib(best['peak_bytes'])} MiB) vs {p['recompute_pct']:.1f}% here")
+    why = (
+        f"at <= {mib(p['peak_bytes'])} MiB ckptc's cheapest point recomputes {best['recompute_pct']:.1f}% "
+        f"({best['label']}, {mib(best['peak_bytes'])} MiB) vs {p['recompute_pct']:.1f}% here"
+    )
     pr = best.get("predicted_recompute_pct")
     if pr is not None:
-        why += (f"; ckptc predicted {pr:.1f}% with its own cost model (which also counts pointwise FLOPs that "
-                "FlopCounterMode ignores)")
+        why += (
+            f"; ckptc predicted {pr:.1f}% with its own cost model (which also counts pointwise FLOPs that "
+            "FlopCounterMode ignores)"
+        )
     return why
 
 
@@ -242,49 +281,79 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     not_dominated = []
     for p in others:
         if not any(dominates(q, p) for q in ck):
-            not_dominated.append({"label": p["label"], "peak_bytes": p["peak_bytes"],
-                                  "recompute_pct": p["recompute_pct"], "matches_eager": p.get("matches_eager"),
-                                  "why": explain(p, ck)})
+            not_dominated.append(
+                {
+                    "label": p["label"],
+                    "peak_bytes": p["peak_bytes"],
+                    "recompute_pct": p["recompute_pct"],
+                    "matches_eager": p.get("matches_eager"),
+                    "why": explain(p, ck),
+                }
+            )
     wrong = [p["label"] for p in points if not p.get("matches_eager")]
     over = [p["label"] for p in points if p.get("within_budget") is False]
     offline_mismatch = [
-        p["label"] for p in points
-        if p.get("offline_predicted_peak_bytes") is not None and p.get("predicted_peak_bytes") is not None
+        p["label"]
+        for p in points
+        if p.get("offline_predicted_peak_bytes") is not None
+        and p.get("predicted_peak_bytes") is not None
         and not p.get("same_plan_as")
         and abs(p["predicted_peak_bytes"] - p["offline_predicted_peak_bytes"])
         > max(64 * 1024, p["predicted_peak_bytes"] // 1000)
     ]
-    failures = [(p["label"], p["status"], p.get("error") or p.get("reason")) for p in result.get("points", [])
-                if p["status"] not in ("ok", "infeasible")]
+    failures = [
+        (p["label"], p["status"], p.get("error") or p.get("reason"))
+        for p in result.get("points", [])
+        if p["status"] not in ("ok", "infeasible")
+    ]
     infeasible = [p["label"] for p in result.get("points", []) if p["status"] == "infeasible"]
     # ckptc's own solvers: is auto ever beaten by another ckptc solver at its budget?
     auto_beaten = []
     for a in [p for p in ck if p.get("solver") == "auto"]:
         for q in ck:
-            if (q.get("solver") not in (None, "auto") and q.get("budget_bytes") == a.get("budget_bytes")
-                    and q["recompute_pct"] < a["recompute_pct"] - RECOMPUTE_TOL
-                    and q["peak_bytes"] <= a["budget_bytes"]):
-                auto_beaten.append(f"{a['label']} ({a['recompute_pct']:.1f}%) "
-                                   f"vs {q['label']} ({q['recompute_pct']:.1f}%)")
+            if (
+                q.get("solver") not in (None, "auto")
+                and q.get("budget_bytes") == a.get("budget_bytes")
+                and q["recompute_pct"] < a["recompute_pct"] - RECOMPUTE_TOL
+                and q["peak_bytes"] <= a["budget_bytes"]
+            ):
+                auto_beaten.append(
+                    f"{a['label']} ({a['recompute_pct']:.1f}%) vs {q['label']} ({q['recompute_pct']:.1f}%)"
+                )
     valid_nd = [nd for nd in not_dominated if nd["matches_eager"]]
-    return {"ckptc_points": len(ck), "other_points": len(others), "dominates": not valid_nd and bool(ck),
-            "not_dominated_valid": len(valid_nd), "not_dominated_invalid": len(not_dominated) - len(valid_nd),
-            "not_dominated": not_dominated, "wrong_gradients": wrong, "over_budget": over, "failures": failures,
-            "infeasible": infeasible, "auto_beaten": auto_beaten,
-            "offline_mismatch": offline_mismatch}
+    return {
+        "ckptc_points": len(ck),
+        "other_points": len(others),
+        "dominates": not valid_nd and bool(ck),
+        "not_dominated_valid": len(valid_nd),
+        "not_dominated_invalid": len(not_dominated) - len(valid_nd),
+        "not_dominated": not_dominated,
+        "wrong_gradients": wrong,
+        "over_budget": over,
+        "failures": failures,
+        "infeasible": infeasible,
+        "auto_beaten": auto_beaten,
+        "offline_mismatch": offline_mismatch,
+    }
 
 
 def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | None = None) -> str:
-    lines = ["# ckptc benchmark summary", "",
-             "ckptc's curve dominates an alternative's point when some ckptc point (any solver or strategy, "
-             f"loss and gradients equal to eager) has a measured peak at most the point's (+{PEAK_TOL:.0%}) "
-             f"and recompute at most its (+{RECOMPUTE_TOL} percentage points). "
-             "Recompute is counted with torch.utils.flop_counter's formulas; "
-             "peak with ckptc.meter (allocator events) from the same baseline for every alternative.", ""]
+    lines = [
+        "# ckptc benchmark summary",
+        "",
+        "ckptc's curve dominates an alternative's point when some ckptc point (any solver or strategy, "
+        f"loss and gradients equal to eager) has a measured peak at most the point's (+{PEAK_TOL:.0%}) "
+        f"and recompute at most its (+{RECOMPUTE_TOL} percentage points). "
+        "Recompute is counted with torch.utils.flop_counter's formulas; "
+        "peak with ckptc.meter (allocator events) from the same baseline for every alternative.",
+        "",
+    ]
     rock = next((r.get("rockmate") for r in results if r.get("rockmate")), None)
-    lines += ["| model | size | eager peak MiB | ckptc lowest peak MiB (recompute %) | points ok / total "
-              "| ckptc dominates the valid points? |",
-              "| --- | --- | ---: | ---: | ---: | --- |"]
+    lines += [
+        "| model | size | eager peak MiB | ckptc lowest peak MiB (recompute %) | points ok / total "
+        "| ckptc dominates the valid points? |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
     analyses = {}
     for r in results:
         a = analyse(r)
@@ -293,14 +362,23 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         ck = [p for p in ok if p["family"] in CKPTC_FAMILIES and p.get("matches_eager")]
         low = min(ck, key=lambda p: p["peak_bytes"]) if ck else None
         low_s = f"{mib(low['peak_bytes'])} ({low['recompute_pct']:.1f}%)" if low else "-"
-        invalid = (f"; {a['not_dominated_invalid']} point(s) with gradients != eager not dominated"
-                   if a["not_dominated_invalid"] else "")
-        verdict = ("model failed" if r.get("status") == "error" and not ck else
-                   ("yes" if a["dominates"]
-                    else f"no ({a['not_dominated_valid']} valid point(s) not dominated)") + invalid
-                   if ck else "no ckptc point ran")
-        lines.append(f"| {r['model']} | {r.get('size')} | {mib(r.get('eager', {}).get('peak_bytes'))} | {low_s} | "
-                     f"{len(ok)} / {len(r.get('points', []))} | {verdict} |")
+        invalid = (
+            f"; {a['not_dominated_invalid']} point(s) with gradients != eager not dominated"
+            if a["not_dominated_invalid"]
+            else ""
+        )
+        verdict = (
+            "model failed"
+            if r.get("status") == "error" and not ck
+            else ("yes" if a["dominates"] else f"no ({a['not_dominated_valid']} valid point(s) not dominated)")
+            + invalid
+            if ck
+            else "no ckptc point ran"
+        )
+        lines.append(
+            f"| {r['model']} | {r.get('size')} | {mib(r.get('eager', {}).get('peak_bytes'))} | {low_s} | "
+            f"{len(ok)} / {len(r.get('points', []))} | {verdict} |"
+        )
     for r in results:
         a = analyses[r["model"]]
         lines += ["", f"## {r['model']}", ""]
@@ -309,12 +387,15 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         if a["dominates"] and not a["not_dominated"]:
             lines.append(f"* ckptc's curve dominates all {a['other_points']} points of the other alternatives.")
         elif a["dominates"]:
-            lines.append("* ckptc's curve dominates every point of the other alternatives "
-                         "whose gradients equal eager's.")
+            lines.append(
+                "* ckptc's curve dominates every point of the other alternatives whose gradients equal eager's."
+            )
         for nd in a["not_dominated"]:
             flag = "" if nd["matches_eager"] else " (its gradients differ from eager's)"
-            lines.append(f"* not dominated: **{nd['label']}**{flag} ({mib(nd['peak_bytes'])} MiB, "
-                         f"{nd['recompute_pct']:.1f}% recompute): {nd['why']}.")
+            lines.append(
+                f"* not dominated: **{nd['label']}**{flag} ({mib(nd['peak_bytes'])} MiB, "
+                f"{nd['recompute_pct']:.1f}% recompute): {nd['why']}."
+            )
         if a["wrong_gradients"]:
             lines.append(f"* loss or gradients differ from eager: {', '.join(a['wrong_gradients'])}.")
         if a["over_budget"]:
@@ -323,8 +404,9 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
             mismatch = ", ".join(a["offline_mismatch"])
             lines.append(f"* the run's plan differs from the offline decision (dedupe may be off): {mismatch}.")
         if a["auto_beaten"]:
-            lines.append("* ckptc auto beaten by another ckptc solver at the same budget: "
-                         f"{'; '.join(a['auto_beaten'])}.")
+            lines.append(
+                f"* ckptc auto beaten by another ckptc solver at the same budget: {'; '.join(a['auto_beaten'])}."
+            )
         if a["infeasible"]:
             lines.append(f"* infeasible (InfeasibleBudgetError): {', '.join(a['infeasible'])}.")
         grouped: dict[tuple[str, str], list[str]] = {}
@@ -335,22 +417,33 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
     if headline:
         lines += ["", headline_markdown(headline, level=2)]
     if rock:
-        lines += ["", "## Rockmate", "", f"{rock.get('note')}",
-                  f"Run-time check: `import rockmate` -> {rock.get('import_error') or 'ok'}."]
+        lines += [
+            "",
+            "## Rockmate",
+            "",
+            f"{rock.get('note')}",
+            f"Run-time check: `import rockmate` -> {rock.get('import_error') or 'ok'}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def headline_markdown(result: dict[str, Any], level: int = 1) -> str:
     h = "#" * level
     budget = result["budget_bytes"]
-    lines = [f"{h} Headline: longest sequence under {budget / 2**30:g} GiB", "",
-             "Doubling then bisection over sequence length; "
-             "a length fits when the step's peak is at most the budget.", ""]
+    lines = [
+        f"{h} Headline: longest sequence under {budget / 2**30:g} GiB",
+        "",
+        "Doubling then bisection over sequence length; a length fits when the step's peak is at most the budget.",
+        "",
+    ]
     for method, note in result.get("method_notes", {}).items():
         lines.append(f"* {method}: {note}")
-    lines += ["", "| model | no checkpointing | per-block checkpointing | ckptc "
-              "| ckptc verified (measured peak MiB, within budget) |",
-              "| --- | ---: | ---: | ---: | --- |"]
+    lines += [
+        "",
+        "| model | no checkpointing | per-block checkpointing | ckptc "
+        "| ckptc verified (measured peak MiB, within budget) |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
     for name, entry in result.get("models", {}).items():
         cells = []
         for method in ("none", "per_block", "ckptc"):
@@ -367,9 +460,14 @@ def headline_markdown(result: dict[str, Any], level: int = 1) -> str:
             cells.append(cell)
         v = entry.get("ckptc", {}).get("verified") or {}
         within = "yes" if v.get("within_budget") else "**no**"
-        vcell = (f"{mib(v.get('measured_peak_bytes'))} MiB, {within}, "
-                 f"recompute {v.get('recompute_pct_predicted', 0):.1f}% (predicted)"
-                 ) if "measured_peak_bytes" in v else v.get("error", "-")
+        vcell = (
+            (
+                f"{mib(v.get('measured_peak_bytes'))} MiB, {within}, "
+                f"recompute {v.get('recompute_pct_predicted', 0):.1f}% (predicted)"
+            )
+            if "measured_peak_bytes" in v
+            else v.get("error", "-")
+        )
         lines.append(f"| {name} | {' | '.join(cells)} | {vcell} |")
     if "seconds" in result:
         lines += ["", f"Total time: {result['seconds'] / 60:.1f} min."]

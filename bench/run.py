@@ -86,10 +86,23 @@ def size_for(name: str, size: str) -> str:
 class ModelBench:
     """Runs every alternative on one model and collects the points."""
 
-    def __init__(self, name: str, size: str, out: Path, *, reps: int = 3, point_timeout: float | None = 900,
-                 model_budget_s: float | None = None, ilp_time_limit: float = 30.0, dedupe: bool = True,
-                 alt_options: dict[str, Any] | None = None, seq_len: int | None = None, batch: int | None = None,
-                 resume: bool = False, file_suffix: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        size: str,
+        out: Path,
+        *,
+        reps: int = 3,
+        point_timeout: float | None = 900,
+        model_budget_s: float | None = None,
+        ilp_time_limit: float = 30.0,
+        dedupe: bool = True,
+        alt_options: dict[str, Any] | None = None,
+        seq_len: int | None = None,
+        batch: int | None = None,
+        resume: bool = False,
+        file_suffix: str = "",
+    ) -> None:
         self.name, self.out, self.reps = name, out, reps
         self.key = name + file_suffix  # results file name (a suffix keeps other sizes apart)
         self.size = size_for(name, size)
@@ -126,19 +139,39 @@ class ModelBench:
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.case = case = get_case(self.name, size=self.size, **self.case_kwargs)
-        shapes = {k: list(v.shape) for k, v in [(f"input{i}", t) for i, t in enumerate(case.example_inputs)]
-                  + list(case.example_kwargs.items())}
+        shapes = {
+            k: list(v.shape)
+            for k, v in [(f"input{i}", t) for i, t in enumerate(case.example_inputs)]
+            + list(case.example_kwargs.items())
+        }
         self.result = {
-            "model": self.key, "case": self.name, "size": self.size, "case_kwargs": self.case_kwargs,
+            "model": self.key,
+            "case": self.name,
+            "size": self.size,
+            "case_kwargs": self.case_kwargs,
             "input_shapes": shapes,
-            "parameters": case.num_parameters(), "torch": torch.__version__, "ckptc": ckptc.__version__,
-            "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                        "cpus": os.cpu_count(), "load_avg_start": loadavg()},
-            "settings": {"reps": self.reps, "rtol": RTOL, "atol": ATOL, "seed": SEED,
-                         "ilp_time_limit_s": self.ilp_time_limit, "dedupe": self.dedupe, **{
-                             k: list(v) if isinstance(v, tuple) else v for k, v in self.alt_options.items()}},
-            "rockmate": rockmate_status(), "source": provenance(),
-            "points": [], "notes": [],
+            "parameters": case.num_parameters(),
+            "torch": torch.__version__,
+            "ckptc": ckptc.__version__,
+            "machine": {
+                "platform": platform.platform(),
+                "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "load_avg_start": loadavg(),
+            },
+            "settings": {
+                "reps": self.reps,
+                "rtol": RTOL,
+                "atol": ATOL,
+                "seed": SEED,
+                "ilp_time_limit_s": self.ilp_time_limit,
+                "dedupe": self.dedupe,
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in self.alt_options.items()},
+            },
+            "rockmate": rockmate_status(),
+            "source": provenance(),
+            "points": [],
+            "notes": [],
         }
         self.log(f"size={self.size} {shapes} params={case.num_parameters() / 1e6:.2f}M")
 
@@ -154,11 +187,17 @@ class ModelBench:
         zero_grads(case.model)
         baseline = resident_bytes(case.model, case.example_inputs, case.example_kwargs)
         _, eager_peak = measure_peak(step, baseline_bytes=baseline)
-        self.result["eager"] = {"flops": tally.total, "peak_bytes": eager_peak.peak_bytes,
-                                "baseline_bytes": eager_peak.baseline_bytes, "first_step_s": first_s,
-                                "loss": float(ref_loss)}
-        self.log(f"eager: peak {fmt_mib(eager_peak.peak_bytes)} MiB, {tally.total / 1e9:.2f} GFLOP, "
-                 f"first step {first_s:.1f}s")
+        self.result["eager"] = {
+            "flops": tally.total,
+            "peak_bytes": eager_peak.peak_bytes,
+            "baseline_bytes": eager_peak.baseline_bytes,
+            "first_step_s": first_s,
+            "loss": float(ref_loss),
+        }
+        self.log(
+            f"eager: peak {fmt_mib(eager_peak.peak_bytes)} MiB, {tally.total / 1e9:.2f} GFLOP, "
+            f"first step {first_s:.1f}s"
+        )
 
         # probe: capture the step once with ckptc for the budget range and the offline decisions
         self.sweep: Sweep | None = None
@@ -166,12 +205,17 @@ class ModelBench:
             captured = capture_step(case)
             self.sweep = Sweep(captured, time_limit=self.ilp_time_limit)
             self.result["probe"] = captured.to_dict()
-            self.log(f"probe: {captured.graphs} graph(s), unoptimized {fmt_mib(captured.unoptimized_peak_bytes)} "
-                     f"MiB, smallest feasible {fmt_mib(captured.floor_bytes)} MiB, capture {captured.capture_s:.1f}s")
+            self.log(
+                f"probe: {captured.graphs} graph(s), unoptimized {fmt_mib(captured.unoptimized_peak_bytes)} "
+                f"MiB, smallest feasible {fmt_mib(captured.floor_bytes)} MiB, capture {captured.capture_s:.1f}s"
+            )
         except Exception as error:  # noqa: BLE001
             self.log(f"probe failed: {error_text(error)}")
-            self.result["probe"] = {"status": "error", "error": error_text(error),
-                                    "traceback": traceback.format_exc(limit=-6)}
+            self.result["probe"] = {
+                "status": "error",
+                "error": error_text(error),
+                "traceback": traceback.format_exc(limit=-6),
+            }
         self.save()
 
         probe = self.result["probe"]
@@ -191,24 +235,41 @@ class ModelBench:
         designated = max(ckptc_alts, key=lambda a: a.budget_bytes or 0) if ckptc_alts else None
         for alt in alts:
             if probe_failed and alt.family in ("ckptc", "ckptc_strategy") and alt is not designated:
-                self.add({**alt.to_dict(), "status": "skipped",
-                          "reason": f"ckptc's capture of the step failed: {probe.get('error')}"})
+                self.add(
+                    {
+                        **alt.to_dict(),
+                        "status": "skipped",
+                        "reason": f"ckptc's capture of the step failed: {probe.get('error')}",
+                    }
+                )
                 continue
             elapsed = time.perf_counter() - self.started
             if self.model_budget_s is not None and elapsed > self.model_budget_s:
-                self.add({**alt.to_dict(), "status": "skipped",
-                          "reason": f"model time budget of {self.model_budget_s:.0f} s used up"})
+                self.add(
+                    {
+                        **alt.to_dict(),
+                        "status": "skipped",
+                        "reason": f"model time budget of {self.model_budget_s:.0f} s used up",
+                    }
+                )
                 continue
             self.add(self.point(alt))
         # ckptc at exactly the peaks the hand-written alternatives measured: the like-for-like
         # comparison (recompute and step time at the same memory), interleaved in this run.
         for family, name in (("ckpt_every", "per-block"), ("ckpt_every_other", "every-other-block")):
-            reference = next((p for p in self.result["points"]
-                              if p.get("family") == family and p.get("status") == "ok"), None)
+            reference = next(
+                (p for p in self.result["points"] if p.get("family") == family and p.get("status") == "ok"), None
+            )
             if reference is None or probe_failed:
                 continue
-            alt = Alternative("ckptc", f"ckptc auto @{name} peak", solver="auto", budget_bytes=reference["peak_bytes"],
-                              budget_kind="matched", compiled=True)
+            alt = Alternative(
+                "ckptc",
+                f"ckptc auto @{name} peak",
+                solver="auto",
+                budget_bytes=reference["peak_bytes"],
+                budget_kind="matched",
+                compiled=True,
+            )
             self.add({**self.point(alt), "matched_to": family})
         self.result["total_seconds"] = time.perf_counter() - t0
         self.result["machine"]["load_avg_end"] = loadavg()
@@ -220,10 +281,12 @@ class ModelBench:
         self.save()
         status = point["status"]
         if status == "ok":
-            self.log(f"{point['label']:<38} peak {fmt_mib(point['peak_bytes']):>8} MiB  recompute "
-                     f"{point['recompute_pct']:6.2f}%  time x{point.get('time_ratio', float('nan')):.2f}  "
-                     f"match={point['matches_eager']}"
-                     + (f"  (= {point['same_plan_as']})" if point.get("same_plan_as") else ""))
+            self.log(
+                f"{point['label']:<38} peak {fmt_mib(point['peak_bytes']):>8} MiB  recompute "
+                f"{point['recompute_pct']:6.2f}%  time x{point.get('time_ratio', float('nan')):.2f}  "
+                f"match={point['matches_eager']}"
+                + (f"  (= {point['same_plan_as']})" if point.get("same_plan_as") else "")
+            )
         else:
             self.log(f"{point['label']:<38} {status}: {point.get('reason') or point.get('error')}")
 
@@ -241,16 +304,22 @@ class ModelBench:
             decision = sweep.decide(alt)
             point["offline_solve_s"] = decision.seconds
             if decision.kind == "infeasible":
-                return {**point, "status": "infeasible", "reason": error_text(decision.error),
-                        "min_feasible_bytes": getattr(decision.error, "min_feasible_bytes", None)}
+                return {
+                    **point,
+                    "status": "infeasible",
+                    "reason": error_text(decision.error),
+                    "min_feasible_bytes": getattr(decision.error, "min_feasible_bytes", None),
+                }
             if earlier is not None and decision.plan is None:
                 return {**earlier, "resumed": True}
             if decision.kind == "error" and isinstance(decision.error, solvers.SolverError):
                 # the same solver on the same capture would raise the same at the first step
                 return {**point, "status": "error", "error": error_text(decision.error), "decided": "offline"}
             if decision.plan is not None:
-                point.update(offline_predicted_peak_bytes=decision.plan.predicted_peak_bytes,
-                             offline_method=decision.plan.graphs[0].plan.method)
+                point.update(
+                    offline_predicted_peak_bytes=decision.plan.predicted_peak_bytes,
+                    offline_method=decision.plan.graphs[0].plan.method,
+                )
                 signature = decision.signature
                 if earlier is not None:  # measured in an earlier run: register it for dedupe, do not rerun
                     if earlier.get("status") == "ok" and not earlier.get("same_plan_as"):
@@ -259,8 +328,9 @@ class ModelBench:
                 shared = sweep.shared(signature, point)
                 if shared is not None:
                     return shared
-        result = run_point(alt, point, self.reference, reps=self.reps, time_limit=self.ilp_time_limit,
-                           point_timeout=self.point_timeout)
+        result = run_point(
+            alt, point, self.reference, reps=self.reps, time_limit=self.ilp_time_limit, point_timeout=self.point_timeout
+        )
         if sweep is not None and signature is not None and result.get("status") == "ok":
             sweep.measured[signature] = result
         return result
@@ -310,15 +380,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="interleaved timing repetitions (median)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--override", nargs="*", default=[], metavar="MODEL:KEY=VALUE",
-                   help="per-model seq_len/batch, e.g. gpt2:batch=1 enformer:seq_len=16384")
+    p.add_argument(
+        "--override",
+        nargs="*",
+        default=[],
+        metavar="MODEL:KEY=VALUE",
+        help="per-model seq_len/batch, e.g. gpt2:batch=1 enformer:seq_len=16384",
+    )
     p.add_argument("--model-minutes", type=float, default=None, help="skip a model's remaining points after this")
     p.add_argument("--point-timeout", type=float, default=900.0)
     p.add_argument("--ilp-time-limit", type=float, default=30.0)
     p.add_argument("--no-dedupe", action="store_true", help="run every ckptc point even if its plan was measured")
     p.add_argument("--file-suffix", default="", help="append to result file names, e.g. _long")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the points of <out>/<model>.json (same shapes) and run only those skipped or missing")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the points of <out>/<model>.json (same shapes) and run only those skipped or missing",
+    )
     return p.parse_args(argv)
 
 
@@ -343,15 +421,21 @@ def main(argv: list[str] | None = None) -> int:
     alt_options: dict[str, Any] = {
         "fractions": _fractions(n_budgets),
         "below": {0: (), 1: (0.5,), 2: (0.5, 0.85)}.get(n_below, (0.3, 0.6, 0.9)),
-        "aot_budgets": (tuple(args.aot_budgets) if args.aot_budgets is not None
-                        else ((0.0, 0.5, 1.0) if args.quick else (0.0, 0.25, 0.5, 0.75, 1.0))),
+        "aot_budgets": (
+            tuple(args.aot_budgets)
+            if args.aot_budgets is not None
+            else ((0.0, 0.5, 1.0) if args.quick else (0.0, 0.25, 0.5, 0.75, 1.0))
+        ),
     }
     if args.solvers:
         alt_options["solvers"] = tuple(args.solvers)
     if args.strategies is not None:
         alt_options["strategies"] = tuple(args.strategies)
-    print(f"bench.run: models {' '.join(models)}, size {size}, out {out}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+    print(
+        f"bench.run: models {' '.join(models)}, size {size}, out {out}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
     overrides: dict[str, dict[str, int]] = {}
     for item in args.override:
         model_name, _, setting = item.partition(":")
@@ -361,11 +445,21 @@ def main(argv: list[str] | None = None) -> int:
         overrides.setdefault(model_name, {})[key] = int(value)
     for name in models:
         shape = {"seq_len": args.seq_len, "batch": args.batch, **overrides.get(name, {})}
-        bench = ModelBench(name, size, out, reps=args.reps, point_timeout=args.point_timeout,
-                           model_budget_s=None if args.model_minutes is None else args.model_minutes * 60,
-                           ilp_time_limit=args.ilp_time_limit, dedupe=not args.no_dedupe, alt_options=alt_options,
-                           seq_len=shape["seq_len"], batch=shape["batch"], resume=args.resume,
-                           file_suffix=args.file_suffix)
+        bench = ModelBench(
+            name,
+            size,
+            out,
+            reps=args.reps,
+            point_timeout=args.point_timeout,
+            model_budget_s=None if args.model_minutes is None else args.model_minutes * 60,
+            ilp_time_limit=args.ilp_time_limit,
+            dedupe=not args.no_dedupe,
+            alt_options=alt_options,
+            seq_len=shape["seq_len"],
+            batch=shape["batch"],
+            resume=args.resume,
+            file_suffix=args.file_suffix,
+        )
         try:
             result = bench.run()
         except Exception as error:  # noqa: BLE001 - one model failing must not lose the others

@@ -25,9 +25,23 @@ from bench.points import reset_compiler_state, timed
 from tests.zoo import ModelCase
 
 #: Fields of a measured point that a point with the same plan shares.
-SHARED_FIELDS = ("peak_bytes", "baseline_bytes", "flops", "recompute_pct", "time_ratio", "time_s", "eager_time_s",
-                 "matches_eager", "loss_equal", "grads_equal", "grad_max_abs_diff", "predicted_peak_bytes",
-                 "predicted_recompute_pct", "kept", "recomputed")
+SHARED_FIELDS = (
+    "peak_bytes",
+    "baseline_bytes",
+    "flops",
+    "recompute_pct",
+    "time_ratio",
+    "time_s",
+    "eager_time_s",
+    "matches_eager",
+    "loss_equal",
+    "grads_equal",
+    "grad_max_abs_diff",
+    "predicted_peak_bytes",
+    "predicted_recompute_pct",
+    "kept",
+    "recomputed",
+)
 
 
 @dataclass
@@ -43,9 +57,15 @@ class Probe:
     predicted_step_flops: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": "ok", "capture_s": self.capture_s, "graphs": self.graphs, "nodes": self.nodes,
-                "unoptimized_peak_bytes": self.unoptimized_peak_bytes, "min_feasible_bytes": self.floor_bytes,
-                "predicted_step_flops": self.predicted_step_flops}
+        return {
+            "status": "ok",
+            "capture_s": self.capture_s,
+            "graphs": self.graphs,
+            "nodes": self.nodes,
+            "unoptimized_peak_bytes": self.unoptimized_peak_bytes,
+            "min_feasible_bytes": self.floor_bytes,
+            "predicted_step_flops": self.predicted_step_flops,
+        }
 
 
 @dataclass
@@ -92,8 +112,12 @@ class Sweep:
         first = self.measured.get(signature)
         if first is None:
             return None
-        return {**point, **{k: first[k] for k in SHARED_FIELDS if k in first}, "status": "ok",
-                "same_plan_as": first["label"]}
+        return {
+            **point,
+            **{k: first[k] for k in SHARED_FIELDS if k in first},
+            "status": "ok",
+            "same_plan_as": first["label"],
+        }
 
 
 def capture_step(case: ModelCase) -> Probe:
@@ -102,9 +126,15 @@ def capture_step(case: ModelCase) -> Probe:
     model = copy.deepcopy(case.model)
     step, seconds = timed(lambda: ckptc.capture(model, case.example_inputs, case.example_kwargs, loss_fn=case.loss))
     unoptimized = step.plan(strategy="none")
-    result = Probe(step=step, capture_s=seconds, graphs=step.graphs, nodes=[len(r.problem) for r in step.records],
-                   floor_bytes=step.floor_bytes, unoptimized_peak_bytes=step.unoptimized_peak_bytes,
-                   predicted_step_flops=unoptimized.step_flops)
+    result = Probe(
+        step=step,
+        capture_s=seconds,
+        graphs=step.graphs,
+        nodes=[len(r.problem) for r in step.records],
+        floor_bytes=step.floor_bytes,
+        unoptimized_peak_bytes=step.unoptimized_peak_bytes,
+        predicted_step_flops=unoptimized.step_flops,
+    )
     reset_compiler_state()
     return result
 

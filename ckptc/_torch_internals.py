@@ -219,8 +219,12 @@ def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> None:
 def unmark_dynamic(tensor: torch.Tensor) -> None:
     """Undo :func:`mark_dynamic` on every dimension of ``tensor`` (marks live on the tensor object,
     so a tensor passed again would keep its dimensions dynamic)."""
-    for attribute in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides",
-                      "_has_dynamo_dim_marking"):
+    for attribute in (
+        "_dynamo_dynamic_indices",
+        "_dynamo_dynamic_range",
+        "_dynamo_hint_overrides",
+        "_has_dynamo_dim_marking",
+    ):
         if attribute in tensor.__dict__:
             delattr(tensor, attribute)
 
@@ -276,11 +280,7 @@ def aot_backend(
 
         # Random ops stay whole (and run eagerly, see inductor_compile) so they draw
         # exactly the numbers eager PyTorch draws.
-        extra["decompositions"] |= {
-            op: fn
-            for op, fn in select_decomp_table().items()
-            if not is_random_op(op)
-        }
+        extra["decompositions"] |= {op: fn for op, fn in select_decomp_table().items() if not is_random_op(op)}
     backend = _aot_autograd(
         fw_compiler=fw_compiler,
         bw_compiler=bw_compiler,
@@ -296,8 +296,9 @@ def aot_backend(
         from torch._functorch import config as functorch_config
         from torch._inductor import config as inductor_config
 
-        with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
-            fx_graph_cache=False, fx_graph_remote_cache=False
+        with (
+            functorch_config.patch(enable_autograd_cache=False),
+            inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
         ):
             return backend(gm, example_inputs)
 

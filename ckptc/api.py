@@ -26,6 +26,7 @@ from ckptc.step import ForwardState, StepRuntime
 
 log = logging.getLogger("ckptc.api")
 
+
 class OptimizedModule(torch.nn.Module):
     """``model`` with activation checkpointing planned for a memory budget.
 
@@ -39,8 +40,9 @@ class OptimizedModule(torch.nn.Module):
     options and plan again on their first training call.
     """
 
-    def __init__(self, model: torch.nn.Module, compiler: CheckpointCompiler, *, verify: bool = True,
-                 max_plans: int = 8) -> None:
+    def __init__(
+        self, model: torch.nn.Module, compiler: CheckpointCompiler, *, verify: bool = True, max_plans: int = 8
+    ) -> None:
         super().__init__()
         # Share the registries instead of registering `model` as a child, so
         # parameter names and state_dict keys stay exactly the model's.
@@ -73,9 +75,7 @@ class OptimizedModule(torch.nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         options = state.pop("_ckptc_options", {})
         self.__dict__.update(state)
-        object.__setattr__(
-            self, "_ckptc_runtime", StepRuntime(self._ckptc_model, self._ckptc_compiler, **options)
-        )
+        object.__setattr__(self, "_ckptc_runtime", StepRuntime(self._ckptc_model, self._ckptc_compiler, **options))
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -109,9 +109,7 @@ class OptimizedModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._ckptc_model
-        if not torch.is_grad_enabled() or not model.training or not any(
-            p.requires_grad for p in model.parameters()
-        ):
+        if not torch.is_grad_enabled() or not model.training or not any(p.requires_grad for p in model.parameters()):
             return model(*args, **kwargs)
         check_call_order(self)
         return self._ckptc_runtime.call(args, kwargs)
@@ -212,8 +210,7 @@ def _check_model(model: Any) -> None:
     check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
-            f"{type(model).__name__} has no trainable parameters (none requires grad); "
-            "there is nothing to checkpoint"
+            f"{type(model).__name__} has no trainable parameters (none requires grad); there is nothing to checkpoint"
         )
 
 
@@ -318,8 +315,4 @@ def _default_loss(output: Any) -> torch.Tensor:
         output = output[0]
     if isinstance(output, torch.Tensor):
         return output.float().sum()
-    raise TypeError(
-        f"cannot derive a loss from a {type(output).__name__}; pass loss_fn=... to ckptc.plan"
-    )
-
-
+    raise TypeError(f"cannot derive a loss from a {type(output).__name__}; pass loss_fn=... to ckptc.plan")

@@ -63,9 +63,7 @@ def backend(
     return CheckpointCompiler(checked, model=model, plan_source=source, progress=progress)
 
 
-def ckptc_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
-) -> Callable:
+def ckptc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable:
     """The ``backend="ckptc"`` entry point: plans each graph under ``options``."""
     options = options or {}
     entry = _compilers.get(id(options))

@@ -178,8 +178,11 @@ def load_workload(spec: str) -> Workload:
         factory: Any = module
         for part in factory_name.split("."):
             if not hasattr(factory, part):
-                available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                                   and getattr(v, "__module__", None) == module.__name__)
+                available = sorted(
+                    n
+                    for n, v in vars(module).items()
+                    if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
+                )
                 hint = f"; functions defined there: {', '.join(available)}" if available else ""
                 raise CliError(f"{path} has no '{factory_name}'{hint}")
             factory = getattr(factory, part)
@@ -230,8 +233,11 @@ def workload_from(result: Any, spec: str) -> Workload:
         raise CliError(f"{spec}: example_kwargs is a {type(kwargs).__name__}; expected a dict of keyword arguments")
     if loss is not None and not callable(loss):
         raise CliError(f"{spec}: loss is a {type(loss).__name__}; expected a function of the model output")
-    name = str(getattr(result, "name", "") or (result.get("name", "") if isinstance(result, Mapping) else "")
-               or type(model).__name__)
+    name = str(
+        getattr(result, "name", "")
+        or (result.get("name", "") if isinstance(result, Mapping) else "")
+        or type(model).__name__
+    )
     return Workload(name, model, tuple(inputs), dict(kwargs), loss)
 
 
@@ -291,29 +297,55 @@ def budget_from(args: argparse.Namespace) -> int | None:
 def _add_common(parser: argparse.ArgumentParser, *, top_level: bool = False) -> None:
     # Subcommands must not reset a top-level "-v" to False (argparse copies
     # subparser defaults over the namespace), hence SUPPRESS below the top.
-    parser.add_argument("-v", "--verbose", action="store_true", default=False if top_level else argparse.SUPPRESS,
-                        help="log what ckptc does and show tracebacks of errors")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if top_level else argparse.SUPPRESS,
+        help="log what ckptc does and show tracebacks of errors",
+    )
 
 
 def _add_budget(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--budget-gb", type=budget_gb_type, metavar="GIB",
-                       help="peak memory of one training step in GiB (parameters, gradients, activations)")
+    group.add_argument(
+        "--budget-gb",
+        type=budget_gb_type,
+        metavar="GIB",
+        help="peak memory of one training step in GiB (parameters, gradients, activations)",
+    )
     group.add_argument("--budget-bytes", type=budget_bytes_type, metavar="N", help="the same budget in bytes")
 
 
 def _add_planning(parser: argparse.ArgumentParser, *, solver: bool = True) -> None:
     if solver:
-        parser.add_argument("--solver", default="auto", choices=list(solvers.METHODS),
-                            help="solver for --strategy auto (default: auto)")
-        parser.add_argument("--strategy", default="auto", choices=sorted(STRATEGY_NAMES),
-                            help="auto: a solver under the budget; none: keep everything; layer: per-block; "
-                                 "segment: Chen's sqrt(n); selective: Megatron-style (default: auto)")
-    parser.add_argument("--must-save", nargs="+", action="extend", default=[], metavar="PAT",
-                        help="stable-name patterns to always keep, e.g. 'transformer.h.*.attn.*' "
-                             "(give FILE.py:FACTORY before the patterns)")
-    parser.add_argument("--must-recompute", nargs="+", action="extend", default=[], metavar="PAT",
-                        help="stable-name patterns to always recompute, e.g. '*.softmax*'")
+        parser.add_argument(
+            "--solver", default="auto", choices=list(solvers.METHODS), help="solver for --strategy auto (default: auto)"
+        )
+        parser.add_argument(
+            "--strategy",
+            default="auto",
+            choices=sorted(STRATEGY_NAMES),
+            help="auto: a solver under the budget; none: keep everything; layer: per-block; "
+            "segment: Chen's sqrt(n); selective: Megatron-style (default: auto)",
+        )
+    parser.add_argument(
+        "--must-save",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="PAT",
+        help="stable-name patterns to always keep, e.g. 'transformer.h.*.attn.*' "
+        "(give FILE.py:FACTORY before the patterns)",
+    )
+    parser.add_argument(
+        "--must-recompute",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="PAT",
+        help="stable-name patterns to always recompute, e.g. '*.softmax*'",
+    )
 
 
 FACTORY_HELP = "a function in FILE.py returning the model and example inputs, e.g. models.py:make_model"
@@ -325,46 +357,63 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Plan and inspect activation checkpointing for a PyTorch training step.",
         epilog="FILE.py:FACTORY names a function returning (model, example_inputs[, example_kwargs]), "
-               "a dict or an object with model/example_inputs/example_kwargs/loss.",
+        "a dict or an object with model/example_inputs/example_kwargs/loss.",
     )
     _add_common(parser, top_level=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
 
-    plan = commands.add_parser("plan", help="plan a model under a budget and save the plan as JSON",
-                               description="Plan one training step of FACTORY's model under the budget and "
-                                           "write the plan file; prints a one-line summary.")
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model under a budget and save the plan as JSON",
+        description="Plan one training step of FACTORY's model under the budget and "
+        "write the plan file; prints a one-line summary.",
+    )
     plan.add_argument("factory", metavar="FILE.py:FACTORY", help=FACTORY_HELP)
     _add_budget(plan)
     _add_planning(plan)
-    plan.add_argument("-o", "--output", default="plan.json", metavar="PLAN.json",
-                      help="where to write the plan (default: plan.json)")
+    plan.add_argument(
+        "-o", "--output", default="plan.json", metavar="PLAN.json", help="where to write the plan (default: plan.json)"
+    )
     _add_common(plan)
 
-    show = commands.add_parser("show", help="print a plan file as a table per module",
-                               description="Print what a plan keeps and recomputes, per module, and a summary.")
+    show = commands.add_parser(
+        "show",
+        help="print a plan file as a table per module",
+        description="Print what a plan keeps and recomputes, per module, and a summary.",
+    )
     show.add_argument("plan_file", metavar="PLAN.json")
     _add_common(show)
 
-    report_ = commands.add_parser("report", help="plot predicted and measured memory over one step",
-                                  description="Plan under the budget, run one step with and without the plan, "
-                                              "plot memory over the step (predicted and measured, with the "
-                                              "budget) and print predicted against measured peak.")
+    report_ = commands.add_parser(
+        "report",
+        help="plot predicted and measured memory over one step",
+        description="Plan under the budget, run one step with and without the plan, "
+        "plot memory over the step (predicted and measured, with the "
+        "budget) and print predicted against measured peak.",
+    )
     report_.add_argument("factory", metavar="FILE.py:FACTORY", help=FACTORY_HELP)
     _add_budget(report_)
     _add_planning(report_)
-    report_.add_argument("--plot", default="memory.png", metavar="PNG",
-                         help="image to write (default: memory.png)")
+    report_.add_argument("--plot", default="memory.png", metavar="PNG", help="image to write (default: memory.png)")
     _add_common(report_)
 
-    pareto = commands.add_parser("pareto", help="plot recompute overhead against peak memory per solver",
-                                 description="Plan under budgets from the smallest feasible to the unoptimized "
-                                             "peak with each solver; print the points and plot recompute "
-                                             "(%% of step FLOPs) against predicted peak.")
+    pareto = commands.add_parser(
+        "pareto",
+        help="plot recompute overhead against peak memory per solver",
+        description="Plan under budgets from the smallest feasible to the unoptimized "
+        "peak with each solver; print the points and plot recompute "
+        "(%% of step FLOPs) against predicted peak.",
+    )
     pareto.add_argument("factory", metavar="FILE.py:FACTORY", help=FACTORY_HELP)
-    pareto.add_argument("--solvers", nargs="+", default=list(report.DEFAULT_PARETO_SOLVERS),
-                        choices=list(solvers.METHODS), metavar="SOLVER",
-                        help=f"solvers to compare, from {', '.join(solvers.METHODS)} "
-                             f"(default: {' '.join(report.DEFAULT_PARETO_SOLVERS)})")
+    pareto.add_argument(
+        "--solvers",
+        nargs="+",
+        default=list(report.DEFAULT_PARETO_SOLVERS),
+        choices=list(solvers.METHODS),
+        metavar="SOLVER",
+        help=f"solvers to compare, from {', '.join(solvers.METHODS)} "
+        f"(default: {' '.join(report.DEFAULT_PARETO_SOLVERS)})",
+    )
     pareto.add_argument("--points", type=positive_int_type, default=6, help="budgets per solver (default: 6)")
     _add_planning(pareto, solver=False)
     pareto.add_argument("--plot", default="pareto.png", metavar="PNG", help="image to write (default: pareto.png)")
@@ -386,8 +435,9 @@ class ProgressLine:
     short.
     """
 
-    def __init__(self, stream: TextIO | None = None, *, delay: float = 2.0, label: str = PROG,
-                 min_interval: float = 0.1) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, *, delay: float = 2.0, label: str = PROG, min_interval: float = 0.1
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.delay = delay
         self.min_interval = min_interval
@@ -467,9 +517,15 @@ def command_plan(args: argparse.Namespace, out: TextIO) -> int:
     workload = load_workload(args.factory)
     progress = ProgressLine()
     try:
-        model_plan = ckptc.plan(workload.model, workload.example_inputs, workload.example_kwargs,
-                                budget_bytes=budget_from(args), loss_fn=workload.loss_fn, progress=progress,
-                                **options)
+        model_plan = ckptc.plan(
+            workload.model,
+            workload.example_inputs,
+            workload.example_kwargs,
+            budget_bytes=budget_from(args),
+            loss_fn=workload.loss_fn,
+            progress=progress,
+            **options,
+        )
     finally:
         progress.finish()
     model_plan.save(output)
@@ -501,9 +557,15 @@ def command_report(args: argparse.Namespace, out: TextIO) -> int:
     budget = budget_from(args)
     progress = ProgressLine()
     try:
-        timelines = report.memory_timelines(workload.model, workload.example_inputs, workload.example_kwargs,
-                                            budget_bytes=budget, loss_fn=workload.loss_fn, progress=progress,
-                                            **options)
+        timelines = report.memory_timelines(
+            workload.model,
+            workload.example_inputs,
+            workload.example_kwargs,
+            budget_bytes=budget,
+            loss_fn=workload.loss_fn,
+            progress=progress,
+            **options,
+        )
     finally:
         progress.finish()
     report.memory_timeline_plot(timelines, output, title=f"{workload.name}: memory over one training step")
@@ -512,17 +574,24 @@ def command_report(args: argparse.Namespace, out: TextIO) -> int:
         measured = timelines.get(optimized=optimized, measured=True)
         line = f"{label:<12} predicted peak {format_bytes(predicted.peak_bytes) if predicted else '?'}"
         if predicted and measured:
-            line += (f", measured peak {format_bytes(measured.peak_bytes)} "
-                     f"({report.relative_difference(measured.peak_bytes, predicted.peak_bytes)})")
+            line += (
+                f", measured peak {format_bytes(measured.peak_bytes)} "
+                f"({report.relative_difference(measured.peak_bytes, predicted.peak_bytes)})"
+            )
         print(line, file=out)
     budget_text = "none" if budget is None else format_bytes(budget)
     plan_measured = timelines.get(optimized=True, measured=True)
     verdict = ""
     if budget is not None and plan_measured is not None:
-        verdict = "; measured peak is within the budget" if plan_measured.peak_bytes <= budget else \
-            "; measured peak EXCEEDS the budget"
-    print(f"budget {budget_text}, recompute {timelines.model_plan.recompute_percent:.1f}% of step FLOPs{verdict}",
-          file=out)
+        verdict = (
+            "; measured peak is within the budget"
+            if plan_measured.peak_bytes <= budget
+            else "; measured peak EXCEEDS the budget"
+        )
+    print(
+        f"budget {budget_text}, recompute {timelines.model_plan.recompute_percent:.1f}% of step FLOPs{verdict}",
+        file=out,
+    )
     print(f"wrote {output}", file=out)
     return EXIT_OK
 
@@ -535,14 +604,24 @@ def command_pareto(args: argparse.Namespace, out: TextIO) -> int:
     # The sweep as a whole is the long operation worth a progress line.
     progress = ProgressLine(label=f"{PROG} pareto")
     try:
-        result = report.pareto_points(workload.model, workload.example_inputs, workload.example_kwargs,
-                                      loss_fn=workload.loss_fn, solver_names=args.solvers, points=args.points,
-                                      progress=progress, **options)
+        result = report.pareto_points(
+            workload.model,
+            workload.example_inputs,
+            workload.example_kwargs,
+            loss_fn=workload.loss_fn,
+            solver_names=args.solvers,
+            points=args.points,
+            progress=progress,
+            **options,
+        )
     finally:
         progress.finish()
     print(report.pareto_table(result), file=out)
-    print(f"smallest feasible {format_bytes(result.min_feasible_bytes)}, "
-          f"unoptimized peak {format_bytes(result.unoptimized_peak_bytes)}", file=out)
+    print(
+        f"smallest feasible {format_bytes(result.min_feasible_bytes)}, "
+        f"unoptimized peak {format_bytes(result.unoptimized_peak_bytes)}",
+        file=out,
+    )
     report.pareto_plot(result, output, title=f"{workload.name}: recompute against peak memory")
     print(f"wrote {output}", file=out)
     return EXIT_OK

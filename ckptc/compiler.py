@@ -105,13 +105,19 @@ class CheckpointCompiler:
 
     def spawn(self, **changes: Any) -> "CheckpointCompiler":
         """A fresh compiler with this one's options (and ``changes`` to them), no graphs planned."""
-        return CheckpointCompiler(self.options.replace(**changes), model=self.model, plan_source=self.plan_source,
-                                  progress=self.progress)
+        return CheckpointCompiler(
+            self.options.replace(**changes), model=self.model, plan_source=self.plan_source, progress=self.progress
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # Planned graphs hold FX graphs and fake tensors: keep only the options.
-        return {"options": self.options, "model": self.model, "plan_source": self.plan_source,
-                "progress": self.progress, "track_steps": self.track_steps}
+        return {
+            "options": self.options,
+            "model": self.model,
+            "plan_source": self.plan_source,
+            "progress": self.progress,
+            "track_steps": self.track_steps,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         track = state.pop("track_steps", False)
@@ -147,6 +153,7 @@ class CheckpointCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
+
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
             outside, input_ids = self._bytes_outside_graph(example_inputs)
             parts = self.partition(joint, outside=outside, input_ids=input_ids, **kw)
@@ -200,9 +207,7 @@ class CheckpointCompiler:
         state = resident_bytes(*params.values(), *self.model.buffers())
         in_graph = resident_bytes(*[t for t in graph_tensors if id(t) in state_ids])
         seen = set(graph_ids).union(*(r.input_ids for r in self.active))
-        later_grads = sum(
-            local_nbytes(p) for i, p in params.items() if p.requires_grad and i not in seen
-        )
+        later_grads = sum(local_nbytes(p) for i, p in params.items() if p.requires_grad and i not in seen)
         return max(0, state - in_graph) + later_grads, graph_ids
 
     # -- the partitioner --------------------------------------------------
@@ -239,8 +244,16 @@ class CheckpointCompiler:
             policies=policies,
             hold_outputs=self.options.hold_outputs,
         )
-        record = decide(jp, self.options, index=len(self.records), earlier=self.active,
-                        plan_source=self.plan_source, progress=self.progress, input_ids=input_ids, started=start)
+        record = decide(
+            jp,
+            self.options,
+            index=len(self.records),
+            earlier=self.active,
+            plan_source=self.plan_source,
+            progress=self.progress,
+            input_ids=input_ids,
+            started=start,
+        )
         self.records.append(record)
         self._just_planned = record
         steps = solvers.schedule(jp.problem, record.plan)

@@ -113,9 +113,7 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
         alias_of = None
         if alias_root is not None:
             # Name the argument this node views (the simulator follows the chain).
-            alias_of = next(
-                (n.name for n in inputs if root_of.get(n.name) == alias_root), None
-            )
+            alias_of = next((n.name for n in inputs if root_of.get(n.name) == alias_root), None)
         root_of[node.name] = root_of.get(alias_of, alias_of) if alias_of else node.name
         module = _module_path(node)
         op_name = _op_name(node)
@@ -171,9 +169,7 @@ def is_random(node: fx.Node) -> bool:
     return is_random_op(node.target)
 
 
-def _storage_bytes(
-    node: fx.Node, storage_owner: dict[Hashable, str]
-) -> tuple[int, str | None]:
+def _storage_bytes(node: fx.Node, storage_owner: dict[Hashable, str]) -> tuple[int, str | None]:
     """Bytes of storage first allocated by ``node``, and the node it aliases.
 
     Storage identity of the fake tensors decides aliasing, so every view op is
@@ -394,9 +390,12 @@ def measure_scratch(joint: fx.GraphModule) -> int:
     labels: dict[str, list[fx.Node]] = {}
     # Random ops (dropout allocates a temporary mask) run too; fork_rng keeps the
     # program's random stream as it was.
-    with outside_fake_mode(), torch.random.fork_rng(devices=[]), quiet_profiler(), profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
+    with (
+        outside_fake_mode(),
+        torch.random.fork_rng(devices=[]),
+        quiet_profiler(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         for i, nodes in enumerate(by_signature.values()):
             node = nodes[0]
             try:
@@ -415,9 +414,7 @@ def measure_scratch(joint: fx.GraphModule) -> int:
             labels[label] = nodes
             del args, kwargs
     events = list(profiler_events(prof))
-    windows = sorted(
-        (e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels
-    )
+    windows = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels)
     memory = sorted(
         (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     )

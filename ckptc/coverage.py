@@ -77,9 +77,13 @@ def refuse_before_capture(model: torch.nn.Module) -> None:
             )
         if rnn.training and rnn not in _told_unrolled:
             _told_unrolled.add(rnn)
-            log.warning("ckptc captures %s '%s' unrolled over its time steps: gradients equal eager, but capture "
-                        "and planning grow with the sequence length and each step runs slower than PyTorch's "
-                        "fused RNN kernel.", type(rnn).__name__, name)
+            log.warning(
+                "ckptc captures %s '%s' unrolled over its time steps: gradients equal eager, but capture "
+                "and planning grow with the sequence length and each step runs slower than PyTorch's "
+                "fused RNN kernel.",
+                type(rnn).__name__,
+                name,
+            )
 
 
 def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager: EagerForward | None = None) -> None:
@@ -113,9 +117,10 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager:
             )
 
 
-
 # -- the coverage report ------------------------------------------------------
 PARTIAL_COVERAGE_WARNING = 0.95  # warn when graphs cover less of the forward's FLOPs than this
+
+
 @dataclasses.dataclass
 class EagerForward:
     """The model's forward run once eagerly on a call that plans: the reference the graphs are compared to.
@@ -162,21 +167,28 @@ class EagerForward:
             raise RuntimeError("ckptc's coverage measurement keeps nothing for backward")
 
         called: set[str] = set()
-        hooks = [rnn.register_forward_pre_hook(lambda *_, name=name: called.add(name))
-                 for name, rnn in recurrent_modules(model)]
+        hooks = [
+            rnn.register_forward_pre_hook(lambda *_, name=name: called.add(name))
+            for name, rnn in recurrent_modules(model)
+        ]
         try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
-                    internals.observe_ops(count):
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                internals.observe_ops(count),
+            ):
                 model(*args, **kwargs)
         except Exception:
-            log.info("no coverage report for %s: its forward did not run under ckptc's op counter",
-                     type(model).__name__, exc_info=True)
+            log.info(
+                "no coverage report for %s: its forward did not run under ckptc's op counter",
+                type(model).__name__,
+                exc_info=True,
+            )
             return None
         finally:
             for hook in hooks:
                 hook.remove()
-        return cls(totals["flops"], totals["saved"], frozenset(called),
-                   _breaks_before=internals.graph_break_reasons())
+        return cls(totals["flops"], totals["saved"], frozenset(called), _breaks_before=internals.graph_break_reasons())
 
     def capture_ended(self, model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
         """Record the graph breaks Dynamo reported since :meth:`measure`; warn if the graphs
@@ -184,9 +196,13 @@ class EagerForward:
         self._record_breaks()
         report = Coverage.of(self, ran)
         if report.breaks and report.flops_share < PARTIAL_COVERAGE_WARNING:
-            log.warning("ckptc: %s's training step is split: %s. Code outside the graphs runs eagerly and "
-                        "unplanned (the measured check corrects the budget for it); removing the break moves "
-                        "it into a plan.", type(model).__name__, report.summary())
+            log.warning(
+                "ckptc: %s's training step is split: %s. Code outside the graphs runs eagerly and "
+                "unplanned (the measured check corrects the budget for it); removing the break moves "
+                "it into a plan.",
+                type(model).__name__,
+                report.summary(),
+            )
 
     def _record_breaks(self) -> None:
         after = internals.graph_break_reasons()
@@ -263,19 +279,25 @@ class Coverage:
             problem = r.problem
             flops = sum(r.joint_problem.node_cost(n).flops for n in r.joint_problem.graph_nodes(problem.forward_nodes))
             saved = unoptimized_result(r.joint_problem).kept_bytes
-            graphs.append(GraphCoverage(
-                index=r.index, forward_flops=flops, saved_bytes=saved,
-                flops_share=flops / eager.flops if eager.flops else 1.0,
-                memory_share=saved / eager.saved_bytes if eager.saved_bytes else 1.0,
-                data_dependent=any(internals.binds_unbacked_symbols(n) for n in r.joint_problem.nodes.values()),
-                break_after=r.break_after,
-            ))
+            graphs.append(
+                GraphCoverage(
+                    index=r.index,
+                    forward_flops=flops,
+                    saved_bytes=saved,
+                    flops_share=flops / eager.flops if eager.flops else 1.0,
+                    memory_share=saved / eager.saved_bytes if eager.saved_bytes else 1.0,
+                    data_dependent=any(internals.binds_unbacked_symbols(n) for n in r.joint_problem.nodes.values()),
+                    break_after=r.break_after,
+                )
+            )
         return cls(graphs, eager.flops, eager.saved_bytes, list(eager.breaks))
 
     def summary(self) -> str:
         """One line: graphs, shares, the most frequent break reason."""
-        text = (f"{len(self.graphs)} graph(s) cover {100 * self.flops_share:.0f}% of forward FLOPs and "
-                f"{100 * self.memory_share:.0f}% of activations")
+        text = (
+            f"{len(self.graphs)} graph(s) cover {100 * self.flops_share:.0f}% of forward FLOPs and "
+            f"{100 * self.memory_share:.0f}% of activations"
+        )
         if self.breaks:
             text += f"; {sum(n for _, n in self.breaks)} break(s), most often: {self.breaks[0][0]}"
         return text
@@ -283,9 +305,11 @@ class Coverage:
     def __str__(self) -> str:
         lines = [f"coverage: {self.summary()}"]
         for g in self.graphs:
-            lines.append(f"  graph {g.index}: {100 * g.flops_share:5.1f}% of forward FLOPs, "
-                         f"{100 * g.memory_share:5.1f}% of activations ({human_bytes(g.saved_bytes)})"
-                         + (", data-dependent sizes at their upper bound" if g.data_dependent else ""))
+            lines.append(
+                f"  graph {g.index}: {100 * g.flops_share:5.1f}% of forward FLOPs, "
+                f"{100 * g.memory_share:5.1f}% of activations ({human_bytes(g.saved_bytes)})"
+                + (", data-dependent sizes at their upper bound" if g.data_dependent else "")
+            )
             if g.break_after:
                 lines.append(f"    ends at a graph break: {g.break_after}")
         outside = max(0.0, 1.0 - self.flops_share)
@@ -300,8 +324,9 @@ def _short_reason(reason: str) -> str:
     """Dynamo's break message in one line: its title and its explanation."""
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
     title = lines[0] if lines else reason
-    explanation = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
-                        if line.startswith("Explanation:")), "")
+    explanation = next(
+        (line.removeprefix("Explanation:").strip() for line in lines[1:] if line.startswith("Explanation:")), ""
+    )
     text = f"{title}: {explanation}" if explanation else title
     return text if len(text) <= 240 else text[:237] + "..."
 

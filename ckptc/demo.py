@@ -52,16 +52,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--fraction", type=float, default=0.5,
-                        help="budget = smallest feasible + fraction * (unoptimized - smallest feasible)")
-    parser.add_argument("--steps", type=int, default=15,
-                        help="interleaved timed steps per model; the ratio is the median of per-pair ratios")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=0.5,
+        help="budget = smallest feasible + fraction * (unoptimized - smallest feasible)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=15,
+        help="interleaved timed steps per model; the ratio is the median of per-pair ratios",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     eager, batch = build_gpt2(args.layers, args.seq, args.batch)
-    print(f"GPT-2 ({args.layers} layers, {sum(p.numel() for p in eager.parameters()) / 1e6:.1f} M parameters), "
-          f"batch {args.batch} x {args.seq} tokens, on CPU")
+    print(
+        f"GPT-2 ({args.layers} layers, {sum(p.numel() for p in eager.parameters()) / 1e6:.1f} M parameters), "
+        f"batch {args.batch} x {args.seq} tokens, on CPU"
+    )
 
     t0 = time.perf_counter()
     baseline_plan = ckptc.plan(copy.deepcopy(eager), example_kwargs=batch, strategy="none")
@@ -85,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in params + eager_params:  # each step starts from None gradients
         p.grad = None
     _, measured = measure_peak(lambda: _step(optimized, batch, params), baseline_bytes=resident_bytes(model, batch))
-    _, measured_eager = measure_peak(lambda: _step(eager, batch, eager_params),
-                                     baseline_bytes=resident_bytes(eager, batch))
+    _, measured_eager = measure_peak(
+        lambda: _step(eager, batch, eager_params), baseline_bytes=resident_bytes(eager, batch)
+    )
 
     ratios = []
     for _ in range(args.steps):  # interleaved pairs, so machine noise hits both alike
@@ -110,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         ("measured peak", f"{format_bytes(measured.peak_bytes)} ({measured.peak_bytes:,} bytes)"),
         ("memory saved vs eager", f"{100 * (1 - measured.peak_bytes / measured_eager.peak_bytes):.1f} %"),
         ("recompute FLOPs", f"{plan.recompute_percent:.1f} % of the step"),
-        ("step time vs eager", f"{ratio:.2f}x (median of {args.steps} interleaved pairs; "
-                               f"quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f})"),
+        (
+            "step time vs eager",
+            f"{ratio:.2f}x (median of {args.steps} interleaved pairs; quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f})",
+        ),
         ("kept / recomputed values", f"{len(plan.values('kept'))} / {len(plan.values('recomputed'))}"),
     ]
     width = max(len(r[0]) for r in rows)

@@ -57,8 +57,18 @@ from ckptc.errors import DistributedPlanMismatchError, WrapOrderError
 if TYPE_CHECKING:
     from ckptc.compiler import GraphRecord
 
-__all__ = ["DistributedPlanMismatchError", "WrapOrderError", "RankContext", "rank_context", "plan_digest",
-           "check_wrap_order", "check_call_order", "check_backend_context", "local_tensor", "local_nbytes"]
+__all__ = [
+    "DistributedPlanMismatchError",
+    "WrapOrderError",
+    "RankContext",
+    "rank_context",
+    "plan_digest",
+    "check_wrap_order",
+    "check_call_order",
+    "check_backend_context",
+    "local_tensor",
+    "local_nbytes",
+]
 
 log = logging.getLogger("ckptc.distributed")
 
@@ -208,12 +218,17 @@ def rank_context(model: torch.nn.Module) -> RankContext | None:
         # Beside the block a graph computes (its inputs): the next block prefetched, the previous
         # block's reduce-scatter input, an all-gather output beside its copy-out, and the
         # all-gather input; the collectives' buffers live until their (asynchronous) work is freed.
-        context = RankContext("fsdp2", rank, world, resident_bytes=0,
-                              step_bytes=root_unsharded + 3 * unsharded + shard)
+        context = RankContext("fsdp2", rank, world, resident_bytes=0, step_bytes=root_unsharded + 3 * unsharded + shard)
     else:
         return None
-    log.info("rank %d/%d under %s: %d resident bytes and %d step bytes outside ckptc's graphs",
-             rank, world, context.kind, context.resident_bytes, context.step_bytes)
+    log.info(
+        "rank %d/%d under %s: %d resident bytes and %d step bytes outside ckptc's graphs",
+        rank,
+        world,
+        context.kind,
+        context.resident_bytes,
+        context.step_bytes,
+    )
     return context
 
 
@@ -243,4 +258,3 @@ def local_nbytes(tensor: torch.Tensor) -> int:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: a ``DTensor``'s local shard, any other tensor itself."""
     return internals.local_shard(tensor)
-

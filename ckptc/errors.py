@@ -22,8 +22,14 @@ import torch
 
 from solvers.errors import CkptcError
 
-__all__ = ["CkptcError", "UntraceableModelError", "PlanMismatchError", "CorruptPlanError", "WrapOrderError",
-           "DistributedPlanMismatchError"]
+__all__ = [
+    "CkptcError",
+    "UntraceableModelError",
+    "PlanMismatchError",
+    "CorruptPlanError",
+    "WrapOrderError",
+    "DistributedPlanMismatchError",
+]
 
 
 class UntraceableModelError(CkptcError):

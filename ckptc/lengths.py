@@ -67,10 +67,15 @@ class LengthBuckets:
             if isinstance(leaf, torch.Tensor):
                 internals.unmark_dynamic(leaf)
         shapes = [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-        family_key = (len(signature), tuple(
-            (entry[1:], len(entry[0])) if isinstance(leaf, torch.Tensor) else entry
-            for leaf, entry in zip(leaves, signature[1:], strict=False)
-        ), signature[0], signature[len(leaves) + 1:])
+        family_key = (
+            len(signature),
+            tuple(
+                (entry[1:], len(entry[0])) if isinstance(leaf, torch.Tensor) else entry
+                for leaf, entry in zip(leaves, signature[1:], strict=False)
+            ),
+            signature[0],
+            signature[len(leaves) + 1 :],
+        )
         self.last_bucket = None
         family = self.families.get(family_key)
         if family is None:
@@ -100,8 +105,10 @@ class LengthBuckets:
         self.last_bucket = bucketed
         if bucketed not in self.buckets_planned:
             self.buckets_planned.add(bucketed)
-            log.info("new length bucket: planning once for %s",
-                     ", ".join(f"input {i} dim {d} in [{lo}, {hi}]" for (i, d), (lo, hi) in buckets.items()))
+            log.info(
+                "new length bucket: planning once for %s",
+                ", ".join(f"input {i} dim {d} in [{lo}, {hi}]" for (i, d), (lo, hi) in buckets.items()),
+            )
         return bucketed
 
     def fall_back(self, error: BaseException) -> bool:

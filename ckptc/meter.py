@@ -100,11 +100,7 @@ def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, Memor
 
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = [
-        e
-        for e in profiler_events(prof)
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    ]
+    events = [e for e in profiler_events(prof) if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
     events.sort(key=lambda e: e.start_ns())
     level = peak = 0
     timeline = []
@@ -183,11 +179,7 @@ class StepMeter:
 def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...]]:
     from torch.autograd import DeviceType
 
-    events = [
-        e
-        for e in profiler_events(prof)
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    ]
+    events = [e for e in profiler_events(prof) if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
     events.sort(key=lambda e: e.start_ns())
     level = peak = 0
     timeline = []
@@ -240,4 +232,3 @@ def training_step(
         return loss.detach()
 
     return step
-

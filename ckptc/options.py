@@ -124,12 +124,16 @@ class CheckpointOptions:
         if not (self.hold_outputs is None or isinstance(self.hold_outputs, bool)):
             raise ValueError(f"hold_outputs must be None, True or False, got {self.hold_outputs!r}")
         if self.time_limit is not None and (
-            isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float))
+            isinstance(self.time_limit, bool)
+            or not isinstance(self.time_limit, (int, float))
             or not 0 < self.time_limit < math.inf
         ):
             raise ValueError(f"time_limit must be a positive number of seconds or None, got {self.time_limit!r}")
-        if isinstance(self.extra_baseline_bytes, bool) or not isinstance(self.extra_baseline_bytes, int) \
-                or self.extra_baseline_bytes < 0:
+        if (
+            isinstance(self.extra_baseline_bytes, bool)
+            or not isinstance(self.extra_baseline_bytes, int)
+            or self.extra_baseline_bytes < 0
+        ):
             raise ValueError(f"extra_baseline_bytes must be a non-negative int, got {self.extra_baseline_bytes!r}")
         object.__setattr__(self, "graph_budgets", dict(self.graph_budgets))
 

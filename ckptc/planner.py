@@ -111,8 +111,9 @@ class GraphRecord:
         return self.joint_problem.problem
 
 
-def candidate(jp: JointProblem, options: CheckpointOptions, budget_bytes: int | None,
-              progress: Progress | None = None) -> solvers.Plan:
+def candidate(
+    jp: JointProblem, options: CheckpointOptions, budget_bytes: int | None, progress: Progress | None = None
+) -> solvers.Plan:
     """The strategy's plan for ``jp`` at a planning budget (None: no limit).
 
     Raises:
@@ -126,8 +127,9 @@ def candidate(jp: JointProblem, options: CheckpointOptions, budget_bytes: int | 
     return solvers.solve(jp.problem, budget_bytes, method=options.solver, progress=progress, **extra)
 
 
-def _choose(jp: JointProblem, options: CheckpointOptions, index: int, plan_source: PlanSource | None,
-            progress: Progress | None) -> solvers.Plan:
+def _choose(
+    jp: JointProblem, options: CheckpointOptions, index: int, plan_source: PlanSource | None, progress: Progress | None
+) -> solvers.Plan:
     """The plan for graph ``index``; an infeasible budget is reported in the user's units."""
     if plan_source is not None:
         return plan_source(index, jp)
@@ -204,14 +206,19 @@ def decide(
     )
     log.info(
         "graph %d: %d nodes, kept %d forward values, predicted peak %s (unoptimized %s), recompute cost %.3g",
-        index, len(jp.problem), len(plan.kept), solvers.format_bytes(result.peak_bytes),
-        solvers.format_bytes(unoptimized), result.recompute_cost,
+        index,
+        len(jp.problem),
+        len(plan.kept),
+        solvers.format_bytes(result.peak_bytes),
+        solvers.format_bytes(unoptimized),
+        result.recompute_cost,
     )
     return record
 
 
-def _refusal(error: solvers.InfeasibleBudgetError, step_floor: int,
-             options: CheckpointOptions) -> solvers.InfeasibleBudgetError:
+def _refusal(
+    error: solvers.InfeasibleBudgetError, step_floor: int, options: CheckpointOptions
+) -> solvers.InfeasibleBudgetError:
     """The error for a graph that cannot fit: the step's floor, or (when ckptc could plan the budget
     but the chosen solver or preset cannot) that solver's own floor and what to do."""
     budget = error.budget_bytes
@@ -220,7 +227,8 @@ def _refusal(error: solvers.InfeasibleBudgetError, step_floor: int,
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
     how = f"solver {options.solver!r}" if options.strategy == "auto" else f"strategy {options.strategy!r}"
     return solvers.InfeasibleBudgetError(
-        budget, own,
+        budget,
+        own,
         f"{how} found no plan within the budget {solvers.format_bytes(budget)} ({budget} bytes)"
         + ("" if own is None else f"; its smallest feasible budget is {solvers.format_bytes(own)} ({own} bytes)")
         + f"; ckptc's floor is {solvers.format_bytes(step_floor)} ({step_floor} bytes): solver='auto' plans "
@@ -233,8 +241,9 @@ def unoptimized_result(jp: JointProblem) -> solvers.SimResult:
     return solvers.simulate(jp.problem, keep_everything(jp))
 
 
-def tighter_graph_budgets(ran: Sequence[GraphRecord], budget_bytes: int, attempt: int,
-                          current: Mapping[int, int]) -> dict[int, int]:
+def tighter_graph_budgets(
+    ran: Sequence[GraphRecord], budget_bytes: int, attempt: int, current: Mapping[int, int]
+) -> dict[int, int]:
     """Budgets for the graphs before the last one that could not fit (``infeasible``) in ``ran``.
 
     The first retry asks earlier graphs to leave room for what the later graph
@@ -287,9 +296,16 @@ class CapturedStep:
         unoptimized_peak_bytes: the step's peak keeping every activation.
     """
 
-    def __init__(self, records: Sequence[GraphRecord], options: CheckpointOptions, *,
-                 parameter_bytes: int | None = None, gradient_bytes: int | None = None,
-                 model_name: str = "model", coverage: Any = None) -> None:
+    def __init__(
+        self,
+        records: Sequence[GraphRecord],
+        options: CheckpointOptions,
+        *,
+        parameter_bytes: int | None = None,
+        gradient_bytes: int | None = None,
+        model_name: str = "model",
+        coverage: Any = None,
+    ) -> None:
         if not records:
             raise ValueError("a captured step needs at least one graph")
         self.records = list(records)
@@ -321,16 +337,25 @@ class CapturedStep:
             ".plan(budget_bytes=...) plans without capturing again)"
         )
 
-    def decisions(self, budget_gb: float | None = None, *, budget_bytes: int | None = None,
-                  strategy: str | None = None, solver: str | None = None, time_limit: float | None = None,
-                  plan_source: PlanSource | None = None, progress: Progress | None = None) -> list[GraphRecord]:
+    def decisions(
+        self,
+        budget_gb: float | None = None,
+        *,
+        budget_bytes: int | None = None,
+        strategy: str | None = None,
+        solver: str | None = None,
+        time_limit: float | None = None,
+        plan_source: PlanSource | None = None,
+        progress: Progress | None = None,
+    ) -> list[GraphRecord]:
         """Every graph's :class:`GraphRecord` under a budget (see :meth:`plan`)."""
         changes: dict[str, Any] = {"budget_bytes": budget_to_bytes(budget_gb, budget_bytes)}
         for name, value in (("strategy", strategy), ("solver", solver), ("time_limit", time_limit)):
             if value is not None:
                 changes[name] = value
-        options = self.options.replace(**changes, defer_infeasible=changes["budget_bytes"] is not None,
-                                       graph_budgets={})
+        options = self.options.replace(
+            **changes, defer_infeasible=changes["budget_bytes"] is not None, graph_budgets={}
+        )
         budget = options.budget_bytes
         for attempt in range(MAX_STEP_RETRIES + 1):
             records = self._decide_all(options, plan_source, progress)
@@ -338,14 +363,26 @@ class CapturedStep:
                 return records
             assert budget is not None  # only a budget makes graphs infeasible
             budgets = tighter_graph_budgets(records, budget, attempt, options.graph_budgets)
-            log.info("%s: a later graph did not fit after earlier graphs' plans; planning again with earlier "
-                     "graphs keeping less (budgets %s)", self.model_name, budgets)
+            log.info(
+                "%s: a later graph did not fit after earlier graphs' plans; planning again with earlier "
+                "graphs keeping less (budgets %s)",
+                self.model_name,
+                budgets,
+            )
             options = options.replace(graph_budgets=budgets)
         raise AssertionError("unreachable")
 
-    def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None,
-             strategy: str | None = None, solver: str | None = None, time_limit: float | None = None,
-             plan_source: PlanSource | None = None, progress: Progress | None = None) -> "ModelPlan":
+    def plan(
+        self,
+        budget_gb: float | None = None,
+        *,
+        budget_bytes: int | None = None,
+        strategy: str | None = None,
+        solver: str | None = None,
+        time_limit: float | None = None,
+        plan_source: PlanSource | None = None,
+        progress: Progress | None = None,
+    ) -> "ModelPlan":
         """The :class:`~ckptc.plans.ModelPlan` of this step under a budget (None: no limit).
 
         ``strategy``, ``solver`` and ``time_limit`` override the capture's options.
@@ -356,8 +393,15 @@ class CapturedStep:
         """
         from ckptc.plans import ModelPlan, graph_plan  # plans imports this module's types
 
-        records = self.decisions(budget_gb, budget_bytes=budget_bytes, strategy=strategy, solver=solver,
-                                 time_limit=time_limit, plan_source=plan_source, progress=progress)
+        records = self.decisions(
+            budget_gb,
+            budget_bytes=budget_bytes,
+            strategy=strategy,
+            solver=solver,
+            time_limit=time_limit,
+            plan_source=plan_source,
+            progress=progress,
+        )
         return ModelPlan(
             graphs=[graph_plan(r) for r in records],
             budget_bytes=budget_to_bytes(budget_gb, budget_bytes),
@@ -368,16 +412,24 @@ class CapturedStep:
             coverage=self.coverage,
         )
 
-    def _decide_all(self, options: CheckpointOptions, plan_source: PlanSource | None = None,
-                    progress: Progress | None = None) -> list[GraphRecord]:
+    def _decide_all(
+        self, options: CheckpointOptions, plan_source: PlanSource | None = None, progress: Progress | None = None
+    ) -> list[GraphRecord]:
         decided: dict[int, GraphRecord] = {}
         out = []
         for position, captured in enumerate(self.records):
             earlier = [decided[id(e)] for e in captured.earlier if id(e) in decided]
             baseline = captured.own_baseline_bytes + sum(e.step_bytes for e in earlier)
             jp = with_baseline(captured.joint_problem, baseline)
-            record = decide(jp, options, index=position, earlier=earlier, plan_source=plan_source,
-                            progress=progress, input_ids=captured.input_ids)
+            record = decide(
+                jp,
+                options,
+                index=position,
+                earlier=earlier,
+                plan_source=plan_source,
+                progress=progress,
+                input_ids=captured.input_ids,
+            )
             record.break_after = captured.break_after
             decided[id(captured)] = record
             out.append(record)

@@ -172,9 +172,11 @@ class ModelPlan:
             f"ModelPlan(graphs={len(self.graphs)}, budget={budget}, "
             f"predicted_peak={solvers.format_bytes(self.predicted_peak_bytes)}, "
             f"unoptimized_peak={solvers.format_bytes(self.unoptimized_peak_bytes)}, "
-            + (""
-               if self.measured_peak_bytes is None
-               else f"measured_peak={solvers.format_bytes(self.measured_peak_bytes)}, ")
+            + (
+                ""
+                if self.measured_peak_bytes is None
+                else f"measured_peak={solvers.format_bytes(self.measured_peak_bytes)}, "
+            )
             + f"recompute={self.recompute_percent:.1f}% of step FLOPs, "
             f"kept={len(self.values('kept'))}, recomputed={len(self.values('recomputed'))}, "
             f"strategy={self.strategy!r}, solver={self.solver!r})"
@@ -183,8 +185,9 @@ class ModelPlan:
 
     # -- construction -----------------------------------------------------
     @classmethod
-    def from_records(cls, records: Iterable["GraphRecord"], options: "CheckpointOptions",
-                     model: torch.nn.Module | None = None) -> "ModelPlan":
+    def from_records(
+        cls, records: Iterable["GraphRecord"], options: "CheckpointOptions", model: torch.nn.Module | None = None
+    ) -> "ModelPlan":
         return cls(
             graphs=[graph_plan(r) for r in records],
             budget_bytes=options.budget_bytes,
@@ -352,8 +355,10 @@ class _Reader:
                 if left == 0:
                     self.fail(field, f"is nested more than {MAX_INPUT_NESTING} levels deep")
                 stack.extend((x, left - 1) for x in item)
-            elif isinstance(item, bool) or not isinstance(item, (str, int)) or (
-                isinstance(item, int) and abs(item) > MAX_BYTES
+            elif (
+                isinstance(item, bool)
+                or not isinstance(item, (str, int))
+                or (isinstance(item, int) and abs(item) > MAX_BYTES)
             ):
                 self.fail(field, f"must hold shapes (whole numbers) and dtype names, got {_show(item)}")
 
@@ -388,10 +393,19 @@ class _Reader:
         """A :class:`solvers.SolveInfo` as plan files store it (no timings): every field checked."""
         data = self.mapping(value, field)
         checks: dict[str, Callable[[Any, str], Any]] = {
-            "predicted_peak_bytes": self.count, "recompute_cost": self.number, "status": self.string,
-            "gap": self.number, "bound": self.number, "objective": self.number, "candidate": self.string,
-            "threshold_bytes": self.count, "simulations": self.count, "refined": self.boolean,
-            "applied_from_file": self.boolean, "chosen": self.string, "details": self.scalars,
+            "predicted_peak_bytes": self.count,
+            "recompute_cost": self.number,
+            "status": self.string,
+            "gap": self.number,
+            "bound": self.number,
+            "objective": self.number,
+            "candidate": self.string,
+            "threshold_bytes": self.count,
+            "simulations": self.count,
+            "refined": self.boolean,
+            "applied_from_file": self.boolean,
+            "chosen": self.string,
+            "details": self.scalars,
         }
         for key, item in data.items():
             check = checks.get(key)
@@ -556,8 +570,11 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     stable_plan = dataclasses.replace(
         jp.plan_in_stable_names(plan),
         # Timings differ run to run; without them files are byte-identical for the same plan.
-        info=plan.info.replace(solve_seconds=None, tried={}, details={
-            k: v for k, v in plan.info.details.items() if not k.endswith("seconds")}),
+        info=plan.info.replace(
+            solve_seconds=None,
+            tried={},
+            details={k: v for k, v in plan.info.details.items() if not k.endswith("seconds")},
+        ),
     )
     forward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.forward_nodes))
     backward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.backward_nodes))
@@ -580,8 +597,9 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     )
 
 
-def applied_plan(plan: "str | os.PathLike[str] | ModelPlan",
-                 budget_bytes: int | None) -> tuple[Callable[[int, "JointProblem"], solvers.Plan], int | None]:
+def applied_plan(
+    plan: "str | os.PathLike[str] | ModelPlan", budget_bytes: int | None
+) -> tuple[Callable[[int, "JointProblem"], solvers.Plan], int | None]:
     """A plan file (or :class:`ModelPlan`) to apply instead of solving: its ``plan_source`` and the
     budget it runs under (the one given, else the file's).
 

@@ -54,9 +54,31 @@ def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, **_: o
 
 
 _CHEAP_TO_RECOMPUTE = (
-    "softmax", "dropout", "gelu", "relu", "silu", "tanh", "sigmoid", "mul", "add", "div", "sub", "exp", "where",
-    "masked_fill", "pow", "rsqrt", "mean", "neg", "clone", "_to_copy", "native_layer_norm", "native_dropout",
-    "baddbmm", "bmm", "scaled_dot_product",
+    "softmax",
+    "dropout",
+    "gelu",
+    "relu",
+    "silu",
+    "tanh",
+    "sigmoid",
+    "mul",
+    "add",
+    "div",
+    "sub",
+    "exp",
+    "where",
+    "masked_fill",
+    "pow",
+    "rsqrt",
+    "mean",
+    "neg",
+    "clone",
+    "_to_copy",
+    "native_layer_norm",
+    "native_dropout",
+    "baddbmm",
+    "bmm",
+    "scaled_dot_product",
 )
 
 
@@ -98,8 +120,9 @@ def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
         plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
     result = solvers.simulate(jp.problem, plan)
     info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
-    return solvers.Plan(kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes,
-                        info=info)
+    return solvers.Plan(
+        kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info
+    )
 
 
 #: The presets by strategy name; ``"auto"`` (a solver under the budget) is decided in :mod:`ckptc.planner`.

@@ -70,8 +70,9 @@ class JointProblem:
         return dataclasses.replace(
             plan,
             kept=frozenset(stable[k] for k in plan.kept),
-            schedule=None if plan.schedule is None else tuple(
-                solvers.Step(stable[s.node], s.phase) for s in plan.schedule),
+            schedule=None
+            if plan.schedule is None
+            else tuple(solvers.Step(stable[s.node], s.phase) for s in plan.schedule),
         )
 
     def plan_in_node_names(self, plan: solvers.Plan, field: str = "plan") -> solvers.Plan:
@@ -81,6 +82,7 @@ class JointProblem:
             KeyError: ``(stable name, field)`` of the first name this graph does not have,
                 ``field`` being ``"<field>.kept"`` or ``"<field>.schedule[i]"``.
         """
+
         def node(name: str, where: str) -> str:
             try:
                 return self.node_name(name)
@@ -90,8 +92,11 @@ class JointProblem:
         return dataclasses.replace(
             plan,
             kept=frozenset(node(k, f"{field}.kept") for k in sorted(plan.kept)),
-            schedule=None if plan.schedule is None else tuple(
-                solvers.Step(node(s.node, f"{field}.schedule[{i}]"), s.phase) for i, s in enumerate(plan.schedule)),
+            schedule=None
+            if plan.schedule is None
+            else tuple(
+                solvers.Step(node(s.node, f"{field}.schedule[{i}]"), s.phase) for i, s in enumerate(plan.schedule)
+            ),
         )
 
 
@@ -166,7 +171,8 @@ def joint_to_problem(
             if policy == "recompute" and not _is_mutating(node):
                 log.warning(
                     "%s reads a buffer that the forward pass updates in place; it is saved, not "
-                    "recomputed (must_recompute is ignored for it)", cost.stable_name,
+                    "recomputed (must_recompute is ignored for it)",
+                    cost.stable_name,
                 )
             policy = "save"
         graph.add_node(
@@ -203,9 +209,7 @@ def joint_to_problem(
 
     # Tangents are backward nodes without predecessors: put them first in backward.
     backward.sort(key=lambda name: nodes[name].op != "placeholder")
-    problem = solvers.Problem.from_networkx(
-        graph, inputs + forward + backward, baseline_bytes=baseline_bytes
-    )
+    problem = solvers.Problem.from_networkx(graph, inputs + forward + backward, baseline_bytes=baseline_bytes)
     results = {r.name: cost_of(r).bytes for r in forward_results if _numel(r) > 1 and "ckptc" in r.meta}
     return JointProblem(
         problem=problem,
@@ -259,7 +263,7 @@ def returns_own_loss(forward_results: Iterable[fx.Node]) -> bool:
 
 
 def _spread_over_views(joint: fx.GraphModule, policies: dict[str, str]) -> dict[str, str]:
-    """"recompute" on a value applies to its views too: keeping a view keeps the storage."""
+    """ "recompute" on a value applies to its views too: keeping a view keeps the storage."""
     if "recompute" not in policies.values():
         return policies
     root: dict[str, str] = {}

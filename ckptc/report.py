@@ -253,8 +253,12 @@ def resample_peaks(values: Sequence[int], points: int) -> list[int]:
     return resampled
 
 
-def _training_step(model: Callable[..., Any], example_inputs: Sequence[Any], example_kwargs: Mapping[str, Any],
-                   loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def _training_step(
+    model: Callable[..., Any],
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> Callable[[], torch.Tensor]:
     """One forward+backward.  Callers clear gradients *before* measuring it: freeing old
     gradients inside the measured call would show up as a drop in the timeline."""
 
@@ -324,19 +328,26 @@ def memory_timelines(
 
     unoptimized_results = [unoptimized_result(r.joint_problem) for r in records]
     series = [
-        TimelineSeries("unoptimized, predicted", tuple(step_timeline(unoptimized_results)),
-                       optimized=False, measured=False),
-        TimelineSeries("plan, predicted", tuple(step_timeline([r.result for r in records])),
-                       optimized=True, measured=False),
+        TimelineSeries(
+            "unoptimized, predicted", tuple(step_timeline(unoptimized_results)), optimized=False, measured=False
+        ),
+        TimelineSeries(
+            "plan, predicted", tuple(step_timeline([r.result for r in records])), optimized=True, measured=False
+        ),
     ]
-    for measurement, label, is_plan in ((measured_eager, "unoptimized (eager PyTorch), measured", False),
-                                         (measured_plan, "plan, measured", True)):
+    for measurement, label, is_plan in (
+        (measured_eager, "unoptimized (eager PyTorch), measured", False),
+        (measured_plan, "plan, measured", True),
+    ):
         if measurement.timeline:
             values = tuple(measurement.baseline_bytes + level for level in measurement.timeline)
             series.append(TimelineSeries(label, values, optimized=is_plan, measured=True))
         else:
-            log.info("%s: the device reports no allocator timeline, only its peak %s",
-                     label, format_bytes(measurement.peak_bytes))
+            log.info(
+                "%s: the device reports no allocator timeline, only its peak %s",
+                label,
+                format_bytes(measurement.peak_bytes),
+            )
     return TimelineReport(model_plan=model_plan, budget_bytes=budget_bytes, series=series)
 
 
@@ -428,8 +439,10 @@ def pareto_points(
             message = f"{solver} at {format_bytes(budget)}"
             report(done, message)
             start = done
-            inner = None if progress is None else (
-                lambda f, m, start=start, message=message: report(start + f, f"{message}: {m}")
+            inner = (
+                None
+                if progress is None
+                else (lambda f, m, start=start, message=message: report(start + f, f"{message}: {m}"))
             )
             try:
                 model_plan = step.plan(budget_bytes=budget, solver=solver, strategy="auto", progress=inner)
@@ -437,8 +450,9 @@ def pareto_points(
                 log.info("pareto: %s found no plan within %s", solver, format_bytes(budget))
                 result.points.append(ParetoPoint(solver, budget, None, None, error.min_feasible_bytes))
             else:
-                result.points.append(ParetoPoint(solver, budget, model_plan.predicted_peak_bytes,
-                                                 model_plan.recompute_percent))
+                result.points.append(
+                    ParetoPoint(solver, budget, model_plan.predicted_peak_bytes, model_plan.recompute_percent)
+                )
             done += 1
     report(total, "done")
     return result
@@ -449,8 +463,15 @@ def pareto_table(result: ParetoResult) -> str:
     rows = []
     for point in result.points:
         if point.feasible:
-            rows.append([point.solver, format_bytes(point.budget_bytes), format_bytes(point.predicted_peak_bytes),
-                         f"{point.recompute_percent:.1f}%", ""])
+            rows.append(
+                [
+                    point.solver,
+                    format_bytes(point.budget_bytes),
+                    format_bytes(point.predicted_peak_bytes),
+                    f"{point.recompute_percent:.1f}%",
+                    "",
+                ]
+            )
         else:
             note = "no plan"
             if point.smallest_feasible_bytes is not None:
@@ -506,14 +527,25 @@ def memory_timeline_plot(
     x = [(i + 0.5) / points for i in range(points)]
     for series in report.series:
         color = "tab:blue" if series.optimized else "tab:orange"
-        style = (dict(linestyle="--", linewidth=1.0, alpha=0.85) if series.measured
-                 else dict(linestyle="-", linewidth=1.8))
+        style = (
+            dict(linestyle="--", linewidth=1.0, alpha=0.85) if series.measured else dict(linestyle="-", linewidth=1.8)
+        )
         values = resample_peaks(series.values, points)
-        axes.plot(x, [v / scale for v in values], color=color,
-                  label=f"{series.label} (peak {format_bytes(series.peak_bytes)})", **style)
+        axes.plot(
+            x,
+            [v / scale for v in values],
+            color=color,
+            label=f"{series.label} (peak {format_bytes(series.peak_bytes)})",
+            **style,
+        )
     if report.budget_bytes is not None:
-        axes.axhline(report.budget_bytes / scale, color="tab:red", linestyle=":", linewidth=1.5,
-                     label=f"budget {format_bytes(report.budget_bytes)}")
+        axes.axhline(
+            report.budget_bytes / scale,
+            color="tab:red",
+            linestyle=":",
+            linewidth=1.5,
+            label=f"budget {format_bytes(report.budget_bytes)}",
+        )
     axes.set_xlim(0, 1)
     axes.set_ylim(bottom=0)
     axes.set_xlabel("fraction of the training step (forward, then backward)")
@@ -541,12 +573,19 @@ def pareto_plot(result: ParetoResult, path: str | os.PathLike[str], *, title: st
         curve = result.curve(solver)
         if not curve:
             continue
-        axes.plot([p.predicted_peak_bytes / scale for p in curve], [p.recompute_percent for p in curve],
-                  marker=markers[i % len(markers)], label=solver, linewidth=1.5, alpha=0.85)
-    for value, label, color in ((result.min_feasible_bytes, "smallest feasible", "tab:gray"),
-                                (result.unoptimized_peak_bytes, "unoptimized peak", "black")):
-        axes.axvline(value / scale, color=color, linestyle=":", linewidth=1.2,
-                     label=f"{label} {format_bytes(value)}")
+        axes.plot(
+            [p.predicted_peak_bytes / scale for p in curve],
+            [p.recompute_percent for p in curve],
+            marker=markers[i % len(markers)],
+            label=solver,
+            linewidth=1.5,
+            alpha=0.85,
+        )
+    for value, label, color in (
+        (result.min_feasible_bytes, "smallest feasible", "tab:gray"),
+        (result.unoptimized_peak_bytes, "unoptimized peak", "black"),
+    ):
+        axes.axvline(value / scale, color=color, linestyle=":", linewidth=1.2, label=f"{label} {format_bytes(value)}")
     axes.set_xlabel(f"predicted peak memory ({unit})")
     axes.set_ylabel("recompute (% of step FLOPs)")
     axes.set_ylim(bottom=0)

@@ -106,9 +106,7 @@ def _replay_node(graph: fx.Graph, node: fx.Node, state: fx.Node, current) -> fx.
     device = _device_of(node)
     args = fx.node.map_arg(node.args, current)
     kwargs = fx.node.map_arg(node.kwargs, current)
-    replay = graph.call_function(
-        replay_with_rng_state, (state, device, node.target, *args), kwargs
-    )
+    replay = graph.call_function(replay_with_rng_state, (state, device, node.target, *args), kwargs)
     replay.meta = dict(node.meta)
     return replay
 
@@ -123,18 +121,14 @@ def _is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def _saved_for_backward(
-    graph: fx.Graph, created_in_forward: set[fx.Node]
-) -> tuple[list[fx.Node], list[fx.Node]]:
+def _saved_for_backward(graph: fx.Graph, created_in_forward: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     """Forward values (and primals) that backward-phase nodes read."""
     saved: dict[fx.Node, None] = {}
     for node in graph.nodes:
         if node in created_in_forward or node.op == "output":
             continue
         for arg in node.all_input_nodes:
-            if arg in created_in_forward and not (
-                arg.op == "placeholder" and "tangents" in str(arg.target)
-            ):
+            if arg in created_in_forward and not (arg.op == "placeholder" and "tangents" in str(arg.target)):
                 saved[arg] = None
     values = [n for n in saved if not _is_sym(n)]
     syms = [n for n in saved if _is_sym(n)]

@@ -78,8 +78,9 @@ class StepRuntime:
         max_plans: how many input signatures keep their plan (LRU).
     """
 
-    def __init__(self, model: torch.nn.Module, template: CheckpointCompiler, *, verify: bool = True,
-                 max_plans: int = 8) -> None:
+    def __init__(
+        self, model: torch.nn.Module, template: CheckpointCompiler, *, verify: bool = True, max_plans: int = 8
+    ) -> None:
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
             raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
         self.model = model
@@ -226,9 +227,13 @@ class StepRuntime:
                 self.plans.pop(shape.key, None)
                 raise
             last = max(r.index for r in short)
-            log.info("graph %d of %s did not fit after earlier graphs' plans; planning the step again with "
-                     "earlier graphs keeping less (budgets %s)", last, type(self.model).__name__,
-                     shape.graph_budgets)
+            log.info(
+                "graph %d of %s did not fit after earlier graphs' plans; planning the step again with "
+                "earlier graphs keeping less (budgets %s)",
+                last,
+                type(self.model).__name__,
+                shape.graph_budgets,
+            )
             self._compile(shape)
         raise AssertionError("unreachable")
 
@@ -260,8 +265,9 @@ class StepRuntime:
                     "up to a multiple of 64)."
                 )
             self.signatures_seen.add(digest)
-            shape = ShapePlan(key=key, compiler=self.template, compiled=None,
-                              hold_outputs=self.template.options.hold_outputs)
+            shape = ShapePlan(
+                key=key, compiler=self.template, compiled=None, hold_outputs=self.template.options.hold_outputs
+            )
             self._compile(shape)
             self.plans[key] = shape
             while len(self.plans) > self.max_plans:
@@ -278,7 +284,8 @@ class StepRuntime:
         compiler = self.template.spawn(
             extra_baseline_bytes=shape.correction_bytes + (self.ranks.baseline_bytes if self.ranks else 0),
             hold_outputs=shape.hold_outputs,
-            graph_budgets=shape.graph_budgets, defer_infeasible=self.template.budget_bytes is not None,
+            graph_budgets=shape.graph_budgets,
+            defer_infeasible=self.template.budget_bytes is not None,
         )
         compiler.active = self.active
         compiler.track_steps = True
@@ -474,8 +481,9 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 def _is_scalar_loss(value: Any) -> bool:
-    return (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point
-            and value.requires_grad)
+    return (
+        isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point and value.requires_grad
+    )
 
 
 def _carries_loss(output: Any, depth: int = 0) -> bool:

@@ -128,8 +128,11 @@ def auto(
     fitting: list[tuple[float, int, int, Plan]] = []
     tried: dict[str, Any] = {}
     for k, (name, extra) in enumerate(runs):
-        options = {"time_limit": time_limit, **extra,
-                   "progress": _sub_progress(progress, k / len(runs), (k + 1) / len(runs))}
+        options = {
+            "time_limit": time_limit,
+            **extra,
+            "progress": _sub_progress(progress, k / len(runs), (k + 1) / len(runs)),
+        }
         started = time.perf_counter()
         try:
             plan = METHODS[name](problem, budget_bytes, **options)
@@ -143,19 +146,29 @@ def auto(
         except Exception as e:
             # A failure of one method (a model too large, an invalid plan, a bug)
             # must not cost the user the plans of the others; calling it directly raises.
-            tried[name] = {"status": "error", "error": f"{type(e).__name__}: {e}",
-                           "seconds": time.perf_counter() - started}
+            tried[name] = {
+                "status": "error",
+                "error": f"{type(e).__name__}: {e}",
+                "seconds": time.perf_counter() - started,
+            }
             if isinstance(e, SolverError) and not isinstance(e, InvalidPlanError):
                 log.warning("auto: method %s gave up (%s); continuing without it", name, e)
             else:
                 log.error("auto: method %s failed; continuing without it", name, exc_info=True)
             continue
-        tried[name] = {"peak_bytes": result.peak_bytes, "recompute_cost": result.recompute_cost,
-                       "seconds": time.perf_counter() - started}
+        tried[name] = {
+            "peak_bytes": result.peak_bytes,
+            "recompute_cost": result.recompute_cost,
+            "seconds": time.perf_counter() - started,
+        }
         if result.peak_bytes > budget_bytes:
             tried[name]["status"] = "over_budget"
-            log.warning("auto: %s returned a plan peaking at %d bytes, over the budget %d; ignored",
-                        name, result.peak_bytes, budget_bytes)
+            log.warning(
+                "auto: %s returned a plan peaking at %d bytes, over the budget %d; ignored",
+                name,
+                result.peak_bytes,
+                budget_bytes,
+            )
             continue
         tried[name]["status"] = "fits"
         fitting.append((result.recompute_cost, result.peak_bytes, k, plan))
@@ -248,9 +261,17 @@ def solve(
             f"method {method!r} returned a plan peaking at {result.peak_bytes} bytes, over the budget "
             f"{budget_bytes} bytes; this is a bug in that method"
         )
-    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost,
-                             solve_seconds=time.perf_counter() - started)
-    log.info("solve(%s): peak %s within %s, recompute cost %g, %.3f s", method,
-             format_bytes(result.peak_bytes), format_bytes(budget_bytes), result.recompute_cost,
-             info.solve_seconds)
+    info = plan.info.replace(
+        predicted_peak_bytes=result.peak_bytes,
+        recompute_cost=result.recompute_cost,
+        solve_seconds=time.perf_counter() - started,
+    )
+    log.info(
+        "solve(%s): peak %s within %s, recompute cost %g, %.3f s",
+        method,
+        format_bytes(result.peak_bytes),
+        format_bytes(budget_bytes),
+        result.recompute_cost,
+        info.solve_seconds,
+    )
     return dataclasses.replace(plan, budget_bytes=budget_bytes, info=info)

@@ -106,8 +106,10 @@ class BlockChain:
 
     def __repr__(self) -> str:
         sizes = [len(b.nodes) for b in self.blocks]
-        return (f"BlockChain({len(self.blocks)} blocks in {len(self.classes)} classes, "
-                f"{min(sizes, default=0)}-{max(sizes, default=0)} nodes per block, {len(self.fixed)} fixed values)")
+        return (
+            f"BlockChain({len(self.blocks)} blocks in {len(self.classes)} classes, "
+            f"{min(sizes, default=0)}-{max(sizes, default=0)} nodes per block, {len(self.fixed)} fixed values)"
+        )
 
 
 def find_blocks(problem: Problem) -> BlockChain:
@@ -227,7 +229,7 @@ def _split_large(problem: Problem, run: list[int], path_length: int) -> list[lis
             chosen.append(k)
     out, begin = [], 0
     for k in chosen:
-        out.append(run[begin:k + 1])
+        out.append(run[begin : k + 1])
         begin = k + 1
     out.append(run[begin:])
     return [p for p in out if p]
@@ -285,10 +287,20 @@ def _signature(problem: Problem, members: list[int], fixed: set[int]) -> tuple:
     parts = []
     for v in members:
         node = problem.nodes[v]
-        preds = tuple(
-            ("in", local[u]) if u in local else ("out", nbytes[root[u]]) for u in problem._preds[v]
-        )
+        preds = tuple(("in", local[u]) if u in local else ("out", nbytes[root[u]]) for u in problem._preds[v])
         readers = sum(1 for c in problem._consumers[v] if problem._kind[c] == 2)
-        parts.append((node.op, node.bytes, round(node.cost, 6), node.policy, node.output, v in fixed,
-                      preds, readers, local.get(problem._alias_of[v], -1), node.scratch))
+        parts.append(
+            (
+                node.op,
+                node.bytes,
+                round(node.cost, 6),
+                node.policy,
+                node.output,
+                v in fixed,
+                preds,
+                readers,
+                local.get(problem._alias_of[v], -1),
+                node.scratch,
+            )
+        )
     return tuple(parts)

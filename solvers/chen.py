@@ -271,8 +271,7 @@ def _memory_search(
     by_threshold = tuple(sorted(grid + refined, key=lambda c: c.threshold or 0.0))
     result = (tuple(evaluate.by_mask.values()), by_threshold)
     problem._cache["chen.memory_search"] = result
-    log.debug("chen memory search: %d simulations, lowest peak %d", evaluate.simulations,
-              _lowest(result[0]).peak_bytes)
+    log.debug("chen memory search: %d simulations, lowest peak %d", evaluate.simulations, _lowest(result[0]).peak_bytes)
     return result
 
 
@@ -280,11 +279,17 @@ def _lowest(candidates) -> _Candidate:
     return min(candidates, key=lambda c: (c.peak_bytes, c.recompute_cost))
 
 
-def _to_plan(problem: Problem, cand: _Candidate, method: str, budget_bytes: int | None,
-             started: float, simulations: int) -> Plan:
-    info = SolveInfo(predicted_peak_bytes=cand.peak_bytes, recompute_cost=cand.recompute_cost,
-                     solve_seconds=time.perf_counter() - started, candidate=cand.label, simulations=simulations,
-                     threshold_bytes=cand.threshold)
+def _to_plan(
+    problem: Problem, cand: _Candidate, method: str, budget_bytes: int | None, started: float, simulations: int
+) -> Plan:
+    info = SolveInfo(
+        predicted_peak_bytes=cand.peak_bytes,
+        recompute_cost=cand.recompute_cost,
+        solve_seconds=time.perf_counter() - started,
+        candidate=cand.label,
+        simulations=simulations,
+        threshold_bytes=cand.threshold,
+    )
     return Plan(kept=names_of(problem, cand.mask), method=method, budget_bytes=budget_bytes, info=info)
 
 
@@ -309,8 +314,13 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     return _to_plan(problem, _lowest(family), "chen_greedy", None, started, len(family))
 
 
-def chen_sqrt(problem: Problem, budget_bytes: int | None = None, *,
-              progress: Progress | None = None, time_limit: float | None = None) -> Plan:
+def chen_sqrt(
+    problem: Problem,
+    budget_bytes: int | None = None,
+    *,
+    progress: Progress | None = None,
+    time_limit: float | None = None,
+) -> Plan:
     """Keep a cut point every ~sqrt(n) forward nodes (Chen et al. 2016, sec. 4.1).
 
     Parameters
@@ -347,8 +357,9 @@ def chen_sqrt(problem: Problem, budget_bytes: int | None = None, *,
     return _to_plan(problem, cand, "chen_sqrt", budget_bytes, started, evaluate.simulations)
 
 
-def chen_greedy(problem: Problem, budget_bytes: int, *,
-                progress: Progress | None = None, time_limit: float | None = None) -> Plan:
+def chen_greedy(
+    problem: Problem, budget_bytes: int, *, progress: Progress | None = None, time_limit: float | None = None
+) -> Plan:
     """Chen's budgeted greedy: the cheapest plan of the threshold family that fits.
 
     Problem: choose forward cut points to keep so that the derived schedule's
@@ -412,6 +423,11 @@ def chen_greedy(problem: Problem, budget_bytes: int, *,
     best = cheapest()
     if progress is not None:
         progress(1.0, "chen_greedy: done")
-    log.debug("chen_greedy: %s, peak %d, recompute cost %g (%d bisection simulations)", best.label,
-              best.peak_bytes, best.recompute_cost, evaluate.simulations)
+    log.debug(
+        "chen_greedy: %s, peak %d, recompute cost %g (%d bisection simulations)",
+        best.label,
+        best.peak_bytes,
+        best.recompute_cost,
+        evaluate.simulations,
+    )
     return _to_plan(problem, best, "chen_greedy", budget_bytes, started, len(family) + evaluate.simulations)

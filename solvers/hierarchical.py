@@ -117,8 +117,9 @@ class Menu:
         return f"Menu({len(self.names)} blocks, {min(sizes, default=0)}-{max(sizes, default=0)} options per block)"
 
 
-def block_options(problem: Problem, chain: BlockChain, *, time_limit: float = MILP_TIME_LIMIT,
-                  levels: tuple[float, ...] = MILP_LEVELS) -> list[list[tuple[str, tuple[int, ...]]]]:
+def block_options(
+    problem: Problem, chain: BlockChain, *, time_limit: float = MILP_TIME_LIMIT, levels: tuple[float, ...] = MILP_LEVELS
+) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Candidate kept sets per block class, as positions in the class's node list.
 
     Returns, per class, ``(option name, kept positions)`` pairs without
@@ -328,8 +329,9 @@ class _BlockMilp:
         nbytes = self.problem._bytes
         return sum(nbytes[r] for r in {self.storage[v] for v in kept if v in self.storage})
 
-    def solve(self, *, cheap_only: bool = False, max_kept_bytes: int | None = None,
-              time_limit: float = MILP_TIME_LIMIT) -> set[int] | None:
+    def solve(
+        self, *, cheap_only: bool = False, max_kept_bytes: int | None = None, time_limit: float = MILP_TIME_LIMIT
+    ) -> set[int] | None:
         import pulp
 
         from solvers.milp import make_milp_solver
@@ -421,10 +423,10 @@ def chain_dp(menu: Menu, budget_bytes: int, units: int = MEMORY_UNITS) -> DPTabl
             if top < 0:
                 continue
             candidate = current[: top + 1] + menu.cost[b][o]
-            target = new[int(ku[o]): int(ku[o]) + top + 1]
+            target = new[int(ku[o]) : int(ku[o]) + top + 1]
             better = candidate < target
             target[better] = candidate[better]
-            choice[int(ku[o]): int(ku[o]) + top + 1][better] = o
+            choice[int(ku[o]) : int(ku[o]) + top + 1][better] = o
         opt.append(new)
         what.append(choice)
     return DPTables(opt, what, quantum, kept_units)
@@ -496,8 +498,9 @@ def _solve_mask(problem: Problem, menu: Menu, budget_bytes: int) -> tuple[bytear
     return best
 
 
-def hierarchical(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0,
-                 progress: Progress | None = None, **_: object) -> Plan:
+def hierarchical(
+    problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, progress: Progress | None = None, **_: object
+) -> Plan:
     """The cheapest plan of the block-option space that fits ``budget_bytes``.
 
     Never worse than keeping everything or per-block checkpointing (both are
@@ -526,11 +529,23 @@ def hierarchical(problem: Problem, budget_bytes: int, *, time_limit: float = 60.
     else:
         kept = names_of(problem, found[0])
     _, peak, cost = found
-    log.info("hierarchical: peak %s within %s, recompute cost %.4g (%.2f s)", format_bytes(peak),
-             format_bytes(budget_bytes), cost, time.perf_counter() - started)
-    return Plan(kept=kept, method="hierarchical", budget_bytes=budget_bytes,
-                info=SolveInfo(predicted_peak_bytes=peak, recompute_cost=cost,
-                               details={"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)}))
+    log.info(
+        "hierarchical: peak %s within %s, recompute cost %.4g (%.2f s)",
+        format_bytes(peak),
+        format_bytes(budget_bytes),
+        cost,
+        time.perf_counter() - started,
+    )
+    return Plan(
+        kept=kept,
+        method="hierarchical",
+        budget_bytes=budget_bytes,
+        info=SolveInfo(
+            predicted_peak_bytes=peak,
+            recompute_cost=cost,
+            details={"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)},
+        ),
+    )
 
 
 def lowest_peak_plan(problem: Problem) -> Plan:
@@ -553,11 +568,13 @@ def lowest_peak_plan(problem: Problem) -> Plan:
             hi = min(mid, peak)
         else:
             lo = mid + 1
-    plan = Plan(kept=names_of(problem, best[2]), method="hierarchical",
-                info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1]))
+    plan = Plan(
+        kept=names_of(problem, best[2]),
+        method="hierarchical",
+        info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1]),
+    )
     problem._cache["hierarchical.lowest"] = plan
     return plan
-
 
 
 def per_block_plan(problem: Problem) -> Plan:

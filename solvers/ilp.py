@@ -97,8 +97,9 @@ _RETRIES = 3
 
 
 # ============================================================== plans
-def _prune(problem: Problem, graph: StageGraph, kept: set[int],
-           rec: list[list[int]]) -> tuple[set[int], list[list[int]]]:
+def _prune(
+    problem: Problem, graph: StageGraph, kept: set[int], rec: list[list[int]]
+) -> tuple[set[int], list[list[int]]]:
     """Drop recomputations nobody reads and kept values backward never reads (both only free memory)."""
     fwd_preds = problem._fwd_preds
     g = graph
@@ -154,8 +155,9 @@ def _to_plan(problem: Problem, graph: StageGraph, kept: set[int], rec: list[list
     for t, b in enumerate(g.backward):
         steps += [Step(names[g.forward[i]].name, BACKWARD_PHASE) for i in rec[t]]
         steps.append(Step(names[b].name, BACKWARD_PHASE))
-    return Plan(kept=frozenset(names[v].name for v in kept_nodes), schedule=tuple(steps), method="ilp",
-                budget_bytes=budget)
+    return Plan(
+        kept=frozenset(names[v].name for v in kept_nodes), schedule=tuple(steps), method="ilp", budget_bytes=budget
+    )
 
 
 def _start_from_plan(problem: Problem, model: MilpModel, plan: Plan) -> dict[str, float] | None:
@@ -220,6 +222,7 @@ def _start_from_plan(problem: Problem, model: MilpModel, plan: Plan) -> dict[str
     for t in range(B):
         for i, var in model.R[t].items():
             values[var.name] = 1.0 if i in rec[t] else 0.0
+
     # Auxiliary liveness variables: the least value their lower bounds allow.
     def val(e: Any) -> float:
         if isinstance(e, (int, float)):
@@ -318,8 +321,9 @@ def ilp(
     keep_all, keep_all_core = _keep_all(problem)
     if keep_all_core.peak_bytes <= budget_bytes and keep_all_core.recompute_cost == 0:
         plan = _explicit(problem, keep_all)
-        return _finish(problem, plan, budget_bytes, started,
-                       SolveInfo(status="optimal", gap=0.0, bound=0.0, candidate="keep_all"))
+        return _finish(
+            problem, plan, budget_bytes, started, SolveInfo(status="optimal", gap=0.0, bound=0.0, candidate="keep_all")
+        )
     graph = stage_graph(problem)
     if not graph.backward:
         plan = _explicit(problem, keep_all)
@@ -337,14 +341,34 @@ def ilp(
     last_error = None
     solving_spent = 0.0
     for _attempt in range(_RETRIES):
-        attempt = _build_and_solve(problem, graph, target, max_variables, start_plan,
-                                   max(0.5, time_limit - solving_spent), threads, mip_gap, progress)
+        attempt = _build_and_solve(
+            problem,
+            graph,
+            target,
+            max_variables,
+            start_plan,
+            max(0.5, time_limit - solving_spent),
+            threads,
+            mip_gap,
+            progress,
+        )
         model, outcome = attempt.model, attempt.outcome
         solving_spent += attempt.solving_seconds
         if outcome.status not in ("optimal", "time_limit", "feasible"):
             remaining = max(1.0, time_limit - (time.perf_counter() - started))
-            plan, info = _without_a_solution(problem, graph, outcome, budget_bytes, keep_all, keep_all_core.peak_bytes,
-                                             start_plan, time_limit, remaining, max_variables, threads)
+            plan, info = _without_a_solution(
+                problem,
+                graph,
+                outcome,
+                budget_bytes,
+                keep_all,
+                keep_all_core.peak_bytes,
+                start_plan,
+                time_limit,
+                remaining,
+                max_variables,
+                threads,
+            )
             return _finish(problem, plan, budget_bytes, started, info)
         kept, _, rec = model.schedule()
         kept, rec = _prune(problem, graph, kept, rec)
@@ -353,20 +377,32 @@ def ilp(
         if result.peak_bytes <= budget_bytes:
             if keep_all_core.peak_bytes <= budget_bytes and keep_all_core.recompute_cost < result.recompute_cost:
                 log.info("ilp: keep-all is cheaper than the MILP's plan (conservative multi-output model)")
-                return _finish(problem, _explicit(problem, keep_all), budget_bytes, started,
-                               SolveInfo(status="fallback", bound=outcome.bound, candidate="keep_all"))
+                return _finish(
+                    problem,
+                    _explicit(problem, keep_all),
+                    budget_bytes,
+                    started,
+                    SolveInfo(status="fallback", bound=outcome.bound, candidate="keep_all"),
+                )
             info = attempt.solve_info()
             if info.status == "time_limit":
-                log.warning("ilp: time limit of %.1f s reached; returning the best plan found "
-                            "(recompute cost %g, lower bound %s, gap %s)", time_limit, result.recompute_cost,
-                            outcome.bound, outcome.gap)
+                log.warning(
+                    "ilp: time limit of %.1f s reached; returning the best plan found "
+                    "(recompute cost %g, lower bound %s, gap %s)",
+                    time_limit,
+                    result.recompute_cost,
+                    outcome.bound,
+                    outcome.gap,
+                )
             return _finish(problem, plan, budget_bytes, started, info)
         # Aliases shared with the backward phase can make the model optimistic.
         last_error = result.peak_bytes
         log.debug("ilp: model peak within %d but simulate() says %d; retrying", target, result.peak_bytes)
         target -= result.peak_bytes - budget_bytes
-    raise SolverError(f"ilp: the MILP's plans exceed the budget in simulate() (last peak {last_error} bytes "
-                      f"for budget {budget_bytes}); the graph uses aliases the model does not capture")
+    raise SolverError(
+        f"ilp: the MILP's plans exceed the budget in simulate() (last peak {last_error} bytes "
+        f"for budget {budget_bytes}); the graph uses aliases the model does not capture"
+    )
 
 
 @dataclass
@@ -381,18 +417,33 @@ class _Attempt:
 
     def solve_info(self) -> SolveInfo:
         outcome = self.outcome
-        return SolveInfo(status="optimal" if outcome.status == "optimal" else "time_limit",
-                         gap=outcome.gap, bound=outcome.bound, objective=outcome.objective,
-                         details={"build_seconds": self.build_seconds, "milp_seconds": outcome.seconds,
-                                  "variables": self.model.n_variables,
-                                  "constraints": self.model.lp.numConstraints(),
-                                  "solver": "HiGHS" if highs_available() else "CBC",
-                                  "warm_start": self.warm_started})
+        return SolveInfo(
+            status="optimal" if outcome.status == "optimal" else "time_limit",
+            gap=outcome.gap,
+            bound=outcome.bound,
+            objective=outcome.objective,
+            details={
+                "build_seconds": self.build_seconds,
+                "milp_seconds": outcome.seconds,
+                "variables": self.model.n_variables,
+                "constraints": self.model.lp.numConstraints(),
+                "solver": "HiGHS" if highs_available() else "CBC",
+                "warm_start": self.warm_started,
+            },
+        )
 
 
-def _build_and_solve(problem: Problem, graph: StageGraph, target: int, max_variables: int, start_plan: Plan | None,
-                     time_limit: float, threads: int | None, mip_gap: float,
-                     progress: Progress | None) -> _Attempt:
+def _build_and_solve(
+    problem: Problem,
+    graph: StageGraph,
+    target: int,
+    max_variables: int,
+    start_plan: Plan | None,
+    time_limit: float,
+    threads: int | None,
+    mip_gap: float,
+    progress: Progress | None,
+) -> _Attempt:
     """Build the MILP for peak ``target`` and solve it (from ``start_plan`` when given); if the solver's
     solution disagrees with its objective, solve again without the start."""
     build_started = time.perf_counter()
@@ -411,14 +462,25 @@ def _build_and_solve(problem: Problem, graph: StageGraph, target: int, max_varia
         model = MilpModel(problem, graph, target, max_variables)
         outcome = solve_model(model, max(0.5, time_limit - spent), None, threads, mip_gap)
         spent += outcome.seconds
-    log.debug("ilp: %s in %.2f s (objective %s, bound %s)", outcome.status, outcome.seconds,
-              outcome.objective, outcome.bound)
+    log.debug(
+        "ilp: %s in %.2f s (objective %s, bound %s)", outcome.status, outcome.seconds, outcome.objective, outcome.bound
+    )
     return _Attempt(model, outcome, build_seconds, spent, start is not None)
 
 
-def _without_a_solution(problem: Problem, graph: StageGraph, outcome: SolveOutcome, budget_bytes: int, keep_all: Plan,
-                        keep_all_peak: int, start_plan: Plan | None, time_limit: float, remaining: float,
-                        max_variables: int, threads: int | None) -> tuple[Plan, SolveInfo]:
+def _without_a_solution(
+    problem: Problem,
+    graph: StageGraph,
+    outcome: SolveOutcome,
+    budget_bytes: int,
+    keep_all: Plan,
+    keep_all_peak: int,
+    start_plan: Plan | None,
+    time_limit: float,
+    remaining: float,
+    max_variables: int,
+    threads: int | None,
+) -> tuple[Plan, SolveInfo]:
     """The plan to return when the MILP gave no solution: keep-all if it fits, else the warm start.
 
     Raises:
@@ -434,21 +496,28 @@ def _without_a_solution(problem: Problem, graph: StageGraph, outcome: SolveOutco
             return _explicit(problem, keep_all), SolveInfo(status="fallback", candidate="keep_all")
         lowest = _min_feasible(problem, graph, max_variables, remaining, threads, keep_all_peak)
         raise InfeasibleBudgetError(
-            budget_bytes, lowest,
+            budget_bytes,
+            lowest,
             f"ilp: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest feasible "
             f"budget {format_bytes(lowest)} ({lowest} bytes) of any stage schedule for this graph",
         )
     if start_plan is not None:
-        log.warning("ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan",
-                    time_limit, outcome.status)
-        return (Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
-                SolveInfo(status="time_limit", candidate="hierarchical", details={"solver_status": outcome.status}))
-    raise SolverError(f"ilp: the solver found no integer solution ({outcome.status}) within "
-                      f"{time_limit:g} s; try a longer time_limit or method='hierarchical'")
+        log.warning(
+            "ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan", time_limit, outcome.status
+        )
+        return (
+            Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
+            SolveInfo(status="time_limit", candidate="hierarchical", details={"solver_status": outcome.status}),
+        )
+    raise SolverError(
+        f"ilp: the solver found no integer solution ({outcome.status}) within "
+        f"{time_limit:g} s; try a longer time_limit or method='hierarchical'"
+    )
 
 
-def _min_feasible(problem: Problem, graph: StageGraph, max_variables: int, time_limit: float,
-                  threads: int | None, fallback: int) -> int:
+def _min_feasible(
+    problem: Problem, graph: StageGraph, max_variables: int, time_limit: float, threads: int | None, fallback: int
+) -> int:
     """Least simulated peak of the minimum-memory MILP (or ``fallback`` if it cannot be solved)."""
     try:
         model = MilpModel(problem, graph, None, max_variables)
@@ -465,9 +534,17 @@ def _min_feasible(problem: Problem, graph: StageGraph, max_variables: int, time_
 
 def _finish(problem: Problem, plan: Plan, budget_bytes: int, started: float, outcome: SolveInfo) -> Plan:
     result = simulate(problem, plan)
-    info = outcome.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost,
-                           solve_seconds=time.perf_counter() - started)
-    log.info("ilp: %s, peak %s within %s, recompute cost %g, %.2f s", info.status,
-             format_bytes(result.peak_bytes), format_bytes(budget_bytes), result.recompute_cost,
-             info.solve_seconds)
+    info = outcome.replace(
+        predicted_peak_bytes=result.peak_bytes,
+        recompute_cost=result.recompute_cost,
+        solve_seconds=time.perf_counter() - started,
+    )
+    log.info(
+        "ilp: %s, peak %s within %s, recompute cost %g, %.2f s",
+        info.status,
+        format_bytes(result.peak_bytes),
+        format_bytes(budget_bytes),
+        result.recompute_cost,
+        info.solve_seconds,
+    )
     return Plan(kept=plan.kept, schedule=plan.schedule, method="ilp", budget_bytes=budget_bytes, info=info)

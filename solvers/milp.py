@@ -68,10 +68,11 @@ def stage_graph(problem: Problem) -> StageGraph:
     # forward allocation on. Its other members are then free to keep: they are
     # treated as outputs ("resident"), except "recompute" ones, whose backward
     # copies are real new storages.
-    out_groups = {alias_root[v] for v in problem._forward_idx
-                  if output[v] and kind[alias_root[v]] == _FORWARD}
-    resident_value = [bool(output[v]) or (alias_root[v] in out_groups and policy[v] != _RECOMPUTE)
-                      if kind[v] == _FORWARD else False for v in range(len(problem.nodes))]
+    out_groups = {alias_root[v] for v in problem._forward_idx if output[v] and kind[alias_root[v]] == _FORWARD}
+    resident_value = [
+        bool(output[v]) or (alias_root[v] in out_groups and policy[v] != _RECOMPUTE) if kind[v] == _FORWARD else False
+        for v in range(len(problem.nodes))
+    ]
 
     # Forward values a stage >= t may read: ancestors of what backward t.. reads.
     last_stage: dict[int, int] = {}
@@ -144,9 +145,24 @@ def stage_graph(problem: Problem) -> StageGraph:
             storage.append(-1)
         else:
             storage.append(r if kind[r] == _FORWARD and nbytes[r] > 0 and not output[r] else -1)
-    return StageGraph(forward, backward, pos, {pos[v] for v in forced if v in pos}, recomputable, keepable,
-                  [], [last_stage.get(v, -1) for v in forward], fwd_consumers, reads, G, H, storage, view_holds,
-                  [resident_value[v] for v in forward], out_groups)
+    return StageGraph(
+        forward,
+        backward,
+        pos,
+        {pos[v] for v in forced if v in pos},
+        recomputable,
+        keepable,
+        [],
+        [last_stage.get(v, -1) for v in forward],
+        fwd_consumers,
+        reads,
+        G,
+        H,
+        storage,
+        view_holds,
+        [resident_value[v] for v in forward],
+        out_groups,
+    )
 
 
 # ============================================================== the model
@@ -275,7 +291,7 @@ class MilpModel:
         for root, holds in g.view_holds.items():
             if root in g.pos:
                 ir = g.pos[root]
-                for (b0, d0) in holds:
+                for b0, d0 in holds:
                     for t in range(b0 + 1, min(d0, B - 1) + 1):
                         if ir in R[t]:
                             lp += R[t][ir] == 0
@@ -457,8 +473,9 @@ def make_milp_solver(time_limit: float, start: dict[str, float] | None, threads:
     import pulp
 
     if not highs_available():
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads,
-                                 warmStart=start is not None)
+        return pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit, gapRel=gap, threads=threads, warmStart=start is not None
+        )
 
     class _HiGHS(pulp.HiGHS):
         """pulp's HiGHS, created quietly and optionally given a starting solution."""
@@ -490,8 +507,9 @@ class SolveOutcome:
     seconds: float
 
 
-def solve_model(model: MilpModel, time_limit: float, start: dict[str, float] | None, threads: int | None,
-           gap: float) -> SolveOutcome:
+def solve_model(
+    model: MilpModel, time_limit: float, start: dict[str, float] | None, threads: int | None, gap: float
+) -> SolveOutcome:
     import pulp
 
     lp = model.lp
@@ -516,14 +534,16 @@ def solve_model(model: MilpModel, time_limit: float, start: dict[str, float] | N
         has_solution = int(info.primal_solution_status) == 2 and objective is not None
         if model_status == highspy.HighsModelStatus.kOptimal:
             status = "optimal"
-        elif model_status in (highspy.HighsModelStatus.kInfeasible,
-                              highspy.HighsModelStatus.kUnboundedOrInfeasible):
+        elif model_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
             status = "infeasible"
         elif model_status == highspy.HighsModelStatus.kTimeLimit:
             status = "time_limit" if has_solution else "time_limit_no_solution"
         else:
-            status = "optimal" if has_solution and lp.sol_status == pulp.LpSolutionOptimal else (
-                "feasible" if has_solution else str(model_status))
+            status = (
+                "optimal"
+                if has_solution and lp.sol_status == pulp.LpSolutionOptimal
+                else ("feasible" if has_solution else str(model_status))
+            )
         if has_solution:
             bound = float(info.mip_dual_bound)
             gap_value = float(info.mip_gap)

@@ -177,7 +177,4 @@ class Plan:
             extras += f", peak={human_bytes(self.info.predicted_peak_bytes)}"
         if self.info.recompute_cost is not None:
             extras += f", recompute_cost={self.info.recompute_cost:.4g}"
-        return (
-            f"Plan(method={self.method!r}, kept={len(self.kept)} nodes, schedule={sched}, "
-            f"budget={budget}{extras})"
-        )
+        return f"Plan(method={self.method!r}, kept={len(self.kept)} nodes, schedule={sched}, budget={budget}{extras})"

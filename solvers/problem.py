@@ -167,9 +167,7 @@ class Problem:
     # name -> position in `nodes`, for O(1) lookups.
     index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
     # Solvers may memoise expensive derived results here (keyed by a string).
-    _cache: dict[str, Any] = field(
-        init=False, repr=False, compare=False, hash=False, default_factory=dict
-    )
+    _cache: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)
@@ -359,9 +357,7 @@ class Problem:
 
     # ----------------------------------------------------------- conversions
     @classmethod
-    def from_networkx(
-        cls, graph: "nx.DiGraph", order: Sequence[str], baseline_bytes: int = 0
-    ) -> "Problem":
+    def from_networkx(cls, graph: "nx.DiGraph", order: Sequence[str], baseline_bytes: int = 0) -> "Problem":
         """Build a Problem from a DiGraph whose edge ``u -> v`` means "v reads u".
 
         Node attributes: ``bytes``, ``cost``, ``kind`` (required) and optional
@@ -413,9 +409,21 @@ class Problem:
 
         g = nx.DiGraph()
         for n in self.nodes:
-            g.add_node(n.name, bytes=n.bytes, cost=n.cost, kind=n.kind, output=n.output,
-                       alias_of=n.alias_of, policy=n.policy, scratch=n.scratch, part_of=n.part_of,
-                       module=n.module, op=n.op, differentiable=n.differentiable, checkpointed=n.checkpointed)
+            g.add_node(
+                n.name,
+                bytes=n.bytes,
+                cost=n.cost,
+                kind=n.kind,
+                output=n.output,
+                alias_of=n.alias_of,
+                policy=n.policy,
+                scratch=n.scratch,
+                part_of=n.part_of,
+                module=n.module,
+                op=n.op,
+                differentiable=n.differentiable,
+                checkpointed=n.checkpointed,
+            )
         for n in self.nodes:
             for p in n.preds:
                 g.add_edge(p, n.name)
@@ -484,4 +492,3 @@ class Problem:
             nodes.append(Node(f"b{i}", gb, costs[i - 1], BACKWARD, (grad, inp), output=(i == 1)))
             grad = f"b{i}"
         return cls(nodes=tuple(nodes), baseline_bytes=baseline_bytes)
-

@@ -82,8 +82,7 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     refined = dataclasses.replace(plan, kept=names_of(problem, mask))
     result = simulate(problem, refined)
     log.debug("fill_budget: recompute cost %.4g -> %.4g", core.recompute_cost, result.recompute_cost)
-    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost,
-                             refined=True)
+    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost, refined=True)
     return dataclasses.replace(refined, info=info)
 
 

@@ -145,8 +145,14 @@ def simulate(problem: Problem, plan: Plan) -> SimResult:
     """
     nodes, n_fwd, kept = _resolve(problem, plan)
     core = _run(problem, nodes, n_fwd, kept)
-    log.debug("simulate: %d steps (%d forward), peak %d bytes at step %d, recompute cost %g",
-              len(nodes), n_fwd, core.peak_bytes, core.peak_step, core.recompute_cost)
+    log.debug(
+        "simulate: %d steps (%d forward), peak %d bytes at step %d, recompute cost %g",
+        len(nodes),
+        n_fwd,
+        core.peak_bytes,
+        core.peak_step,
+        core.recompute_cost,
+    )
     steps = plan.schedule if plan.schedule is not None else _to_steps(problem, nodes, n_fwd)
     return SimResult(
         peak_bytes=core.peak_bytes,
@@ -275,9 +281,7 @@ def _resolve(problem: Problem, plan: Plan) -> tuple[list[int], int, bytearray]:
         elif step.phase == BACKWARD_PHASE:
             in_backward = True
         else:
-            raise InvalidPlanError(
-                f"step {i} ({step.node!r}, {step.phase!r}): phase must be 'forward' or 'backward'"
-            )
+            raise InvalidPlanError(f"step {i} ({step.node!r}, {step.phase!r}): phase must be 'forward' or 'backward'")
         nodes.append(j)
     return nodes, n_fwd, kept
 
@@ -327,9 +331,7 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
 
 def _to_steps(problem: Problem, nodes: list[int], n_fwd: int) -> tuple[Step, ...]:
     names = problem.nodes
-    return tuple(
-        Step(names[v].name, FORWARD_PHASE if i < n_fwd else BACKWARD_PHASE) for i, v in enumerate(nodes)
-    )
+    return tuple(Step(names[v].name, FORWARD_PHASE if i < n_fwd else BACKWARD_PHASE) for i, v in enumerate(nodes))
 
 
 def _step_label(problem: Problem, nodes: list[int], n_fwd: int, i: int) -> str:

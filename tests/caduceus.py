@@ -63,8 +63,9 @@ class BiMambaDNA(nn.Module):
 
         super().__init__()
         if config.vocab_size < len(VOCAB):
-            raise ValueError(f"vocab_size must be at least {len(VOCAB)} (the nucleotide vocabulary), "
-                             f"got {config.vocab_size}")
+            raise ValueError(
+                f"vocab_size must be at least {len(VOCAB)} (the nucleotide vocabulary), got {config.vocab_size}"
+            )
         self.backbone = MambaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.backbone.embeddings.weight

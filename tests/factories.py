@@ -21,8 +21,9 @@ def gpt2():
 def mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
     """A tiny MLP as (model, example_inputs); the CLI sums the output for a loss."""
     generator = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
-                          nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
@@ -52,8 +53,9 @@ def mlp_dropout() -> tuple[nn.Module, tuple[torch.Tensor]]:
     fingerprint must not depend on the process (plan files move between runs).
     """
     generator = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(),
-                          nn.Dropout(0.1), nn.Linear(64, 8))
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 8)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.1)

@@ -73,8 +73,9 @@ def random_training_graph(n_nodes: int, *, shape: str = "skip", seed: int = 0) -
         if rng.random() < 0.3:
             saved.append(f)
         preds = ([incoming] if incoming else []) + list(dict.fromkeys(saved))
-        nodes.append(Node(f"d_{f}", sizes.get(f, 0) or (1 << 20), 1.0, "backward", tuple(preds),
-                          output=(f == forward[0])))
+        nodes.append(
+            Node(f"d_{f}", sizes.get(f, 0) or (1 << 20), 1.0, "backward", tuple(preds), output=(f == forward[0]))
+        )
         grad[f] = f"d_{f}"
         if f in uses_param:
             wp = ([incoming] if incoming else []) + list(fpreds[f])

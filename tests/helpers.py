@@ -23,8 +23,14 @@ def step(case: ModelCase, model: Any, seed: int = 1234) -> torch.Tensor:
     return loss.detach()
 
 
-def assert_same_training(case: ModelCase, reference: torch.nn.Module, loss: torch.Tensor, ref_loss: torch.Tensor,
-                         rtol: float = 1e-4, atol: float = 1e-5) -> None:
+def assert_same_training(
+    case: ModelCase,
+    reference: torch.nn.Module,
+    loss: torch.Tensor,
+    ref_loss: torch.Tensor,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> None:
     """Loss, every gradient and every buffer of ``case.model`` equal ``reference``'s."""
     assert torch.allclose(loss, ref_loss, rtol=rtol, atol=atol), (loss, ref_loss)
     ours = dict(case.model.named_parameters())
@@ -69,8 +75,9 @@ def budget_bounds(case: ModelCase) -> Bounds:
         torch.is_autocast_enabled("cpu"),
     )
     if key not in _bounds_cache:
-        plan = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
-                          strategy="none", loss_fn=case.loss)
+        plan = ckptc.plan(
+            copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, strategy="none", loss_fn=case.loss
+        )
         _bounds_cache[key] = Bounds(plan.unoptimized_peak_bytes, plan.min_feasible_bytes)
     return _bounds_cache[key]
 

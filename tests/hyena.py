@@ -80,8 +80,14 @@ class ImplicitLongFilter(nn.Module):
     short or long memory, as in Hyena's ``ExponentialModulation``.
     """
 
-    def __init__(self, config: HyenaConfig, num_filters: int,
-                 fast_decay_pct: float = 0.3, slow_decay_pct: float = 1.5, target: float = 1e-2) -> None:
+    def __init__(
+        self,
+        config: HyenaConfig,
+        num_filters: int,
+        fast_decay_pct: float = 0.3,
+        slow_decay_pct: float = 1.5,
+        target: float = 1e-2,
+    ) -> None:
         super().__init__()
         self.num_filters, self.d_model = num_filters, config.d_model
         bands = (config.pos_emb_dim - 1) // 2
@@ -93,8 +99,10 @@ class ImplicitLongFilter(nn.Module):
         self.register_buffer("features", torch.cat([t, angle.cos(), -angle.sin()], dim=-1), persistent=False)
         width = config.filter_width
         self.mlp = nn.Sequential(
-            nn.Linear(config.pos_emb_dim, width), Sin(width),
-            nn.Linear(width, width), Sin(width),
+            nn.Linear(config.pos_emb_dim, width),
+            Sin(width),
+            nn.Linear(width, width),
+            Sin(width),
             nn.Linear(width, num_filters * config.d_model, bias=False),
         )
         # Decay rates chosen so the envelope reaches `target` after fast/slow_pct of the sequence.
@@ -119,8 +127,13 @@ class HyenaOperator(nn.Module):
         d, self.order = config.d_model, config.order
         self.in_proj = nn.Linear(d, (self.order + 1) * d)
         # Depthwise and left-padded by kernel-1 (output trimmed to L) so it stays causal.
-        self.short_conv = nn.Conv1d((self.order + 1) * d, (self.order + 1) * d, config.short_kernel,
-                                    groups=(self.order + 1) * d, padding=config.short_kernel - 1)
+        self.short_conv = nn.Conv1d(
+            (self.order + 1) * d,
+            (self.order + 1) * d,
+            config.short_kernel,
+            groups=(self.order + 1) * d,
+            padding=config.short_kernel - 1,
+        )
         self.long_filter = ImplicitLongFilter(config, num_filters=self.order - 1)
         self.dropout = nn.Dropout(config.dropout)
         self.out_proj = nn.Linear(d, d)

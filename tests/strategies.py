@@ -110,8 +110,9 @@ def training_problems(
             # mo{i} allocates both outputs; getitems f{i} and aux{i} take them over.
             op, aux = f"mo{i}", f"aux{i}"
             main, extra = draw(sizes), draw(st.integers(1, max_bytes))
-            nodes.append(Node(op, main + extra, draw(costs), "forward", tuple(preds), policy=policy,
-                              scratch=draw(scratches)))
+            nodes.append(
+                Node(op, main + extra, draw(costs), "forward", tuple(preds), policy=policy, scratch=draw(scratches))
+            )
             nodes.append(Node(name, main, 0.0, "forward", (op,), part_of=op))
             nodes.append(Node(aux, extra, 0.0, "forward", (op,), part_of=op))
             forward += [op, name]
@@ -126,8 +127,18 @@ def training_problems(
         if aliases and forward_acts and draw(st.integers(0, 5)) == 0:
             view_of = forward_acts[0]
         nbytes = 0 if view_of else draw(sizes)
-        nodes.append(Node(name, nbytes, draw(costs), "forward", tuple(preds), alias_of=view_of, policy=policy,
-                          scratch=draw(scratches)))
+        nodes.append(
+            Node(
+                name,
+                nbytes,
+                draw(costs),
+                "forward",
+                tuple(preds),
+                alias_of=view_of,
+                policy=policy,
+                scratch=draw(scratches),
+            )
+        )
         forward.append(name)
         fpreds[name] = tuple(acts)
 
@@ -144,8 +155,9 @@ def training_problems(
         name = f"t{k}"
         source = draw(st.sampled_from(params + [f for f in forward if f not in aux_of]))
         view = aliases and draw(st.booleans())
-        nodes.append(Node(name, 0 if view else draw(sizes), draw(costs), "forward", (source,),
-                          alias_of=source if view else None))
+        nodes.append(
+            Node(name, 0 if view else draw(sizes), draw(costs), "forward", (source,), alias_of=source if view else None)
+        )
         backward_only.append(name)
 
     # The loss reads every forward sink, so every forward node contributes to it.
@@ -202,8 +214,9 @@ def training_problems(
         grad_of_inputs[f] = f"d_{f}"
         if f in reads_param:
             wgrad_preds = ([incoming] if incoming else []) + list(fpreds[f])
-            nodes.append(Node(f"dw_{f}", draw(st.integers(1, max_bytes)), 1.0, "backward",
-                              tuple(wgrad_preds), output=True))
+            nodes.append(
+                Node(f"dw_{f}", draw(st.integers(1, max_bytes)), 1.0, "backward", tuple(wgrad_preds), output=True)
+            )
 
     baseline_bytes = draw(st.sampled_from([0, 0, 0, 7])) if baseline else 0
     return Problem(nodes=tuple(nodes), baseline_bytes=baseline_bytes)

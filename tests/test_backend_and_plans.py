@@ -109,8 +109,13 @@ def test_graph_breaks_share_one_budget() -> None:
 def _gpt2_plan(budget_fraction: float = 0.4, **options):
     case = get_case("gpt2")
     budget = budget_bounds(case).at(budget_fraction)
-    return case, budget, ckptc.plan(case.model, case.example_inputs, case.example_kwargs,
-                                    budget_bytes=budget, loss_fn=case.loss, **options)
+    return (
+        case,
+        budget,
+        ckptc.plan(
+            case.model, case.example_inputs, case.example_kwargs, budget_bytes=budget, loss_fn=case.loss, **options
+        ),
+    )
 
 
 def test_plan_file_round_trip_and_apply(tmp_path) -> None:
@@ -118,8 +123,15 @@ def test_plan_file_round_trip_and_apply(tmp_path) -> None:
     path = tmp_path / "plan.json"
     model_plan.save(path)
     data = json.loads(path.read_text())  # plain JSON, never a pickle
-    for key in ("schema_version", "torch_version", "ckptc_version", "budget_bytes", "predicted_peak_bytes",
-                "recompute_flops", "graphs"):
+    for key in (
+        "schema_version",
+        "torch_version",
+        "ckptc_version",
+        "budget_bytes",
+        "predicted_peak_bytes",
+        "recompute_flops",
+        "graphs",
+    ):
         assert key in data
     graph = data["graphs"][0]
     for key in ("fingerprint", "inputs", "plan", "min_feasible_bytes"):

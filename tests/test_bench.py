@@ -32,10 +32,25 @@ def test_bench_run_help_works_from_the_repository_root():
 def test_bench_run_writes_results_for_every_alternative(tmp_path):
     out = tmp_path / "results"
     _run_python(
-        "-m", "bench.run",
-        "--models", "mlp", "--size", "tiny", "--out", str(out),
-        "--budgets", "2", "--below", "0", "--solvers", "auto", "--strategies",
-        "--aot-budgets", "0.5", "--reps", "1",
+        "-m",
+        "bench.run",
+        "--models",
+        "mlp",
+        "--size",
+        "tiny",
+        "--out",
+        str(out),
+        "--budgets",
+        "2",
+        "--below",
+        "0",
+        "--solvers",
+        "auto",
+        "--strategies",
+        "--aot-budgets",
+        "0.5",
+        "--reps",
+        "1",
     )
     data = json.loads((out / "mlp.json").read_text())
     families = {p["family"] for p in data["points"]}

@@ -155,12 +155,11 @@ def test_report_plots_timelines_and_prints_peaks(
     assert f"wrote {png}" in out
 
 
-def test_pareto_plots_curves_and_prints_points(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+def test_pareto_plots_curves_and_prints_points(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "pareto.png"
-    code, out, err = run(capsys, "pareto", factory("mlp"), "--solvers", "chen_greedy", "hierarchical",
-                         "--points", "3", "--plot", png)
+    code, out, err = run(
+        capsys, "pareto", factory("mlp"), "--solvers", "chen_greedy", "hierarchical", "--points", "3", "--plot", png
+    )
     assert code == 0, err
     assert_sensible_png(png)
     rows = [line.split() for line in out.splitlines() if line.startswith(("chen_greedy ", "hierarchical "))]
@@ -182,8 +181,9 @@ def test_help(capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
 
 
 def test_python_dash_m_help() -> None:
-    result = subprocess.run([sys.executable, "-m", "ckptc", "--help"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptc", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "plan" in result.stdout and "pareto" in result.stdout
 

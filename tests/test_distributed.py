@@ -67,8 +67,11 @@ def _zero(model: torch.nn.Module) -> None:
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     if a.keys() != b.keys():
         return [f"gradients of {sorted(a.keys() ^ b.keys())} present in one run only"]
-    return [f"{n}: max abs diff {(a[n] - b[n]).abs().max().item():.3g}" for n in a
-            if not torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-5)]
+    return [
+        f"{n}: max abs diff {(a[n] - b[n]).abs().max().item():.3g}"
+        for n in a
+        if not torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-5)
+    ]
 
 
 def _count_collectives(fn: Callable[[], Any]) -> dict[str, int]:
@@ -155,8 +158,9 @@ def _scenario(rank: int, kind: str, *, graph_break: bool, fraction: float, workd
         loss, peak = measured(fast, model, held, _inputs(rank, like, micro), seed=20 + micro + rank)
         acc_losses.append(loss)
         acc_peaks.append(peak)
-    out["accumulation_losses_equal"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-                                           for a, b in zip(acc_losses, ref_acc_losses, strict=True))
+    out["accumulation_losses_equal"] = all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(acc_losses, ref_acc_losses, strict=True)
+    )
     out["accumulation_grad_mismatches"] = _same(_grads(model), ref_acc_grads)
     out["accumulation_peaks"] = acc_peaks
     return out
@@ -321,4 +325,3 @@ def test_wrong_wrap_orders_say_which_order_to_use(results: list[dict[str, Any]])
     from ckptc.errors import CkptcError
 
     assert issubclass(WrapOrderError, TypeError) and issubclass(WrapOrderError, CkptcError)
-

@@ -87,8 +87,13 @@ blocks = st.lists(
 
 
 # Each example compiles a model (about a second): few examples, no shrinking.
-@settings(max_examples=6, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate),
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=list(HealthCheck),
+)
 @given(blocks=blocks, fraction=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
 @example(blocks=[(False, ["conv"])], fraction=0.0, seed=0)  # found by this test: strided conv input scratch
 def test_random_models_train_like_eager_within_budget(blocks, fraction: float, seed: int) -> None:

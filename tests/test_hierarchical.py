@@ -24,8 +24,13 @@ from solvers.hierarchical import Menu, build_menu, chain_dp, choices_from_tables
 
 
 def fast(max_examples: int):
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 # ============================================================ the chain DP
@@ -40,8 +45,9 @@ def menus(draw, max_blocks: int = 6, max_options: int = 4, max_bytes: int = 20):
         need.append(np.array(draw(st.lists(st.integers(0, max_bytes), min_size=k, max_size=k)), dtype=np.int64))
         cost.append(np.array(draw(st.lists(st.integers(0, 9), min_size=k, max_size=k)), dtype=np.float64))
     names = [tuple(f"o{j}" for j in range(len(c))) for c in cost]
-    return Menu(chain=None, names=names, kept=[() for _ in names], kept_bytes=kept, need_bytes=need,
-                cost=cost, uniform=[])
+    return Menu(
+        chain=None, names=names, kept=[() for _ in names], kept_bytes=kept, need_bytes=need, cost=cost, uniform=[]
+    )
 
 
 def exhaustive(menu: Menu, budget: int) -> float | None:
@@ -86,8 +92,11 @@ def test_chain_dp_equals_the_milp_of_the_same_block_model(menu, budget):
     import pulp
 
     model = pulp.LpProblem("chain", pulp.LpMinimize)
-    x = {(b, o): model.add_variable(f"x_{b}_{o}", cat="Binary")
-         for b in range(len(menu.cost)) for o in range(len(menu.cost[b]))}
+    x = {
+        (b, o): model.add_variable(f"x_{b}_{o}", cat="Binary")
+        for b in range(len(menu.cost))
+        for o in range(len(menu.cost[b]))
+    }
     for b in range(len(menu.cost)):
         model += pulp.lpSum(x[b, o] for o in range(len(menu.cost[b]))) == 1
         before = pulp.lpSum(int(menu.kept_bytes[j][o]) * x[j, o] for j in range(b) for o in range(len(menu.cost[j])))
@@ -121,11 +130,13 @@ def block_chains(draw, max_layers: int = 5) -> Problem:
             shapes.append(shapes[0])
             continue
         width = draw(st.integers(2, 4))
-        shapes.append((
-            tuple(draw(st.lists(st.integers(1, 16), min_size=width, max_size=width))),
-            tuple(draw(st.lists(st.integers(0, 6), min_size=width, max_size=width))),
-            draw(st.booleans()),
-        ))
+        shapes.append(
+            (
+                tuple(draw(st.lists(st.integers(1, 16), min_size=width, max_size=width))),
+                tuple(draw(st.lists(st.integers(0, 6), min_size=width, max_size=width))),
+                draw(st.booleans()),
+            )
+        )
     nodes = [Node("x", 2, 0.0, "input"), Node("w", 4, 0.0, "input")]
     forward: list[tuple[str, tuple[str, ...]]] = []
 
@@ -200,8 +211,9 @@ def _layered(layers: int = 3) -> Problem:
     forward = []
     for i in range(layers):
         nodes.append(Node(f"a{i}", 32, 100.0, "forward", (previous, "w"), module=f"layers.{i}.attn", op="mm"))
-        nodes.append(Node(f"v{i}", 0, 0.0, "forward", (f"a{i}",), alias_of=f"a{i}", module=f"layers.{i}.attn",
-                          op="view"))
+        nodes.append(
+            Node(f"v{i}", 0, 0.0, "forward", (f"a{i}",), alias_of=f"a{i}", module=f"layers.{i}.attn", op="view")
+        )
         nodes.append(Node(f"s{i}", 32, 4.0, "forward", (f"v{i}", "mask"), module=f"layers.{i}.attn", op="softmax"))
         nodes.append(Node(f"c{i}", 32, 1.0, "forward", (f"s{i}",), module=f"layers.{i}", op="clone"))
         nodes.append(Node(f"o{i}", 8, 50.0, "forward", (f"c{i}", previous), module=f"layers.{i}.mlp", op="mm"))
@@ -273,8 +285,17 @@ def _unet(depth: int = 3) -> Problem:
     for i in range(depth):
         for k, size in enumerate((16, 16, 8)):
             name = f"d{i}_{k}"
-            nodes.append(Node(name, size, 10.0, "forward", (previous, "w") if k == 0 else (previous,),
-                              module=f"down.{i}.conv{k}", op="convolution"))
+            nodes.append(
+                Node(
+                    name,
+                    size,
+                    10.0,
+                    "forward",
+                    (previous, "w") if k == 0 else (previous,),
+                    module=f"down.{i}.conv{k}",
+                    op="convolution",
+                )
+            )
             forward.append((name, previous))
             previous = name
         downs.append(previous)
@@ -374,7 +395,6 @@ def test_hierarchical_reaches_a_hand_written_per_block_checkpoint_on_a_real_unet
     assert fast.plan.recompute_flops <= plan.step_flops  # a plan, not a failure
 
 
-
 def test_a_model_that_checkpoints_itself_is_planned_from_what_it_already_does():
     """Hugging Face gradient checkpointing: ckptc sees the regions, compares with them, and never does worse."""
     import copy
@@ -385,12 +405,14 @@ def test_a_model_that_checkpoints_itself_is_planned_from_what_it_already_does():
     from tests.helpers import assert_same_training, get_case, measure, step
 
     case = get_case("gpt2", size="tiny")
-    plain = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
-                       strategy="none", loss_fn=case.loss)
+    plain = ckptc.plan(
+        copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, strategy="none", loss_fn=case.loss
+    )
     case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = copy.deepcopy(case.model)
-    own = ckptc.plan(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs,
-                     strategy="none", loss_fn=case.loss)
+    own = ckptc.plan(
+        copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, strategy="none", loss_fn=case.loss
+    )
     # The model's own checkpointing is what "unoptimized" means now, and it is visible in the plan.
     assert own.unoptimized_peak_bytes < plain.unoptimized_peak_bytes
     assert own.values("recomputed")

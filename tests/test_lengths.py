@@ -21,11 +21,21 @@ from tests.zoo import get_case
 
 def test_buckets_are_powers_of_two() -> None:
     assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 16, 17, 32, 33)] == [
-        (1, 1), (2, 2), (3, 4), (3, 4), (5, 8), (9, 16), (17, 32), (17, 32), (33, 64)]
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (3, 4),
+        (5, 8),
+        (9, 16),
+        (17, 32),
+        (17, 32),
+        (33, 64),
+    ]
 
 
 def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eager(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     case = get_case("gpt2", seq_len=32)
     model = case.model
     reference = copy.deepcopy(model)
@@ -51,8 +61,9 @@ def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eag
             ids = case.example_inputs[0][:, :length]
             for p in model.parameters():
                 p.grad = None  # before the baseline is taken: the budget counts a step from None gradients
-            _, measured = measure_peak(lambda length=length: run(fast, length),
-                                       baseline_bytes=resident_bytes(model, ids, ids))
+            _, measured = measure_peak(
+                lambda length=length: run(fast, length), baseline_bytes=resident_bytes(model, ids, ids)
+            )
             assert measured.peak_bytes <= budget, (length, measured.peak_bytes, budget)
             if length in (20, 31):
                 loss = run(fast, length)
@@ -63,7 +74,8 @@ def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eag
     runtime = fast._ckptc_runtime
     assert len(runtime.plans) == 2  # length 24 exactly, then the bucket [17, 32] once
     assert [r.getMessage() for r in caplog.records if "new length bucket" in r.getMessage()] == [
-        "new length bucket: planning once for input 0 dim 1 in [17, 32], input 1 dim 1 in [17, 32]"]
+        "new length bucket: planning once for input 0 dim 1 in [17, 32], input 1 dim 1 in [17, 32]"
+    ]
 
 
 def test_a_bucket_that_cannot_be_planned_falls_back_to_exact_lengths() -> None:

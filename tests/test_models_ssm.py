@@ -28,8 +28,10 @@ from tests.helpers import assert_same_training, budget_bounds, get_case, measure
 
 SSM_MODELS = ["mamba", "caduceus"]
 BUG = "view size is not compatible with input tensor's size and stride"
-FIXED = ("PyTorch {} fixed the softplus_backward stride bug: remove aten.softplus_backward from "
-         "ckptc._torch_internals.workaround_decompositions, these two tests, and the README's notes on it")
+FIXED = (
+    "PyTorch {} fixed the softplus_backward stride bug: remove aten.softplus_backward from "
+    "ckptc._torch_internals.workaround_decompositions, these two tests, and the README's notes on it"
+)
 
 
 def test_pytorch_softplus_backward_fake_strides_still_differ_from_eager() -> None:
@@ -83,7 +85,9 @@ def test_trains_through_ckptc_like_eager_within_a_halfway_budget(name: str) -> N
     measured = measure(case, optimized)
     assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
     assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (
-        measured.peak_bytes, plan.predicted_peak_bytes)
+        measured.peak_bytes,
+        plan.predicted_peak_bytes,
+    )
 
 
 def test_caduceus_vocabulary_and_reverse_complement() -> None:

@@ -43,8 +43,9 @@ _SAVE_PLAN = textwrap.dedent(
 )
 
 
-def _eager_equal_step(optimized: torch.nn.Module, model: torch.nn.Module, reference: torch.nn.Module,
-                      inputs: tuple[torch.Tensor, ...]) -> None:
+def _eager_equal_step(
+    optimized: torch.nn.Module, model: torch.nn.Module, reference: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> None:
     losses = []
     for m in (optimized, reference):
         torch.manual_seed(5)
@@ -81,8 +82,17 @@ def test_plan_files_are_byte_identical_across_processes_and_apply_in_another(tmp
     budget = (none.min_feasible_bytes + none.unoptimized_peak_bytes) // 2
     paths = [tmp_path / f"plan{i}.json" for i in range(2)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    runs = [subprocess.Popen([sys.executable, "-c", _SAVE_PLAN, str(path), str(budget)], cwd=REPO, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for path in paths]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SAVE_PLAN, str(path), str(budget)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for path in paths
+    ]
     for run in runs:
         _, stderr = run.communicate(timeout=300)
         assert run.returncode == 0, stderr[-2000:]
@@ -166,8 +176,9 @@ def test_unknown_node_names_are_refused_when_applied(planned, field: str) -> Non
         plan["kept"].append("no.such.node")
     else:
         if plan["schedule"] is None:  # a derived schedule: give it an explicit one
-            plan["schedule"] = [[jp.stable_names[s.node], s.phase]
-                                for s in solvers.schedule(jp.problem, solvers.Plan(kept=frozenset()))]
+            plan["schedule"] = [
+                [jp.stable_names[s.node], s.phase] for s in solvers.schedule(jp.problem, solvers.Plan(kept=frozenset()))
+            ]
         plan["schedule"][0][0] = "no.such.node"
     source = plan_source_for(ModelPlan.from_dict(data))
     with pytest.raises(ckptc.CorruptPlanError, match=rf"'graphs\[0\]\.plan\.{field}.*no\.such\.node"):
@@ -248,8 +259,14 @@ def test_any_damaged_plan_is_refused_with_a_corrupt_plan_error_or_applies(planne
 
 # -- errors: one base class, ValueError for wrong values -----------------------------------
 def test_every_error_shares_one_base_class_and_value_errors_are_value_errors() -> None:
-    for error in (ckptc.InfeasibleBudgetError, ckptc.CorruptPlanError, ckptc.PlanMismatchError,
-                  ckptc.UntraceableModelError, solvers.SolverError, solvers.InvalidPlanError):
+    for error in (
+        ckptc.InfeasibleBudgetError,
+        ckptc.CorruptPlanError,
+        ckptc.PlanMismatchError,
+        ckptc.UntraceableModelError,
+        solvers.SolverError,
+        solvers.InvalidPlanError,
+    ):
         assert issubclass(error, ckptc.CkptcError), error
     for error in (ckptc.InfeasibleBudgetError, ckptc.CorruptPlanError, ckptc.PlanMismatchError):
         assert issubclass(error, ValueError), error
@@ -257,10 +274,18 @@ def test_every_error_shares_one_base_class_and_value_errors_are_value_errors() -
 
 
 def test_solvers_import_without_torch_or_ckptc() -> None:
-    script = "import sys, solvers; assert 'torch' not in sys.modules and 'ckptc' not in sys.modules; " \
-             "assert issubclass(solvers.InfeasibleBudgetError, solvers.errors.CkptcError)"
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    script = (
+        "import sys, solvers; assert 'torch' not in sys.modules and 'ckptc' not in sys.modules; "
+        "assert issubclass(solvers.InfeasibleBudgetError, solvers.errors.CkptcError)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
 
 

@@ -111,8 +111,14 @@ def test_options_are_checked_once_with_the_valid_names_and_the_bad_value():
         CheckpointOptions.from_user(budget_gib=1)
     with pytest.raises(ValueError, match=r"unknown ckptc option\(s\) \['solvr'\]"):
         ckptc.backend(budget_gb=1, solvr="ilp")
-    for name, value in (("strategy", "fastest"), ("solver", "magic"), ("compiler", "tvm"),
-                        ("time_limit", -1), ("hold_outputs", "yes"), ("must_save", "*.mm")):
+    for name, value in (
+        ("strategy", "fastest"),
+        ("solver", "magic"),
+        ("compiler", "tvm"),
+        ("time_limit", -1),
+        ("hold_outputs", "yes"),
+        ("must_save", "*.mm"),
+    ):
         with pytest.raises(ValueError, match=repr(value).replace("*", r"\*")):
             CheckpointOptions.from_user(**{name: value})
     with pytest.raises(ValueError, match="unknown strategy 'fastest'"):

@@ -437,24 +437,47 @@ def test_policy_on_non_forward_node_is_ignored():
 @pytest.mark.parametrize(
     "kept, sched, message",
     [
-        ({"f1"}, steps("f1", "f2", "f3", "|", "b3", "b2", "b1"),
-         r"step 3 \('b3', backward\) reads 'f2', which has no live value"),
-        ((), steps("f2", "f1", "f3", "|", "f1", "f2", "b3", "b2", "b1"),
-         r"step 0 \('f2', forward\) reads 'f1', which has not been computed"),
-        ((), steps("f1", "f2", "f3", "|", "f1", "f2", "b3", "b1", "b2"),
-         r"step 6 \('b1', backward\) reads 'b2', which has not been computed"),
-        ((), steps("f1", "f2", "f3", "|", "f1", "f2", "b3", "b2"),
-         "backward node 'b1' is never computed"),
-        ((), steps("f1", "f2", "f3", "|", "f1", "f2", "b3", "b3", "b2", "b1"),
-         r"step 6 \('b3', backward\) computes backward node 'b3' a second time"),
-        ((), steps("f1", "f1", "f2", "f3", "|", "f1", "f2", "b3", "b2", "b1"),
-         r"step 1 \('f1', forward\) computes 'f1' a second time in the forward phase"),
-        ((), steps("x", "f1", "f2", "f3", "|", "f1", "f2", "b3", "b2", "b1"),
-         r"step 0 \('x', forward\) computes an input node"),
-        ((), steps("f1", "f2", "f3", "b3", "|", "f1", "f2", "b2", "b1"),
-         r"step 3 \('b3', forward\) computes a backward node in the forward phase"),
-        ((), steps("f1", "f2", "|", "f3", "f1", "f2", "b3", "b2", "b1"),
-         "output node 'f3' is not computed in the forward phase"),
+        (
+            {"f1"},
+            steps("f1", "f2", "f3", "|", "b3", "b2", "b1"),
+            r"step 3 \('b3', backward\) reads 'f2', which has no live value",
+        ),
+        (
+            (),
+            steps("f2", "f1", "f3", "|", "f1", "f2", "b3", "b2", "b1"),
+            r"step 0 \('f2', forward\) reads 'f1', which has not been computed",
+        ),
+        (
+            (),
+            steps("f1", "f2", "f3", "|", "f1", "f2", "b3", "b1", "b2"),
+            r"step 6 \('b1', backward\) reads 'b2', which has not been computed",
+        ),
+        ((), steps("f1", "f2", "f3", "|", "f1", "f2", "b3", "b2"), "backward node 'b1' is never computed"),
+        (
+            (),
+            steps("f1", "f2", "f3", "|", "f1", "f2", "b3", "b3", "b2", "b1"),
+            r"step 6 \('b3', backward\) computes backward node 'b3' a second time",
+        ),
+        (
+            (),
+            steps("f1", "f1", "f2", "f3", "|", "f1", "f2", "b3", "b2", "b1"),
+            r"step 1 \('f1', forward\) computes 'f1' a second time in the forward phase",
+        ),
+        (
+            (),
+            steps("x", "f1", "f2", "f3", "|", "f1", "f2", "b3", "b2", "b1"),
+            r"step 0 \('x', forward\) computes an input node",
+        ),
+        (
+            (),
+            steps("f1", "f2", "f3", "b3", "|", "f1", "f2", "b2", "b1"),
+            r"step 3 \('b3', forward\) computes a backward node in the forward phase",
+        ),
+        (
+            (),
+            steps("f1", "f2", "|", "f3", "f1", "f2", "b3", "b2", "b1"),
+            "output node 'f3' is not computed in the forward phase",
+        ),
         ({"f1"}, steps("f3x"), r"step 0 \('f3x', forward\): unknown node"),
         ({"b1"}, None, "kept names 'b1', a backward node; only forward nodes can be kept"),
         ({"nope"}, None, "kept names 'nope', which is not a node"),
@@ -670,8 +693,12 @@ def test_auto_survives_a_failing_optional_method(monkeypatch):
 def test_progress_callback():
     calls = []
     p = Problem.training_chain(40)
-    solve(p, min_feasible_budget(Problem.training_chain(40)) + 2, "chen_greedy",
-          progress=lambda f, m: calls.append((f, m)))
+    solve(
+        p,
+        min_feasible_budget(Problem.training_chain(40)) + 2,
+        "chen_greedy",
+        progress=lambda f, m: calls.append((f, m)),
+    )
     assert calls and all(0.0 <= f <= 1.0 and isinstance(m, str) for f, m in calls)
     assert calls[-1][0] == 1.0
 
@@ -704,9 +731,21 @@ def test_large_chain_builds_and_simulates():
     assert len(p) == 35_001 and r.peak_bytes < 400
 
 
-@pytest.mark.parametrize("module", ["solvers", "solvers.problem", "solvers.plan", "solvers.simulator",
-                                    "solvers.chen", "solvers.api", "solvers.errors", "solvers.graph",
-                                    "solvers.blocks", "solvers.hierarchical"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "solvers",
+        "solvers.problem",
+        "solvers.plan",
+        "solvers.simulator",
+        "solvers.chen",
+        "solvers.api",
+        "solvers.errors",
+        "solvers.graph",
+        "solvers.blocks",
+        "solvers.hierarchical",
+    ],
+)
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -40,9 +40,13 @@ EPS = 1e-6
 
 
 def fast(max_examples: int):
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.filter_too_much])
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
 
 
 # ====================================================================== references
@@ -157,8 +161,11 @@ def brute_force_stage_schedules(problem: Problem, budget: int) -> tuple[float, P
         for t, recomputed in enumerate(trail):
             steps += [Step(names[fwd[r]].name, "backward") for r in recomputed]
             steps.append(Step(names[backward[t]].name, "backward"))
-        plan = Plan(kept=frozenset(names[fwd[v]].name for v in range(nf) if kept_mask >> v & 1),
-                    schedule=tuple(steps), method="brute_force")
+        plan = Plan(
+            kept=frozenset(names[fwd[v]].name for v in range(nf) if kept_mask >> v & 1),
+            schedule=tuple(steps),
+            method="brute_force",
+        )
         result = simulate(problem, plan)
         if result.peak_bytes > budget:
             continue  # the forward phase does not fit
@@ -301,8 +308,10 @@ def test_small_chains_match_the_exhaustive_reference(problem, data):
 
 # ====================================================================== random DAGs
 @fast(12)
-@given(problem=training_problems(shapes=("dag",), min_forward=8, max_forward=9, aliases=False, multi_outputs=False),
-       data=st.data())
+@given(
+    problem=training_problems(shapes=("dag",), min_forward=8, max_forward=9, aliases=False, multi_outputs=False),
+    data=st.data(),
+)
 def test_ilp_matches_the_exhaustive_reference_on_random_dags(problem, data):
     lowest = min_feasible_budget(problem)
     highest = simulate(problem, keep_all_plan(problem)).peak_bytes

@@ -189,7 +189,7 @@ def test_broken_schedules_are_rejected_or_still_exact(problem, data):
     kept = random_kept(problem, data)
     steps = reference_derived_schedule(problem, kept)
     drop = data.draw(st.integers(0, len(steps) - 1), label="drop")
-    broken = steps[:drop] + steps[drop + 1:]
+    broken = steps[:drop] + steps[drop + 1 :]
     try:
         result = simulate(problem, Plan(kept=kept, schedule=broken))
     except InvalidPlanError as e:

@@ -33,7 +33,9 @@ def test_halfway_budget_trains_like_eager_and_fits(name: str) -> None:
     measured = measure(case, optimized)
     assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
     assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (
-        measured.peak_bytes, plan.predicted_peak_bytes)
+        measured.peak_bytes,
+        plan.predicted_peak_bytes,
+    )
 
 
 def test_dropout_model_is_in_the_set() -> None:
@@ -78,7 +80,14 @@ def test_demo_prints_the_numbers(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--layers", "2", "--seq", "64", "--batch", "2", "--steps", "1"]) == 0
     out = capsys.readouterr().out
-    labels = ("eager PyTorch peak", "keeping everything", "budget",
-               "predicted peak", "measured peak", "recompute FLOPs", "step time vs eager")
+    labels = (
+        "eager PyTorch peak",
+        "keeping everything",
+        "budget",
+        "predicted peak",
+        "measured peak",
+        "recompute FLOPs",
+        "step time vs eager",
+    )
     for label in labels:
         assert label in out

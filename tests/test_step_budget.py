@@ -120,8 +120,13 @@ def _eager_mix(h: torch.Tensor) -> torch.Tensor:
 
 
 def _eager_case() -> ModelCase:
-    return ModelCase("eager-holds", _EagerHoldsMemory().train(),
-                     (torch.randn(512, 128, generator=torch.Generator().manual_seed(3)),), {}, loss=lambda out: out)
+    return ModelCase(
+        "eager-holds",
+        _EagerHoldsMemory().train(),
+        (torch.randn(512, 128, generator=torch.Generator().manual_seed(3)),),
+        {},
+        loss=lambda out: out,
+    )
 
 
 def test_closed_loop_corrects_a_step_that_exceeds_the_budget() -> None:

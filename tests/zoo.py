@@ -144,8 +144,14 @@ _GPT2_SIZES = {
 }
 
 
-def make_gpt2(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-              *, attn_implementation: str = "eager") -> ModelCase:
+def make_gpt2(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    attn_implementation: str = "eager",
+) -> ModelCase:
     """GPT-2 causal LM (``GPT2LMHeadModel``) with dropout on, tied input/output embeddings.
 
     Dropout 0.1 on embeddings, residuals and attention probabilities (GPT-2's
@@ -157,9 +163,14 @@ def make_gpt2(size: str = "tiny", seq_len: int | None = None, batch: int | None 
 
     spec = _pick_size("gpt2", _GPT2_SIZES, size)
     seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
-    config = GPT2Config(**{**spec.config, "n_positions": max(spec.config["n_positions"], seq_len)},
-                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, use_cache=False,
-                        attn_implementation=attn_implementation)
+    config = GPT2Config(
+        **{**spec.config, "n_positions": max(spec.config["n_positions"], seq_len)},
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
     with _seeded(seed):
         model = GPT2LMHeadModel(config).train()
         # transformers cannot infer the loss type from the class name "GPT2LMHeadModel", so every
@@ -172,23 +183,53 @@ def make_gpt2(size: str = "tiny", seq_len: int | None = None, batch: int | None 
 
 
 _LLAMA_SIZES = {
-    "tiny": _Size(dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=128), seq_len=32, batch=2),
-    "bench": _Size(dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
-                        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=1024), seq_len=512, batch=4),
+    "tiny": _Size(
+        dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=128,
+        ),
+        seq_len=32,
+        batch=2,
+    ),
+    "bench": _Size(
+        dict(
+            hidden_size=384,
+            intermediate_size=1024,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            vocab_size=4096,
+            max_position_embeddings=1024,
+        ),
+        seq_len=512,
+        batch=4,
+    ),
 }
 
 
-def make_llama(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-               *, attn_implementation: str = "eager") -> ModelCase:
+def make_llama(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    attn_implementation: str = "eager",
+) -> ModelCase:
     """Llama causal LM (``LlamaForCausalLM``): RMSNorm, rotary embeddings, SwiGLU, grouped-query attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = _pick_size("llama", _LLAMA_SIZES, size)
     seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
-    config = LlamaConfig(**{**spec.config,
-                            "max_position_embeddings": max(spec.config["max_position_embeddings"], seq_len)},
-                         use_cache=False, attn_implementation=attn_implementation)
+    config = LlamaConfig(
+        **{**spec.config, "max_position_embeddings": max(spec.config["max_position_embeddings"], seq_len)},
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
     with _seeded(seed):
         model = LlamaForCausalLM(config).train()
         input_ids = _random_tokens(config.vocab_size, batch, seq_len)
@@ -196,14 +237,32 @@ def make_llama(size: str = "tiny", seq_len: int | None = None, batch: int | None
 
 
 _MIXTRAL_SIZES = {
-    "tiny": _Size(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, num_local_experts=4,
-                       num_experts_per_tok=2), seq_len=32, batch=2),
+    "tiny": _Size(
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        seq_len=32,
+        batch=2,
+    ),
 }
 
 
-def make_mixtral(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-                 *, attn_implementation: str = "eager") -> ModelCase:
+def make_mixtral(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    attn_implementation: str = "eager",
+) -> ModelCase:
     """Mixtral sparse mixture of experts (``MixtralForCausalLM``): top-2 routing over 4 experts per layer.
 
     Its MoE block loops over the experts that received tokens (a data-dependent loop), which
@@ -221,14 +280,32 @@ def make_mixtral(size: str = "tiny", seq_len: int | None = None, batch: int | No
 
 
 _OLMOE_SIZES = {
-    "tiny": _Size(dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=128, max_position_embeddings=128, num_experts=4,
-                       num_experts_per_tok=2), seq_len=16, batch=2),
+    "tiny": _Size(
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=128,
+            max_position_embeddings=128,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        seq_len=16,
+        batch=2,
+    ),
 }
 
 
-def make_olmoe(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-               *, attn_implementation: str = "eager") -> ModelCase:
+def make_olmoe(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    attn_implementation: str = "eager",
+) -> ModelCase:
     """OLMoE sparse mixture of experts (``OlmoeForCausalLM``): top-2 of 4 experts, a static loop over experts
     whose token selection (``torch.where``) has a data-dependent size."""
     from transformers import OlmoeConfig, OlmoeForCausalLM
@@ -243,13 +320,30 @@ def make_olmoe(size: str = "tiny", seq_len: int | None = None, batch: int | None
 
 
 _OPT_SIZES = {
-    "tiny": _Size(dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
-                       max_position_embeddings=128, word_embed_proj_dim=64), seq_len=32, batch=2),
+    "tiny": _Size(
+        dict(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=256,
+            max_position_embeddings=128,
+            word_embed_proj_dim=64,
+        ),
+        seq_len=32,
+        batch=2,
+    ),
 }
 
 
-def make_opt(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-             *, attn_implementation: str = "eager") -> ModelCase:
+def make_opt(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    attn_implementation: str = "eager",
+) -> ModelCase:
     """OPT causal LM (``OPTForCausalLM``): learned positions from the attention mask's cumulative sum, dropout."""
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -263,15 +357,42 @@ def make_opt(size: str = "tiny", seq_len: int | None = None, batch: int | None =
 
 
 _BERT_SIZES = {
-    "tiny": _Size(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                       vocab_size=256, max_position_embeddings=128), seq_len=32, batch=2),
-    "bench": _Size(dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
-                        vocab_size=4096, max_position_embeddings=512), seq_len=512, batch=4),
+    "tiny": _Size(
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=256,
+            max_position_embeddings=128,
+        ),
+        seq_len=32,
+        batch=2,
+    ),
+    "bench": _Size(
+        dict(
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            vocab_size=4096,
+            max_position_embeddings=512,
+        ),
+        seq_len=512,
+        batch=4,
+    ),
 }
 
 
-def make_bert(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-              *, attn_implementation: str = "eager", mask_prob: float = 0.15) -> ModelCase:
+def make_bert(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    attn_implementation: str = "eager",
+    mask_prob: float = 0.15,
+) -> ModelCase:
     """BERT masked LM (``BertForMaskedLM``); the MLM decoder is tied to the word embeddings.
 
     About ``mask_prob`` of the tokens are replaced by a mask id and are the only
@@ -282,9 +403,12 @@ def make_bert(size: str = "tiny", seq_len: int | None = None, batch: int | None 
 
     spec = _pick_size("bert", _BERT_SIZES, size)
     seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
-    config = BertConfig(**{**spec.config,
-                           "max_position_embeddings": max(spec.config["max_position_embeddings"], seq_len)},
-                        tie_word_embeddings=True, use_cache=False, attn_implementation=attn_implementation)
+    config = BertConfig(
+        **{**spec.config, "max_position_embeddings": max(spec.config["max_position_embeddings"], seq_len)},
+        tie_word_embeddings=True,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
     mask_token_id = config.vocab_size - 1
     with _seeded(seed):
         model = BertForMaskedLM(config).train()
@@ -297,17 +421,29 @@ def make_bert(size: str = "tiny", seq_len: int | None = None, batch: int | None 
 
 
 _MAMBA_SIZES = {
-    "tiny": _Size(dict(hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=256, expand=2,
-                       conv_kernel=4), seq_len=16, batch=2),
+    "tiny": _Size(
+        dict(hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=256, expand=2, conv_kernel=4),
+        seq_len=16,
+        batch=2,
+    ),
     # Small width on purpose: the stock CPU path's backward costs O(layers * L^2 * d_inner * state)
     # (see make_mamba); at this width one eager step at L=1024 takes a few seconds.
-    "long": _Size(dict(hidden_size=64, state_size=8, num_hidden_layers=4, vocab_size=256, expand=2,
-                       conv_kernel=4), seq_len=1024, batch=1),
+    "long": _Size(
+        dict(hidden_size=64, state_size=8, num_hidden_layers=4, vocab_size=256, expand=2, conv_kernel=4),
+        seq_len=1024,
+        batch=1,
+    ),
 }
 
 
-def make_mamba(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-               *, use_mambapy: bool = False) -> ModelCase:
+def make_mamba(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    use_mambapy: bool = False,
+) -> ModelCase:
     """Mamba causal LM (``MambaForCausalLM``), a selective state-space model.
 
     Without the CUDA kernels, transformers runs the selective scan as a Python
@@ -340,16 +476,42 @@ def make_mamba(size: str = "tiny", seq_len: int | None = None, batch: int | None
 
 _VIT_SIZES = {
     # seq_len is the number of patch tokens (without [CLS]); image side = sqrt(seq_len) * patch_size.
-    "tiny": _Size(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                       patch_size=8, num_labels=10), seq_len=16, batch=2),
+    "tiny": _Size(
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            patch_size=8,
+            num_labels=10,
+        ),
+        seq_len=16,
+        batch=2,
+    ),
     # ViT-Ti/16 at 224x224 (Touvron et al. 2021), ImageNet-1k head.
-    "bench": _Size(dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
-                        patch_size=16, num_labels=1000), seq_len=196, batch=8),
+    "bench": _Size(
+        dict(
+            hidden_size=192,
+            num_hidden_layers=12,
+            num_attention_heads=3,
+            intermediate_size=768,
+            patch_size=16,
+            num_labels=1000,
+        ),
+        seq_len=196,
+        batch=8,
+    ),
 }
 
 
-def make_vit(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-             *, attn_implementation: str = "eager") -> ModelCase:
+def make_vit(
+    size: str = "tiny",
+    seq_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    attn_implementation: str = "eager",
+) -> ModelCase:
     """Vision Transformer classifier (``ViTForImageClassification``) on random images.
 
     ``seq_len`` is the number of patches and must be a perfect square.
@@ -361,8 +523,9 @@ def make_vit(size: str = "tiny", seq_len: int | None = None, batch: int | None =
     patches_per_side = math.isqrt(seq_len)
     if patches_per_side**2 != seq_len:
         raise ValueError(f"vit: seq_len (number of patches) must be a perfect square, got {seq_len}")
-    config = ViTConfig(**spec.config, image_size=patches_per_side * spec.config["patch_size"],
-                       attn_implementation=attn_implementation)
+    config = ViTConfig(
+        **spec.config, image_size=patches_per_side * spec.config["patch_size"], attn_implementation=attn_implementation
+    )
     with _seeded(seed):
         model = ViTForImageClassification(config).train()
         pixel_values = torch.randn(batch, config.num_channels, config.image_size, config.image_size)
@@ -378,10 +541,26 @@ _ENFORMER_SIZES = {
     # seq_len is in base pairs. The trunk downsamples by 2**num_downsamples into bins and the
     # output keeps the central `target_length` bins (crop), like the original 196_608 bp -> 896.
     # dim // heads must be divisible by 6 (relative position basis functions).
-    "tiny": _Size(dict(dim=48, depth=1, heads=2, attn_dim_key=8, num_downsamples=7, dim_divisible_by=8,
-                       output_heads=dict(human=16)), seq_len=2048, batch=2),
-    "bench": _Size(dict(dim=192, depth=4, heads=4, attn_dim_key=32, num_downsamples=7, dim_divisible_by=32,
-                        output_heads=dict(human=256)), seq_len=65536, batch=1),
+    "tiny": _Size(
+        dict(
+            dim=48, depth=1, heads=2, attn_dim_key=8, num_downsamples=7, dim_divisible_by=8, output_heads=dict(human=16)
+        ),
+        seq_len=2048,
+        batch=2,
+    ),
+    "bench": _Size(
+        dict(
+            dim=192,
+            depth=4,
+            heads=4,
+            attn_dim_key=32,
+            num_downsamples=7,
+            dim_divisible_by=32,
+            output_heads=dict(human=256),
+        ),
+        seq_len=65536,
+        batch=1,
+    ),
 }
 
 
@@ -396,8 +575,7 @@ def enformer_target_length(seq_len: int, num_downsamples: int) -> int:
     return target if (bins - target) % 2 == 0 else target + 1
 
 
-def make_enformer(size: str = "tiny", seq_len: int | None = None, batch: int | None = None,
-                  seed: int = 0) -> ModelCase:
+def make_enformer(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0) -> ModelCase:
     """Enformer (``enformer_pytorch.Enformer``): conv tower + attention-pool downsampling + transformer.
 
     Input is one-hot DNA (batch, seq_len, 4), float, which the model takes as is
@@ -421,12 +599,18 @@ def make_enformer(size: str = "tiny", seq_len: int | None = None, batch: int | N
         model = Enformer.from_hparams(**spec.config, target_length=target_length).train()
         one_hot_dna = F.one_hot(torch.randint(0, 4, (batch, seq_len)), num_classes=4).float()
         target = torch.rand(batch, target_length, spec.config["output_heads"]["human"])
-    return ModelCase("enformer", model, (one_hot_dna,), {},
-                     loss=functools.partial(_enformer_poisson_loss, poisson_loss=poisson_loss, target=target))
+    return ModelCase(
+        "enformer",
+        model,
+        (one_hot_dna,),
+        {},
+        loss=functools.partial(_enformer_poisson_loss, poisson_loss=poisson_loss, target=target),
+    )
 
 
-def _enformer_poisson_loss(output: Mapping[str, Tensor], *, poisson_loss: Callable[[Tensor, Tensor], Tensor],
-                           target: Tensor) -> Tensor:
+def _enformer_poisson_loss(
+    output: Mapping[str, Tensor], *, poisson_loss: Callable[[Tensor, Tensor], Tensor], target: Tensor
+) -> Tensor:
     return poisson_loss(output["human"], target)
 
 
@@ -438,8 +622,7 @@ _HYENA_SIZES = {
 }
 
 
-def make_hyena(size: str = "tiny", seq_len: int | None = None, batch: int | None = None,
-               seed: int = 0) -> ModelCase:
+def make_hyena(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0) -> ModelCase:
     """HyenaDNA-style long-convolution DNA language model (``tests.hyena``), next-nucleotide loss."""
     spec = _pick_size("hyena", _HYENA_SIZES, size)
     seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
@@ -448,8 +631,7 @@ def make_hyena(size: str = "tiny", seq_len: int | None = None, batch: int | None
         model = HyenaDNA(config).train()
         # Ids 0-3 stand for A/C/G/T; the rest of the vocabulary is specials/padding.
         input_ids = torch.randint(0, 4, (batch, seq_len))
-    return ModelCase("hyena", model, (input_ids,), {},
-                     loss=functools.partial(_next_token_loss_on, input_ids=input_ids))
+    return ModelCase("hyena", model, (input_ids,), {}, loss=functools.partial(_next_token_loss_on, input_ids=input_ids))
 
 
 def _next_token_loss_on(logits: Tensor, *, input_ids: Tensor) -> Tensor:
@@ -458,17 +640,22 @@ def _next_token_loss_on(logits: Tensor, *, input_ids: Tensor) -> Tensor:
 
 _CADUCEUS_SIZES = {
     # The slow path traces a Python loop over time steps, twice (both strands): a short tiny sequence.
-    "tiny": _Size(dict(hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4),
-                  seq_len=16, batch=2),
+    "tiny": _Size(
+        dict(hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4), seq_len=16, batch=2
+    ),
     # The stock CPU path unrolls a Python loop over time steps into the graph, so long DNA sequences
     # take mamba.py's parallel scan (transformers' ``use_mambapy``): the graph grows with log L, not L.
-    "bench": _Size(dict(hidden_size=64, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4,
-                        use_mambapy=True), seq_len=2048, batch=1),
+    "bench": _Size(
+        dict(hidden_size=64, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4, use_mambapy=True),
+        seq_len=2048,
+        batch=1,
+    ),
 }
 
 
-def make_caduceus(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0,
-                  *, mask_prob: float = 0.15) -> ModelCase:
+def make_caduceus(
+    size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0, *, mask_prob: float = 0.15
+) -> ModelCase:
     """Caduceus-style bidirectional Mamba DNA model (``tests.caduceus.BiMambaDNA``), masked-LM loss.
 
     Input is random nucleotides (A, C, G, T, a few N) as token ids of the
@@ -481,21 +668,25 @@ def make_caduceus(size: str = "tiny", seq_len: int | None = None, batch: int | N
 
     spec = _pick_size("caduceus", _CADUCEUS_SIZES, size)
     seq_len, batch = _resolve(seq_len, spec.seq_len), _resolve(batch, spec.batch)
-    config = MambaConfig(**{"use_mambapy": False, **spec.config}, vocab_size=len(TOKEN_ID),
-                         pad_token_id=TOKEN_ID["[PAD]"], use_cache=False)
+    config = MambaConfig(
+        **{"use_mambapy": False, **spec.config},
+        vocab_size=len(TOKEN_ID),
+        pad_token_id=TOKEN_ID["[PAD]"],
+        use_cache=False,
+    )
     nucleotide_ids = torch.tensor([TOKEN_ID[n] for n in NUCLEOTIDES])
     with _seeded(seed):
         model = BiMambaDNA(config).train()
         # N (unknown base) is rare in real genomes: 1 in 50 here.
-        bases = torch.multinomial(torch.tensor([0.245, 0.245, 0.245, 0.245, 0.02]), batch * seq_len,
-                                  replacement=True).view(batch, seq_len)
+        bases = torch.multinomial(
+            torch.tensor([0.245, 0.245, 0.245, 0.245, 0.02]), batch * seq_len, replacement=True
+        ).view(batch, seq_len)
         tokens = nucleotide_ids[bases]
         masked = torch.rand(batch, seq_len) < mask_prob
     masked[:, min(1, seq_len - 1)] = True
     labels = tokens.masked_fill(~masked, -100)
     input_ids = tokens.masked_fill(masked, MASK_ID)
-    return ModelCase("caduceus", model, (input_ids,), {},
-                     loss=functools.partial(_masked_lm_loss_on, labels=labels))
+    return ModelCase("caduceus", model, (input_ids,), {}, loss=functools.partial(_masked_lm_loss_on, labels=labels))
 
 
 def _masked_lm_loss_on(logits: Tensor, *, labels: Tensor) -> Tensor:
@@ -546,8 +737,11 @@ class ResidualConvBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
-            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -557,11 +751,13 @@ class ResidualConvBlock(nn.Module):
 class SmallResNet(nn.Module):
     """Conv stem, residual BN blocks, global average pool, dropout, linear head."""
 
-    def __init__(self, in_channels: int, channels: int, num_blocks: int, num_classes: int,
-                 dropout: float = 0.2) -> None:
+    def __init__(
+        self, in_channels: int, channels: int, num_blocks: int, num_classes: int, dropout: float = 0.2
+    ) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(channels), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
         self.blocks = nn.Sequential(*(ResidualConvBlock(channels) for _ in range(num_blocks)))
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(channels, num_classes)
@@ -572,15 +768,14 @@ class SmallResNet(nn.Module):
 
 
 _CONVNET_SIZES = {
-    "tiny": _Size(dict(in_channels=3, channels=16, num_blocks=2, num_classes=10, image_size=16),
-                  seq_len=None, batch=4),
-    "bench": _Size(dict(in_channels=3, channels=64, num_blocks=4, num_classes=100, image_size=32),
-                   seq_len=None, batch=32),
+    "tiny": _Size(dict(in_channels=3, channels=16, num_blocks=2, num_classes=10, image_size=16), seq_len=None, batch=4),
+    "bench": _Size(
+        dict(in_channels=3, channels=64, num_blocks=4, num_classes=100, image_size=32), seq_len=None, batch=32
+    ),
 }
 
 
-def make_convnet(size: str = "tiny", seq_len: int | None = None, batch: int | None = None,
-                 seed: int = 0) -> ModelCase:
+def make_convnet(size: str = "tiny", seq_len: int | None = None, batch: int | None = None, seed: int = 0) -> ModelCase:
     """Small ResNet-style CNN (BatchNorm, residuals, dropout) on random images; cross-entropy loss."""
     _no_sequence("convnet", seq_len)
     spec = _pick_size("convnet", _CONVNET_SIZES, size)
@@ -619,10 +814,18 @@ MODELS: dict[str, ModelFactory] = {
 }
 
 MODEL_SIZES: dict[str, tuple[str, ...]] = {
-    "gpt2": tuple(_GPT2_SIZES), "llama": tuple(_LLAMA_SIZES), "mixtral": tuple(_MIXTRAL_SIZES),
-    "olmoe": tuple(_OLMOE_SIZES), "opt": tuple(_OPT_SIZES), "bert": tuple(_BERT_SIZES),
-    "mamba": tuple(_MAMBA_SIZES), "vit": tuple(_VIT_SIZES), "enformer": tuple(_ENFORMER_SIZES),
-    "hyena": tuple(_HYENA_SIZES), "caduceus": tuple(_CADUCEUS_SIZES), "mlp": tuple(_MLP_SIZES),
+    "gpt2": tuple(_GPT2_SIZES),
+    "llama": tuple(_LLAMA_SIZES),
+    "mixtral": tuple(_MIXTRAL_SIZES),
+    "olmoe": tuple(_OLMOE_SIZES),
+    "opt": tuple(_OPT_SIZES),
+    "bert": tuple(_BERT_SIZES),
+    "mamba": tuple(_MAMBA_SIZES),
+    "vit": tuple(_VIT_SIZES),
+    "enformer": tuple(_ENFORMER_SIZES),
+    "hyena": tuple(_HYENA_SIZES),
+    "caduceus": tuple(_CADUCEUS_SIZES),
+    "mlp": tuple(_MLP_SIZES),
     "convnet": tuple(_CONVNET_SIZES),
 }
 
