@@ -257,8 +257,17 @@ def tighter_graph_budgets(
     floor = max(r.min_feasible_bytes for r in ran)
     last = max(r.index for r in short)
     # Nothing before the graph that did not fit can keep less: planning again cannot help.
-    if floor > budget_bytes or attempt >= MAX_STEP_RETRIES or last == 0:
+    if floor > budget_bytes or last == 0:
         raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
+    if attempt >= MAX_STEP_RETRIES:
+        raise solvers.InfeasibleBudgetError(
+            budget_bytes,
+            None,
+            "ckptc could not make the graphs of this step fit together in "
+            f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes) after {MAX_STEP_RETRIES} retries, "
+            f"although each graph's floor with the graphs before it at theirs is at most {floor} bytes. "
+            "What to do: give a few percent more budget, or pass solver='auto' if another solver was chosen.",
+        )
     if attempt == 0:
         need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget_bytes for r in short)
         # Each earlier graph lowers its own peak (keeping less) by its share of `need` (the budget
