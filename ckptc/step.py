@@ -139,7 +139,6 @@ class StepRuntime:
         signature = self.lengths.key(args, kwargs, _signature(args, kwargs))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
-        coverage.refuse_before_capture(self.model)
         shape = self._plan_for(key)
         if opened:
             self._begin_step(args, kwargs, shape)
@@ -281,6 +280,8 @@ class StepRuntime:
 
     def _compile(self, shape: ShapePlan) -> None:
         """Give ``shape`` a fresh compiler and ``torch.compile`` of the model (plans on its next call)."""
+        # Checked where a capture is prepared, not on every call: it walks every module.
+        coverage.refuse_before_capture(self.model)
         compiler = self.template.spawn(
             extra_baseline_bytes=shape.correction_bytes + (self.ranks.baseline_bytes if self.ranks else 0),
             hold_outputs=shape.hold_outputs,
