@@ -13,6 +13,7 @@ integer index arrays that the rest of the package uses for fast passes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -407,23 +408,10 @@ class Problem:
         """The graph as a DiGraph (edge ``u -> v``: v reads u), node attributes as in from_networkx."""
         import networkx as nx
 
+        attributes = [f.name for f in dataclasses.fields(Node) if f.name not in ("name", "preds")]
         g = nx.DiGraph()
         for n in self.nodes:
-            g.add_node(
-                n.name,
-                bytes=n.bytes,
-                cost=n.cost,
-                kind=n.kind,
-                output=n.output,
-                alias_of=n.alias_of,
-                policy=n.policy,
-                scratch=n.scratch,
-                part_of=n.part_of,
-                module=n.module,
-                op=n.op,
-                differentiable=n.differentiable,
-                checkpointed=n.checkpointed,
-            )
+            g.add_node(n.name, **{a: getattr(n, a) for a in attributes})
         for n in self.nodes:
             for p in n.preds:
                 g.add_edge(p, n.name)
