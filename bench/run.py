@@ -67,6 +67,13 @@ log = logging.getLogger("bench.run")
 
 DEFAULT_MODELS = ("gpt2", "llama", "bert", "enformer", "hyena", "vit", "mamba", "caduceus")
 QUICK_MODELS = ("mlp", "gpt2")
+# Alternatives whose measured peak ckptc is also run at, and how the point names them (None: the label).
+MATCHED_FAMILIES = {
+    "ckpt_every": "per-block",
+    "ckpt_every_other": "every-other-block",
+    "aot_eager": None,
+    "eager": None,
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -254,14 +261,13 @@ class ModelBench:
                 )
                 continue
             self.add(self.point(alt))
-        # ckptc at exactly the peaks the hand-written alternatives measured: the like-for-like
-        # comparison (recompute and step time at the same memory), interleaved in this run.
-        for family, name in (("ckpt_every", "per-block"), ("ckpt_every_other", "every-other-block")):
-            reference = next(
-                (p for p in self.result["points"] if p.get("family") == family and p.get("status") == "ok"), None
-            )
-            if reference is None or probe_failed:
+        # ckptc at exactly the peak each alternative measured (hand-written checkpointing,
+        # PyTorch's budget points, eager): the like-for-like comparison (recompute and step
+        # time at the same memory), interleaved in this run.
+        for reference in [p for p in self.result["points"] if p.get("family") in MATCHED_FAMILIES]:
+            if reference.get("status") != "ok" or not reference.get("matches_eager") or probe_failed:
                 continue
+            name = MATCHED_FAMILIES[reference["family"]] or reference["label"]
             alt = Alternative(
                 "ckptc",
                 f"ckptc auto @{name} peak",
@@ -270,7 +276,7 @@ class ModelBench:
                 budget_kind="matched",
                 compiled=True,
             )
-            self.add({**self.point(alt), "matched_to": family})
+            self.add({**self.point(alt), "matched_to": reference["label"]})
         self.result["total_seconds"] = time.perf_counter() - t0
         self.result["machine"]["load_avg_end"] = loadavg()
         self.save()

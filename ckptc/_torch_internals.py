@@ -51,6 +51,7 @@ __all__ = [
     "is_dynamic_shape_conflict",
     "unmark_dynamic",
     "graph_break_after",
+    "pass_missing_grads_as_none",
 ]
 
 
@@ -437,3 +438,23 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def pass_missing_grads_as_none(outputs: Any) -> None:
+    """Make the AOTAutograd function that produced ``outputs`` receive ``None`` for missing gradients.
+
+    A compiled graph runs as one ``torch.autograd.Function``; by default autograd
+    builds a tensor of zeros for each of its results that got no gradient.
+    A custom Function's ``grad_fn`` is its ``ctx``, so this calls the public
+    ``ctx.set_materialize_grads(False)`` on it.  The function is found from
+    any result, directly or through the view AOTAutograd rebuilds outside it.
+    """
+    for tensor in tree_leaves(outputs):
+        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+            continue
+        fn = tensor.grad_fn
+        for candidate in (fn, *(f for f, _ in fn.next_functions if f is not None)):
+            forward_cls = getattr(type(candidate), "_forward_cls", None)
+            if forward_cls is not None and hasattr(forward_cls, "_aot_id"):
+                candidate.set_materialize_grads(False)
+                return

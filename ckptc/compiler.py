@@ -37,6 +37,7 @@ from ckptc.policies import policies_from_patterns
 from ckptc.problem import joint_to_problem
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
+from ckptc.unused_grads import RecordLink, ZeroGradBackward, zeros_buildable
 
 if TYPE_CHECKING:
     from ckptc.plans import ModelPlan
@@ -154,20 +155,33 @@ class CheckpointCompiler:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
 
+        planned: list[GraphRecord] = []
+
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
             outside, input_ids = self._bytes_outside_graph(example_inputs)
             parts = self.partition(joint, outside=outside, input_ids=input_ids, **kw)
             if self._just_planned is not None:
                 self._just_planned.break_after = internals.graph_break_after(gm)
+                planned.append(self._just_planned)
             return parts
 
         backend = internals.aot_backend(
             fw_compiler=self._compile_forward,
-            bw_compiler=self._compile_graph,
+            bw_compiler=self._compile_backward,
             partition_fn=partition,
             for_inductor=self.options.compiler == "inductor",
         )
-        return backend(gm, example_inputs)
+        compiled = backend(gm, example_inputs)
+        if self.options.compiler == "inductor" or not planned or not zeros_buildable(planned[-1].joint_problem.joint):
+            return compiled
+
+        def run(*args: Any) -> Any:
+            # Results nobody uses get no gradient tensor (ckptc.unused_grads).
+            outputs = compiled(*args)
+            internals.pass_missing_grads_as_none(outputs)
+            return outputs
+
+        return run
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compiled = self._compile_graph(gm, example_inputs)
@@ -186,6 +200,14 @@ class CheckpointCompiler:
 
         forward._boxed_call = True  # type: ignore[attr-defined]
         return forward
+
+    def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if self.options.compiler == "inductor":
+            return internals.inductor_compile(gm, example_inputs)
+        link = gm.meta.get("ckptc_record")
+        record = link.record if link is not None else None
+        free = record.joint_problem.free_tangents if record is not None else ()
+        return ZeroGradBackward(gm, internals.boxed, free=free, record=record)
 
     def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if self.options.compiler == "inductor":
@@ -243,6 +265,7 @@ class CheckpointCompiler:
             baseline_bytes=baseline,
             policies=policies,
             hold_outputs=self.options.hold_outputs,
+            free_unused_grads=self.options.compiler == "eager",
         )
         record = decide(
             jp,
@@ -257,4 +280,6 @@ class CheckpointCompiler:
         self.records.append(record)
         self._just_planned = record
         steps = solvers.schedule(jp.problem, record.plan)
-        return rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
+        forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
+        backward.meta["ckptc_record"] = RecordLink(record)
+        return forward, backward

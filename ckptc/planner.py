@@ -89,6 +89,8 @@ class GraphRecord:
     infeasible: bool = False
     earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
     break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where
+    # A result whose gradient the plan counted as free (unused by the loss) received one.
+    gradients_unexpected: bool = False
 
     @property
     def step_bytes(self) -> int:

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import solvers
 from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
 from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size
+from ckptc.unused_grads import ZERO, Folding, foldable_tangents
 
 log = logging.getLogger("ckptc.problem")
 
@@ -47,6 +48,7 @@ class JointProblem:
     holds_outputs: bool = False
     held_output_bytes: int = 0  # results counted as held by the caller until backward ends
     released_output_bytes: int = 0  # results counted as dropped by the caller after forward
+    free_tangents: frozenset[str] = frozenset()  # gradients of released results, priced as absent
 
     def node_cost(self, name: str) -> NodeCost:
         return self.nodes[name].meta["ckptc"]
@@ -108,6 +110,7 @@ def joint_to_problem(
     mutated_inputs: frozenset[str] = frozenset(),
     policies: dict[str, str] | None = None,
     hold_outputs: bool | None = False,
+    free_unused_grads: bool = False,
 ) -> JointProblem:
     """Build the solver problem of an annotated joint graph.
 
@@ -127,6 +130,10 @@ def joint_to_problem(
             die at the end of forward, as in ``loss = model(x).loss`` (False).
             None decides from the graph (:func:`returns_own_loss`): results are
             held unless the graph computes a scalar loss of its own.
+        free_unused_grads: the backward receives no tensor for the gradient of a
+            result nobody used (:mod:`ckptc.unused_grads`).  With results released
+            (``hold_outputs`` False), such gradients are priced as free, and
+            ``add(gradient, g)`` as ``g`` itself.
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
@@ -146,6 +153,12 @@ def joint_to_problem(
             # Recomputing the state capture would capture a later state: save it.
             policies[state.name] = "save"
     differentiable = _differentiable_nodes(joint, output_node, num_fwd_outputs)
+    free_tangents: dict[str, Folding] = foldable_tangents(joint.graph) if free_unused_grads and not hold_outputs else {}
+    # node name -> (bytes, alias_of) for nodes that vanish when those gradients are absent.
+    vanishing: dict[str, tuple[int, str | None]] = {}
+    for folding in free_tangents.values():
+        for node, value in folding.replaced.items():
+            vanishing[node.name] = (0, node.meta["ckptc"].alias_of if value is ZERO else value.name)
     graph = nx.DiGraph()
     inputs, forward, backward = [], [], []
     nodes: dict[str, fx.Node] = {}
@@ -175,14 +188,15 @@ def joint_to_problem(
                     cost.stable_name,
                 )
             policy = "save"
+        nbytes, alias_of = vanishing.get(node.name, (cost.bytes, cost.alias_of))
         graph.add_node(
             node.name,
-            bytes=cost.bytes,
+            bytes=nbytes,
             cost=cost.cost,
             kind=cost.kind,
             # Mutations (copy_ into a buffer) must run; "output" makes them run once, in forward.
             output=node.name in output_names or _is_mutating(node),
-            alias_of=cost.alias_of,
+            alias_of=alias_of,
             policy=policy,
             scratch=cost.scratch_bytes,
             part_of=cost.part_of,
@@ -220,6 +234,7 @@ def joint_to_problem(
         holds_outputs=bool(hold_outputs),
         held_output_bytes=sum(results.values()) if hold_outputs else 0,
         released_output_bytes=0 if hold_outputs else sum(results.values()),
+        free_tangents=frozenset(free_tangents),
     )
 
 

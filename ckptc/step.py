@@ -377,6 +377,7 @@ class StepRuntime:
         for shape in self._step_plans:
             mine = {id(r) for r in shape.compiler.records}
             shape.last_records = [r for r in self.active if id(r) in mine]
+        self._check_gradient_assumption()
         if measurement is None:
             return
         budget = self.template.budget_bytes
@@ -427,6 +428,22 @@ class StepRuntime:
             f"ckptc: {type(self.model).__name__} returns a scalar but no `.loss`/`['loss']`; its other results "
             "(logits) are now counted as held until backward ends and the step is planned again. Pass "
             "hold_outputs=True (or False if you drop them before backward) to ckptc.optimize to decide upfront.",
+        )
+
+    def _check_gradient_assumption(self) -> None:
+        """A plan that let the results die after forward priced their gradients as absent
+        (:mod:`ckptc.unused_grads`); if the loss used them after all, plan again holding them."""
+        if not any(r.gradients_unexpected for r in self.active):
+            return
+        for shape in self._step_plans:
+            if shape.hold_outputs is not True:
+                shape.hold_outputs = True
+                shape.needs_replan = True
+        self._warn_once(
+            "unused-grads",
+            f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` (logits); "
+            "the plan had counted them as dropped after forward, so the next call plans again with them held "
+            "until backward ends. Pass hold_outputs=True to ckptc.optimize to decide upfront.",
         )
 
     def _warn_once(self, key: str, message: str) -> None:

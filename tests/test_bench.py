@@ -55,8 +55,11 @@ def test_bench_run_writes_results_for_every_alternative(tmp_path):
     data = json.loads((out / "mlp.json").read_text())
     families = {p["family"] for p in data["points"]}
     assert {"eager", "ckpt_every", "ckpt_every_other", "aot_eager", "ckptc"} <= families
-    ckptc_points = [p for p in data["points"] if p["family"] == "ckptc"]
+    ckptc_points = [p for p in data["points"] if p["family"] == "ckptc" and p.get("budget_kind") != "matched"]
     assert len(ckptc_points) == 2
+    # ckptc also runs at the peak of every alternative that trained like eager (here: eager, PyTorch's budget).
+    matched = {p.get("matched_to") for p in data["points"] if p.get("budget_kind") == "matched"}
+    assert matched == {"eager", "aot_eager budget=0.5"}
     for p in data["points"]:
         assert p["status"] in ("ok", "infeasible", "skipped", "error", "timeout"), p
         if p["status"] == "ok":

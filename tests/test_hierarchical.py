@@ -413,8 +413,10 @@ def test_a_model_that_checkpoints_itself_is_planned_from_what_it_already_does():
     own = ckptc.plan(
         copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, strategy="none", loss_fn=case.loss
     )
-    # The model's own checkpointing is what "unoptimized" means now, and it is visible in the plan.
-    assert own.unoptimized_peak_bytes < plain.unoptimized_peak_bytes
+    # The model's own checkpointing is what "unoptimized" means now, and it is visible in the plan:
+    # it keeps less for backward.  (Its peak need not be lower: at 32 tokens, what backward adds
+    # while a block is recomputed outweighs the blocks' activations.)
+    assert sum(v.bytes for v in own.values("kept")) < sum(v.bytes for v in plain.values("kept"))
     assert own.values("recomputed")
     user_had = measure(case, reference).peak_bytes
     budget = (own.min_feasible_bytes + own.unoptimized_peak_bytes) // 2

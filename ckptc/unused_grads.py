@@ -1,0 +1,280 @@
+"""Results that the loss does not use get no gradient, instead of a tensor of zeros.
+
+In ``loss = model(x, labels=y).loss; loss.backward()`` the model also returns
+its logits.  Nothing uses them, so eager autograd never builds their gradient.
+A compiled graph, though, runs inside one ``torch.autograd.Function``, and
+autograd hands its backward a full-size tensor of zeros for every result that
+received no gradient ("materialized" gradients).  The backward then adds this
+tensor to the gradient that comes from the loss.  For a language model's
+logits it is the largest tensor of the step, and it is alive from the start
+of backward.
+
+This module keeps the mechanism apart from the decision:
+
+* :func:`fold_zeros` is the analysis.  Given placeholders known to be zero, it
+  says which nodes are then zero (views, ``mul``, ``sum`` of a zero) or equal to
+  another node (``add(zero, g)`` is ``g``).  It also says whether the zeros
+  vanish completely, that is, whether no other op needs them as real tensors.
+* :func:`foldable_tangents` names the tangents that vanish completely.
+  :func:`ckptc.problem.joint_to_problem` prices them as free when the caller
+  drops the graph's results after forward (the ``hold_outputs`` assumption).
+* :class:`ZeroGradBackward` is the runtime.  The forward asks autograd to pass
+  ``None`` for missing gradients (:func:`ckptc._torch_internals.
+  pass_missing_grads_as_none`).  The backward, given ``None`` for a tangent, runs a
+  copy of its graph specialized by :func:`fold_zeros`; it builds one copy per
+  pattern of missing tangents.  A tangent that does not fold gets real zeros,
+  exactly as before.  When a tangent that the plan priced as free arrives as a
+  real tensor, the gradient is still exact, but memory may exceed the plan; the
+  record is marked, and :mod:`ckptc.step` plans again with the results held.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from ckptc._torch_internals import is_tangent, is_view_op
+
+if TYPE_CHECKING:
+    from ckptc.planner import GraphRecord
+
+log = logging.getLogger("ckptc.unused_grads")
+
+aten = torch.ops.aten
+
+# Ops whose result is zero when their first argument is zero.  View ops count too.
+_ZERO_IF_FIRST = {
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.neg.default,
+    aten.div.Tensor,
+    aten.div.Scalar,
+    aten.mul.Scalar,
+    aten.sum.default,
+    aten.sum.dim_IntList,
+}
+# Ops whose result is zero when any argument is zero.
+_ZERO_IF_ANY = {aten.mul.Tensor}
+
+ZERO = None
+"""The value :func:`fold_zeros` gives a node that is all zeros."""
+
+
+@dataclass
+class Folding:
+    """What :func:`fold_zeros` found.
+
+    Attributes:
+        replaced: node -> ``ZERO`` (the node is all zeros) or the argument it equals
+            (which may itself be replaced: follow the chain).
+        complete: no op needs one of the zeros as a real tensor: they vanish.
+        blocked_by: the first node that needs a zero as a real tensor (None if complete).
+    """
+
+    replaced: dict[fx.Node, fx.Node | None] = field(default_factory=dict)
+    complete: bool = True
+    blocked_by: fx.Node | None = None
+
+
+def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
+    """Which nodes of ``graph`` are zero, or equal to another node, when ``zeros`` are zero.
+
+    Walks the nodes once, in order.  A node is zero when it is a view of a zero,
+    one of the zero-preserving ops applied to a zero, or a ``mul`` with a zero.
+    ``add(a, zero)``, ``add(zero, b)`` (``alpha=1``) and ``sub(a, zero)`` equal their
+    other argument when it has the result's shape, strides and dtype.  Every
+    other use of a zero (including returning it) blocks the folding: the result
+    is then not ``complete``.  Pure analysis; the graph is not changed.
+    """
+    folding = Folding()
+    zero_set = set(zeros)
+    replaced = folding.replaced
+    for z in zero_set:
+        replaced[z] = ZERO
+
+    def is_zero(arg: Any) -> bool:
+        return isinstance(arg, fx.Node) and arg in replaced and replaced[arg] is ZERO
+
+    for node in graph.nodes:
+        if node in zero_set:
+            continue
+        zero_inputs = [a for a in node.all_input_nodes if is_zero(a)]
+        if not zero_inputs:
+            continue
+        target = node.target
+        first = node.args[0] if node.args else None
+        if node.op == "call_function" and (
+            ((is_view_op(target) or target in _ZERO_IF_FIRST) and is_zero(first) and len(zero_inputs) == 1)
+            or target in _ZERO_IF_ANY
+        ):
+            replaced[node] = ZERO
+            continue
+        if node.op == "call_function" and target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
+            a, b = node.args
+            alpha = node.kwargs.get("alpha", 1)
+            if is_zero(a) and is_zero(b):
+                replaced[node] = ZERO
+                continue
+            other = a if is_zero(b) else (b if target is aten.add.Tensor and alpha == 1 else None)
+            if other is not None and _same_layout(other, node):
+                replaced[node] = other
+                continue
+        folding.complete = False
+        folding.blocked_by = node
+        return folding
+    return folding
+
+
+def _same_layout(a: Any, b: fx.Node) -> bool:
+    va, vb = getattr(a, "meta", {}).get("val"), b.meta.get("val")
+    return (
+        isinstance(va, torch.Tensor)
+        and isinstance(vb, torch.Tensor)
+        and va.dtype == vb.dtype
+        and va.device == vb.device
+        and tuple(va.shape) == tuple(vb.shape)
+        and tuple(va.stride()) == tuple(vb.stride())
+    )
+
+
+def _static_size(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in (*val.shape, *val.stride()))
+
+
+def zeros_buildable(gm: fx.GraphModule) -> bool:
+    """Whether every tangent of ``gm`` has a static size, so zeros can be built for any that does not fold.
+
+    Only then may its backward receive ``None`` for missing gradients.
+    """
+    return all(_static_size(n) for n in gm.graph.nodes if n.op == "placeholder" and is_tangent(n))
+
+
+def foldable_tangents(graph: fx.Graph) -> dict[str, Folding]:
+    """The tangents of ``graph`` that vanish completely when they are zero, with their folding.
+
+    Only tangents with more than one element (a scalar's gradient, the
+    loss's, costs nothing), and none at all unless every tangent has a static
+    size (:func:`zeros_buildable`): a graph with a dynamic one keeps autograd's zeros.
+    """
+    found: dict[str, Folding] = {}
+    if not all(_static_size(n) for n in graph.nodes if n.op == "placeholder" and is_tangent(n)):
+        return found  # the backward keeps receiving zeros (see zeros_buildable)
+    for node in graph.nodes:
+        if node.op != "placeholder" or not is_tangent(node) or not _static_size(node):
+            continue
+        if math.prod(node.meta["val"].shape) <= 1:
+            continue
+        folding = fold_zeros(graph, [node])
+        if folding.complete:
+            found[node.name] = folding
+    return found
+
+
+def specialize(gm: fx.GraphModule, zero_names: Iterable[str]) -> fx.GraphModule:
+    """A copy of ``gm`` in which the placeholders ``zero_names`` are zero and folded away.
+
+    The placeholders stay (they receive ``None``).  Raises ``ValueError`` if
+    the zeros do not vanish completely.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))  # graph_copy leaves out the output node
+    copied = {old.name: new for old, new in env.items()}
+    zeros = [copied[name] for name in zero_names]
+    folding = fold_zeros(graph, zeros)
+    if not folding.complete:
+        raise ValueError(f"the zero gradients do not fold away: {folding.blocked_by} needs them")
+    for node, value in folding.replaced.items():
+        while value is not ZERO and folding.replaced.get(value, value) is not value:
+            value = folding.replaced[value]
+        if value is not ZERO:
+            node.replace_all_uses_with(value)
+    for node in reversed(list(graph.nodes)):
+        if node in folding.replaced and node.op != "placeholder" and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    return fx.GraphModule(gm, graph)
+
+
+class RecordLink:
+    """Carries a graph's record to its backward compiler in the module's ``meta``.
+
+    AOTAutograd may deep-copy the backward module; the link is shared, not copied.
+    """
+
+    def __init__(self, record: GraphRecord) -> None:
+        self.record = record
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RecordLink:
+        return self
+
+    def __repr__(self) -> str:
+        return f"RecordLink(graph {self.record.index})"
+
+
+class ZeroGradBackward:
+    """The backward of one graph, run with ``None`` for gradients nobody computed.
+
+    Args:
+        gm: the rewritten backward module (tangent placeholders last).
+        compile_graph: turns a module into a boxed callable.
+        free: tangents the plan priced as free (they should arrive as ``None``).
+        record: the graph's record, marked when a free tangent arrives as a tensor.
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        compile_graph: Callable[[fx.GraphModule], Callable],
+        *,
+        free: Iterable[str] = (),
+        record: GraphRecord | None = None,
+    ) -> None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.tangents = {i: n for i, n in enumerate(placeholders) if is_tangent(n)}
+        self.foldable = set(foldable_tangents(gm.graph))
+        self.free = frozenset(free)
+        self.record = record
+        self.gm = gm
+        self.compile_graph = compile_graph
+        self.variants: dict[frozenset[str], Callable] = {frozenset(): compile_graph(gm)}
+        # In the instance dict: wrappers copy it (functools.wraps), not class attributes.
+        self._boxed_call = True
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroGradBackward(tangents={len(self.tangents)}, foldable={sorted(self.foldable)}, "
+            f"free={sorted(self.free)}, variants={len(self.variants)})"
+        )
+
+    def __call__(self, args: list[Any]) -> Any:
+        missing = set()
+        for i, node in self.tangents.items():
+            if args[i] is not None:
+                if node.name in self.free and self.record is not None and not self.record.gradients_unexpected:
+                    self.record.gradients_unexpected = True
+                    log.warning(
+                        "graph %d: the result of %s received a gradient; the plan counted it as unused "
+                        "(the caller reads `.loss` and drops the other results), so memory may exceed the "
+                        "plan in this step",
+                        self.record.index,
+                        node.name,
+                    )
+                continue
+            if node.name in self.foldable:
+                missing.add(node.name)
+            else:
+                val = node.meta["val"]
+                args[i] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device).zero_()
+        key = frozenset(missing)
+        run = self.variants.get(key)
+        if run is None:
+            run = self.variants[key] = self.compile_graph(specialize(self.gm, key))
+            log.debug("backward specialized for unused results %s", sorted(key))
+        return run(args)

@@ -1,0 +1,116 @@
+"""Results the loss does not use get no gradient tensor (ckptc/unused_grads.py).
+
+``loss = model(x, labels=y).loss`` leaves the logits unused; a compiled graph's
+backward would otherwise receive a full-size tensor of zeros for them and add
+it to the loss's gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.fx as fx
+
+import ckptc
+from ckptc.compiler import CheckpointCompiler
+from ckptc.unused_grads import ZERO, fold_zeros, foldable_tangents, specialize
+from tests.helpers import assert_same_training, budget_bounds, get_case, measure, step
+from tests.zoo import ModelCase
+
+aten = torch.ops.aten
+
+
+def _graph(strides_match: bool = True, real_use: bool = False) -> tuple[fx.GraphModule, dict[str, fx.Node]]:
+    """A backward-like graph: ``tangents_1`` (2x4), added to a gradient ``g`` (8) viewed as 2x4."""
+    graph = fx.Graph()
+    tangent = graph.placeholder("tangents_1")
+    g = graph.placeholder("g")
+    tangent.meta["val"] = torch.empty(2, 4)
+    g.meta["val"] = torch.empty(8)
+    viewed = graph.call_function(aten.view.default, (g, [2, 4]))
+    viewed.meta["val"] = torch.empty(2, 4) if strides_match else torch.empty(4, 2).t()
+    t_view = graph.call_function(aten.view.default, (tangent, [2, 4]))
+    t_view.meta["val"] = torch.empty(2, 4)
+    total = graph.call_function(aten.add.Tensor, (t_view, viewed))
+    total.meta["val"] = torch.empty(2, 4)
+    out = graph.call_function(aten.mul.Tensor, (total, 2.0))
+    out.meta["val"] = torch.empty(2, 4)
+    results = [out]
+    if real_use:
+        used = graph.call_function(aten.mm.default, (tangent, graph.call_function(aten.ones.default, ([4, 4],))))
+        used.meta["val"] = torch.empty(2, 4)
+        results.append(used)
+    graph.output(tuple(results))
+    nodes = {"tangents_1": tangent, "viewed": viewed, "t_view": t_view, "add": total}
+    if real_use:
+        nodes["mm"] = used
+    return fx.GraphModule(torch.nn.Module(), graph), nodes
+
+
+def test_zero_views_and_adds_of_zero_fold_away() -> None:
+    gm, nodes = _graph()
+    folding = fold_zeros(gm.graph, [nodes["tangents_1"]])
+    assert folding.complete and folding.blocked_by is None
+    assert folding.replaced[nodes["t_view"]] is ZERO
+    assert folding.replaced[nodes["add"]] is nodes["viewed"]
+    assert set(foldable_tangents(gm.graph)) == {"tangents_1"}
+
+    special = specialize(gm, ["tangents_1"])
+    ops = [n.target for n in special.graph.nodes if n.op == "call_function"]
+    assert aten.add.Tensor not in ops and ops.count(aten.view.default) == 1
+    g = torch.arange(8.0)
+    (result,) = special(None, g)
+    assert torch.equal(result, g.view(2, 4) * 2)
+
+
+def test_a_zero_that_an_op_needs_as_a_tensor_does_not_fold() -> None:
+    gm, nodes = _graph(real_use=True)
+    folding = fold_zeros(gm.graph, [nodes["tangents_1"]])
+    assert not folding.complete and folding.blocked_by is nodes["mm"]
+    assert foldable_tangents(gm.graph) == {}
+
+    gm, nodes = _graph(strides_match=False)  # add(zero, g) would hand on g with other strides
+    assert not fold_zeros(gm.graph, [nodes["tangents_1"]]).complete
+
+
+def test_unused_logits_cost_no_gradient_tensor() -> None:
+    """Tiny Llama returning its loss: the logits' gradient is priced as free and never built.
+
+    If the backward received a tensor of zeros for the logits, the measured
+    peak would exceed the prediction by the logits' size (64 KiB here).
+    """
+    case = get_case("llama")
+    reference = copy.deepcopy(case.model)
+    compiler = CheckpointCompiler(None, strategy="none", model=case.model)
+    compiled = torch.compile(case.model, backend=compiler)
+    assert_same_training(case, reference, step(case, compiled), step(case, reference))
+    (record,) = compiler.records
+    assert record.joint_problem.free_tangents
+    predicted = compiler.plan.predicted_peak_bytes
+    measured = measure(case, compiled).peak_bytes
+    logits = case.model.config.vocab_size * case.example_inputs[0].numel() * 4
+    assert measured <= predicted + logits // 4, (measured, predicted)
+    assert not record.gradients_unexpected
+
+
+def _loss_using_logits(case: ModelCase) -> ModelCase:
+    def loss(out) -> torch.Tensor:
+        return out.loss + 1e-3 * out.logits.float().square().mean()
+
+    return ModelCase("llama-loss-and-logits", case.model, case.example_inputs, case.example_kwargs, loss=loss)
+
+
+def test_a_loss_that_also_uses_the_logits_is_exact_and_plans_again() -> None:
+    case = _loss_using_logits(get_case("llama"))
+    budget = budget_bounds(case).at(0.5)
+    reference = copy.deepcopy(case.model)
+    optimized = ckptc.optimize(case.model, budget_bytes=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_training(case, reference, step(case, optimized), step(case, reference))
+    assert any("used results other than `.loss`" in str(w.message) for w in caught)
+    # The next call plans again with the logits held through backward, and still trains exactly.
+    assert_same_training(case, reference, step(case, optimized), step(case, reference))
+    assert measure(case, optimized).peak_bytes <= budget
