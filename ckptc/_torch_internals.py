@@ -440,21 +440,30 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def pass_missing_grads_as_none(outputs: Any) -> None:
+def pass_missing_grads_as_none(outputs: Any, inputs: Sequence[Any]) -> bool:
     """Make the AOTAutograd function that produced ``outputs`` receive ``None`` for missing gradients.
 
     A compiled graph runs as one ``torch.autograd.Function``; by default autograd
     builds a tensor of zeros for each of its results that got no gradient.
     A custom Function's ``grad_fn`` is its ``ctx``, so this calls the public
-    ``ctx.set_materialize_grads(False)`` on it.  The function is found from
-    any result, directly or through the view AOTAutograd rebuilds outside it.
+    ``ctx.set_materialize_grads(False)`` on it.  The function is found from a
+    result, directly or through the view AOTAutograd rebuilds outside it, and
+    is one this call created: anything reachable from ``inputs`` (an earlier
+    graph's function, seen through a result that aliases an input) is left
+    alone.  Returns whether it was found.
     """
-    for tensor in tree_leaves(outputs):
+
+    def functions(tensor: Any) -> list[Any]:
         if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
-            continue
+            return []
         fn = tensor.grad_fn
-        for candidate in (fn, *(f for f, _ in fn.next_functions if f is not None)):
+        return [fn, *(f for f, _ in fn.next_functions if f is not None)]
+
+    earlier = {id(f) for t in inputs for f in functions(t)}
+    for tensor in tree_leaves(outputs):
+        for candidate in functions(tensor):
             forward_cls = getattr(type(candidate), "_forward_cls", None)
-            if forward_cls is not None and hasattr(forward_cls, "_aot_id"):
+            if forward_cls is not None and hasattr(forward_cls, "_aot_id") and id(candidate) not in earlier:
                 candidate.set_materialize_grads(False)
-                return
+                return True
+    return False

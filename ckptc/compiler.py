@@ -178,7 +178,7 @@ class CheckpointCompiler:
         def run(*args: Any) -> Any:
             # Results nobody uses get no gradient tensor (ckptc.unused_grads).
             outputs = compiled(*args)
-            internals.pass_missing_grads_as_none(outputs)
+            internals.pass_missing_grads_as_none(outputs, args)
             return outputs
 
         return run

@@ -159,6 +159,7 @@ def joint_to_problem(
     for folding in free_tangents.values():
         for node, value in folding.replaced.items():
             vanishing[node.name] = (0, node.meta["ckptc"].alias_of if value is ZERO else value.name)
+    region_outputs = _outputs_read_by_later_regions(joint)
     graph = nx.DiGraph()
     inputs, forward, backward = [], [], []
     nodes: dict[str, fx.Node] = {}
@@ -203,7 +204,7 @@ def joint_to_problem(
             module=cost.module,
             op=cost.op,
             differentiable=node in differentiable,
-            checkpointed=node.meta.get("recompute") in _RECOMPUTED_BY_THE_MODEL,
+            checkpointed=node.meta.get("recompute") in _RECOMPUTED_BY_THE_MODEL and node not in region_outputs,
         )
         for p in preds:
             graph.add_edge(p, node.name)
@@ -254,6 +255,34 @@ def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_o
         if node.op == "call_function" and any(a in flowing for a in node.all_input_nodes):
             flowing.add(node)
     return flowing
+
+
+def _outputs_read_by_later_regions(joint: fx.GraphModule) -> set[fx.Node]:
+    """Values of the model's own checkpointed regions that forward code after the region reads.
+
+    Two consecutive ``torch.utils.checkpoint`` calls share a value: the first
+    region's output is the second's input, which ``checkpoint()`` saves; a
+    region's output read by an op outside any region is saved by that op.
+    Either way it is a boundary, not part of what the model recomputes
+    (PyTorch's partitioner does the same in ``cleanup_recompute_tags``).
+    """
+
+    def in_region(node: fx.Node) -> bool:
+        return node.meta.get("recompute") in _RECOMPUTED_BY_THE_MODEL
+
+    found = set()
+    for node in joint.graph.nodes:
+        region = node.meta.get("ac_graph_id")
+        if region is None or not in_region(node):
+            continue
+        for user in node.users:
+            cost = user.meta.get("ckptc")
+            if cost is None or cost.kind != FORWARD:
+                continue
+            if not in_region(user) or user.meta.get("ac_graph_id", region) > region:
+                found.add(node)
+                break
+    return found
 
 
 def returns_own_loss(forward_results: Iterable[fx.Node]) -> bool:
