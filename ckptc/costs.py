@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ckptc._torch_internals import (
+    is_mutable_op,
     is_op_overload,
     is_random_op,
     is_tangent,
@@ -49,7 +50,8 @@ class NodeCost:
     Attributes:
         kind: ``"input"`` (parameters, buffers, user inputs), ``"forward"`` or
             ``"backward"`` (tangents count as backward: autograd creates them
-            when backward starts).
+            when backward starts; so does every op traced after backward began,
+            even one no gradient flows into, since eager runs it in backward).
         bytes: storage bytes the node allocates; 0 for a view or alias.
         flops: floating-point operations to (re)compute it.  Pointwise ops and
             reductions are counted by elements touched.
@@ -93,6 +95,7 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
     ``make_fx`` graphs carry.  Returns the same mapping for convenience.
     """
     tangent_dependent: set[fx.Node] = set()
+    backward_started = False
     storage_owner: dict[Hashable, str] = {}
     root_of: dict[str, str] = {}
     name_counts: Counter[str] = Counter()
@@ -103,10 +106,16 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
         inputs = node.all_input_nodes
         if is_tangent(node) or any(n in tangent_dependent for n in inputs):
             tangent_dependent.add(node)
+            backward_started = backward_started or node.op == "call_function"
         if node.op in ("placeholder", "get_attr"):
             kind = BACKWARD if is_tangent(node) else INPUT
         else:
-            kind = BACKWARD if node in tangent_dependent else FORWARD
+            # Ops traced after backward began are backward ops even when no gradient flows
+            # into them (RMSNorm's backward re-derives x * rsqrt): eager runs them in
+            # backward, so keeping them from forward would hold memory eager never holds.
+            # Buffer updates (copy_ of BatchNorm statistics) come last in the graph but belong to forward.
+            born_in_backward = backward_started and not is_mutable_op(node.target)
+            kind = BACKWARD if node in tangent_dependent or born_in_backward else FORWARD
 
         new_bytes, alias_root = _storage_bytes(node, storage_owner)
         part_of = _part_of(node)

@@ -215,6 +215,10 @@ def test_presets_train_like_eager(strategy: str) -> None:
         copies = ("clone", "expand", "view", "transpose", "_unsafe_view")
         assert all(re.sub(r"_\d+$", "", v.op) in copies for v in plan.values("recomputed"))
         assert plan.recompute_percent < 1.0
+    elif strategy == "selective":
+        # Keeping matmul outputs is a fixed rule, not a budget: on tiny Llama it keeps more than eager's
+        # saved set (the matmul inputs), so only its recomputation is checked.
+        assert plan.values("recomputed")
     else:
         assert plan.values("recomputed") and plan.predicted_peak_bytes < plan.unoptimized_peak_bytes
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 import torch.fx as fx
 
@@ -114,3 +115,15 @@ def test_a_loss_that_also_uses_the_logits_is_exact_and_plans_again() -> None:
     # The next call plans again with the logits held through backward, and still trains exactly.
     assert_same_training(case, reference, step(case, optimized), step(case, reference))
     assert measure(case, optimized).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_keeping_everything_costs_no_more_than_eager(name: str) -> None:
+    """Keep-everything holds eager's saved set: no zeros for the logits' gradient, and ops traced
+    in backward (RMSNorm's backward re-deriving ``x * rsqrt``) run in backward, not kept from forward."""
+    case = get_case(name)
+    reference = copy.deepcopy(case.model)
+    eager = measure(ModelCase(name, reference, case.example_inputs, case.example_kwargs, loss=case.loss), reference)
+    optimized = ckptc.optimize(case.model, strategy="none")
+    assert_same_training(case, reference, step(case, optimized), step(case, reference))
+    assert measure(case, optimized).peak_bytes <= eager.peak_bytes
