@@ -459,11 +459,15 @@ def pass_missing_grads_as_none(outputs: Any, inputs: Sequence[Any]) -> bool:
         fn = tensor.grad_fn
         return [fn, *(f for f, _ in fn.next_functions if f is not None)]
 
-    earlier = {id(f) for t in inputs for f in functions(t)}
+    earlier: set[int] | None = None  # built only when a candidate turns up (inputs hold every parameter)
     for tensor in tree_leaves(outputs):
         for candidate in functions(tensor):
             forward_cls = getattr(type(candidate), "_forward_cls", None)
-            if forward_cls is not None and hasattr(forward_cls, "_aot_id") and id(candidate) not in earlier:
+            if forward_cls is None or not hasattr(forward_cls, "_aot_id"):
+                continue
+            if earlier is None:
+                earlier = {id(f) for t in inputs for f in functions(t)}
+            if id(candidate) not in earlier:
                 candidate.set_materialize_grads(False)
                 return True
     return False
