@@ -172,7 +172,11 @@ class CheckpointCompiler:
             for_inductor=self.options.compiler == "inductor",
         )
         compiled = backend(gm, example_inputs)
-        if self.options.compiler == "inductor" or not planned or not zeros_buildable(planned[-1].joint_problem.joint):
+        if (
+            self.options.compiler == "inductor"
+            or not planned
+            or not zeros_buildable(planned[-1].joint_problem.joint.graph)
+        ):
             return compiled
 
         def run(*args: Any) -> Any:

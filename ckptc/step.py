@@ -421,9 +421,8 @@ class StepRuntime:
         released = [r for r in ran if not r.joint_problem.holds_outputs and r.joint_problem.released_output_bytes]
         if not released:
             return
-        shape.hold_outputs = True
-        shape.needs_replan = True
-        self._warn_once(
+        self._plan_again_holding_outputs(
+            [shape],
             "hold",
             f"ckptc: {type(self.model).__name__} returns a scalar but no `.loss`/`['loss']`; its other results "
             "(logits) are now counted as held until backward ends and the step is planned again. Pass "
@@ -435,16 +434,20 @@ class StepRuntime:
         (:mod:`ckptc.unused_grads`); if the loss used them after all, plan again holding them."""
         if not any(r.gradients_unexpected for r in self.active):
             return
-        for shape in self._step_plans:
-            if shape.hold_outputs is not True:
-                shape.hold_outputs = True
-                shape.needs_replan = True
-        self._warn_once(
+        self._plan_again_holding_outputs(
+            [s for s in self._step_plans if s.hold_outputs is not True],
             "unused-grads",
             f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` (logits); "
             "the plan had counted them as dropped after forward, so the next call plans again with them held "
             "until backward ends. Pass hold_outputs=True to ckptc.optimize to decide upfront.",
         )
+
+    def _plan_again_holding_outputs(self, shapes: list[ShapePlan], key: str, message: str) -> None:
+        """The caller holds these plans' results through backward after all: plan again counting them."""
+        for shape in shapes:
+            shape.hold_outputs = True
+            shape.needs_replan = True
+        self._warn_once(key, message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key in self._warned:

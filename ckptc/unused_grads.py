@@ -147,12 +147,12 @@ def _static_size(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in (*val.shape, *val.stride()))
 
 
-def zeros_buildable(gm: fx.GraphModule) -> bool:
-    """Whether every tangent of ``gm`` has a static size, so zeros can be built for any that does not fold.
+def zeros_buildable(graph: fx.Graph) -> bool:
+    """Whether every tangent of ``graph`` has a static size, so zeros can be built for any that does not fold.
 
     Only then may its backward receive ``None`` for missing gradients.
     """
-    return all(_static_size(n) for n in gm.graph.nodes if n.op == "placeholder" and is_tangent(n))
+    return all(_static_size(n) for n in graph.nodes if n.op == "placeholder" and is_tangent(n))
 
 
 def foldable_tangents(graph: fx.Graph) -> dict[str, Folding]:
@@ -163,10 +163,10 @@ def foldable_tangents(graph: fx.Graph) -> dict[str, Folding]:
     size (:func:`zeros_buildable`): a graph with a dynamic one keeps autograd's zeros.
     """
     found: dict[str, Folding] = {}
-    if not all(_static_size(n) for n in graph.nodes if n.op == "placeholder" and is_tangent(n)):
-        return found  # the backward keeps receiving zeros (see zeros_buildable)
+    if not zeros_buildable(graph):
+        return found  # the backward keeps receiving zeros
     for node in graph.nodes:
-        if node.op != "placeholder" or not is_tangent(node) or not _static_size(node):
+        if node.op != "placeholder" or not is_tangent(node):
             continue
         if math.prod(node.meta["val"].shape) <= 1:
             continue
