@@ -201,10 +201,16 @@ class StepRuntime:
         """
         before = len(self.active)
         saved = ForwardState(self.model) if not shape.compiler.records else None
+        if saved is not None:
+            # A forward may update its inputs in place (x.mul_(2)); the reference below runs on copies
+            # and a retry starts from the inputs as the caller gave them, so they change exactly once.
+            saved.save_inputs(args, kwargs)
         # The reference of the coverage report; not under DDP/FSDP2, where an extra eager forward
         # would run collectives and leave FSDP2 expecting a backward.
         if saved is not None and shape.eager is None and self.ranks is None:
-            shape.eager = coverage.EagerForward.measure(self.model, args, kwargs)
+            copies = internals.tree_map(_detached_copy, (args, kwargs))
+            shape.eager = coverage.EagerForward.measure(self.model, *copies)
+            del copies
             saved.restore()
         for attempt in range(MAX_STEP_RETRIES + 1):
             output = self._run_once(shape, args, kwargs)
@@ -466,16 +472,39 @@ class ForwardState:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.inputs: list[list[Any]] = []  # [tensor, version when saved or restored, its value]
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def save_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Also put back the call's input tensors that a forward updates in place (their version
+        counter tells which did).  Inputs that require grad are left alone: autograd refuses in-place
+        updates of leaves, and restoring a non-leaf would not undo its recorded history."""
+        known = {id(b) for b, _ in self.buffers}
+        for leaf in internals.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and not leaf.requires_grad and id(leaf) not in known:
+                known.add(id(leaf))
+                self.inputs.append([leaf, internals.version_counter(leaf), leaf.detach().clone()])
 
     def restore(self) -> None:
         with torch.no_grad():
             for buffer, value in self.buffers:
                 buffer.copy_(value)
+            for entry in self.inputs:
+                tensor, version, value = entry
+                if internals.version_counter(tensor) != version:
+                    tensor.copy_(value)
+                    entry[1] = internals.version_counter(tensor)
         torch.random.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def _detached_copy(leaf: Any) -> Any:
+    """A copy of an input tensor for a reference forward (so its in-place updates stay there)."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
