@@ -15,11 +15,14 @@ import logging
 from ckptc.api import OptimizedModule, capture, optimize, plan
 from ckptc.backend import backend
 from ckptc.errors import (
+    ArgumentTypeError,
     BudgetExceededError,
     CkptcError,
     CorruptPlanError,
     DistributedPlanMismatchError,
+    InvalidArgumentError,
     PlanMismatchError,
+    UnknownOptionError,
     UntraceableModelError,
     WrapOrderError,
 )
@@ -42,6 +45,9 @@ __all__ = [
     "OptimizedModule",
     "ModelPlan",
     "CkptcError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "UnknownOptionError",
     "BudgetExceededError",
     "CorruptPlanError",
     "PlanMismatchError",

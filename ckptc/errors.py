@@ -7,6 +7,10 @@ also the base of the solvers' errors, ``InfeasibleBudgetError`` included.
 Errors about the value of an argument are also :class:`ValueError`, so code
 that guards a call with ``except ValueError`` keeps working:
 
+* ``InvalidArgumentError``: a budget or option with a value ckptc does not take
+  (quoted); ``ArgumentTypeError`` (also a :class:`TypeError`) for a wrong type;
+  ``UnknownOptionError`` (both) for a keyword ckptc does not know (the message
+  lists the valid names);
 * ``InfeasibleBudgetError``: the budget is below the smallest feasible one;
 * ``CorruptPlanError``: the plan file's content is not a valid plan;
 * ``PlanMismatchError``: the plan belongs to another model, other inputs,
@@ -24,12 +28,30 @@ from solvers.errors import CkptcError
 
 __all__ = [
     "CkptcError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "UnknownOptionError",
     "UntraceableModelError",
     "PlanMismatchError",
     "CorruptPlanError",
     "WrapOrderError",
     "DistributedPlanMismatchError",
 ]
+
+
+class InvalidArgumentError(CkptcError, ValueError):
+    """An argument (a budget, an option) has a value ckptc does not take; the message quotes it."""
+
+
+class ArgumentTypeError(CkptcError, TypeError):
+    """An argument has a type ckptc does not take (a model that is not an ``nn.Module``, a
+    budget that is not a number); the message names the type given and the one expected."""
+
+
+class UnknownOptionError(InvalidArgumentError, TypeError):
+    """A keyword ckptc does not know; the message lists the valid names (and the closest one).
+
+    Also a :class:`TypeError`, as Python's own error for an unexpected keyword is."""
 
 
 class UntraceableModelError(CkptcError):

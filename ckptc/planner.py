@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import solvers
+from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes
 from ckptc.policies import PRESETS, keep_everything
 from ckptc.problem import JointProblem
@@ -318,7 +319,7 @@ class CapturedStep:
         coverage: Any = None,
     ) -> None:
         if not records:
-            raise ValueError("a captured step needs at least one graph")
+            raise InvalidArgumentError("a captured step needs at least one graph")
         self.records = list(records)
         self.options = options
         self.parameter_bytes = parameter_bytes

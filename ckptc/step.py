@@ -37,9 +37,9 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc import coverage, distributed
+from ckptc import coverage, distributed, policies
 from ckptc.compiler import CheckpointCompiler
-from ckptc.errors import BudgetExceededError, UntraceableModelError
+from ckptc.errors import BudgetExceededError, InvalidArgumentError, UntraceableModelError
 from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, resident_bytes
 from ckptc.planner import MAX_STEP_RETRIES, GraphRecord, tighter_graph_budgets
@@ -82,7 +82,7 @@ class StepRuntime:
         self, model: torch.nn.Module, template: CheckpointCompiler, *, verify: bool = True, max_plans: int = 8
     ) -> None:
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
-            raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
+            raise InvalidArgumentError(f"max_plans must be a positive integer, got {max_plans!r}")
         self.model = model
         self.template = template
         self.verify = bool(verify)
@@ -219,6 +219,8 @@ class StepRuntime:
             if not short:
                 if saved is not None and shape.eager is not None:
                     shape.eager.capture_ended(self.model, ran)
+                if saved is not None:
+                    self._check_patterns(ran)
                 return output
             del output
             del self.active[before:]
@@ -454,6 +456,18 @@ class StepRuntime:
             shape.hold_outputs = True
             shape.needs_replan = True
         self._warn_once(key, message)
+
+    def _check_patterns(self, ran: list[GraphRecord]) -> None:
+        """Warn once per pattern of ``must_save``/``must_recompute`` that matches nothing in the step."""
+        options = self.template.options
+        for option in ("must_save", "must_recompute"):
+            for pattern in policies.unmatched_patterns([r.joint_problem for r in ran], getattr(options, option)):
+                self._warn_once(
+                    f"{option}:{pattern}",
+                    f"ckptc: the {option} pattern {pattern!r} matches no value of {type(self.model).__name__}'s "
+                    "training step, so it changes nothing. Patterns match stable names 'module.path.op_ordinal' "
+                    "(e.g. 'transformer.h.*.attn.*', '*.softmax*'); `ckptc show` on a saved plan lists them.",
+                )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key in self._warned:

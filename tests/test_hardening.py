@@ -57,3 +57,64 @@ def test_an_input_updated_in_place_changes_once_per_call_planning_calls_included
     planned = (x0.clone(), torch.zeros(()))
     ckptc.plan(copy.deepcopy(reference), planned, budget_bytes=10**9)
     assert torch.equal(planned[0], x0 * 2) and planned[1].item() == 1
+
+
+# -- one error family --------------------------------------------------------------------------
+def _tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize(
+    "call, also",
+    [
+        (lambda: ckptc.optimize(_tiny(), budget_gb=0), ValueError),
+        (lambda: ckptc.optimize(_tiny(), budget_gb=1, budget_bytes=1), ValueError),
+        (lambda: ckptc.optimize(_tiny(), budget_bytes="1GB"), TypeError),
+        (lambda: ckptc.optimize(_tiny(), budget_bytes=2**64), ValueError),
+        (lambda: ckptc.optimize(_tiny(), solver="magic"), ValueError),
+        (lambda: ckptc.optimize(_tiny(), strategy=None), ValueError),
+        (lambda: ckptc.optimize(_tiny(), must_save="*.mm"), ValueError),
+        (lambda: ckptc.optimize(_tiny(), time_limit=-1), ValueError),
+        (lambda: ckptc.optimize(_tiny(), max_plans=0), ValueError),
+        (lambda: ckptc.optimize(_tiny(), verify="yes"), ValueError),
+        (lambda: ckptc.optimize(lambda x: x), TypeError),
+        (lambda: ckptc.optimize(_tiny().requires_grad_(False)), ValueError),
+        (lambda: ckptc.backend(options=[1]), TypeError),
+        (lambda: ckptc.CheckpointOptions.from_user([("budget_gb", 1)]), TypeError),
+        (lambda: ckptc.capture(_tiny(), (torch.randn(2, 8),), budget_gb=1), ValueError),
+    ],
+)
+def test_every_argument_error_is_a_ckptc_error_and_a_value_or_type_error(call, also) -> None:
+    with pytest.raises(ckptc.CkptcError) as info:
+        call()
+    assert isinstance(info.value, also), (type(info.value).__mro__, info.value)
+
+
+def test_an_unknown_keyword_lists_the_valid_names_and_the_closest_one() -> None:
+    with pytest.raises(ckptc.UnknownOptionError) as info:
+        ckptc.optimize(_tiny(), budget_gbb=1)
+    message = str(info.value)
+    assert "['budget_gbb']" in message and "'budget_gb'" in message and "'verify'" in message
+    assert "Did you mean 'budget_gb'" in message
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)  # Python's kind and ckptc's
+    with pytest.raises(ckptc.UnknownOptionError, match="valid options are"):
+        ckptc.backend(budget_gb=1, solvr="ilp")
+
+
+def test_numpy_budgets_are_budgets_and_the_solver_list_names_auto_once() -> None:
+    np = pytest.importorskip("numpy")
+    assert ckptc.optimize(_tiny(), budget_bytes=np.int64(10**9)).compiler.budget_bytes == 10**9
+    assert ckptc.optimize(_tiny(), budget_gb=np.float32(0.5)).compiler.budget_bytes == 2**29
+    with pytest.raises(ckptc.InvalidArgumentError) as info:
+        ckptc.optimize(_tiny(), solver="magic")
+    assert str(info.value).count("'auto'") == 1, info.value
+
+
+def test_a_pattern_that_matches_nothing_warns_naming_it() -> None:
+    fast = ckptc.optimize(_tiny(), budget_bytes=10**9, must_save=["nothing.here.*"], must_recompute=["*"])
+    with pytest.warns(RuntimeWarning, match=r"must_save pattern 'nothing.here.\*' matches no value") as record:
+        fast(torch.randn(4, 8)).sum().backward()
+        fast(torch.randn(4, 8)).sum().backward()
+    assert not any("'*'" in str(w.message) for w in record)  # the pattern that matches says nothing
+    assert sum("nothing.here" in str(w.message) for w in record) == 1  # once
