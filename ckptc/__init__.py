@@ -10,14 +10,13 @@ backward recomputes the rest just before it is needed.
     >>> fast.plan                                           # what is kept / recomputed
 """
 
-import logging
-
 from ckptc.api import OptimizedModule, capture, optimize, plan
 from ckptc.backend import backend
 from ckptc.errors import (
     ArgumentTypeError,
     BudgetExceededError,
     CkptcError,
+    CkptcWarning,
     CorruptPlanError,
     DistributedPlanMismatchError,
     InvalidArgumentError,
@@ -32,7 +31,9 @@ from ckptc.plans import ModelPlan, load_plan
 from solvers import InfeasibleBudgetError
 
 __version__ = "0.1.0"
-logging.getLogger("ckptc").addHandler(logging.NullHandler())
+# No NullHandler: without logging configured, Python's last-resort handler shows ckptc's
+# warnings on stderr (configure logging.getLogger("ckptc") to route or silence them).  What a
+# user must act on is also a ckptc.CkptcWarning through `warnings`, once.
 
 __all__ = [
     "optimize",
@@ -45,6 +46,7 @@ __all__ = [
     "OptimizedModule",
     "ModelPlan",
     "CkptcError",
+    "CkptcWarning",
     "InvalidArgumentError",
     "ArgumentTypeError",
     "UnknownOptionError",

@@ -30,7 +30,7 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.costs import op_flops
-from ckptc.errors import UntraceableModelError
+from ckptc.errors import UntraceableModelError, warn_once
 from solvers.errors import human_bytes
 
 if TYPE_CHECKING:
@@ -196,12 +196,15 @@ class EagerForward:
         self._record_breaks()
         report = Coverage.of(self, ran)
         if report.breaks and report.flops_share < PARTIAL_COVERAGE_WARNING:
-            log.warning(
-                "ckptc: %s's training step is split: %s. Code outside the graphs runs eagerly and "
-                "unplanned (the measured check corrects the budget for it); removing the break moves "
-                "it into a plan.",
-                type(model).__name__,
-                report.summary(),
+            warn_once(
+                model,
+                "coverage",
+                f"ckptc: {type(model).__name__}'s training step is split: {report.summary()}. Code outside the "
+                "graphs runs eagerly and unplanned: its activations are neither counted nor checkpointed (the "
+                "measured check corrects the budget for it, at more recompute than needed). What to do: "
+                "`fast.plan.coverage` lists each break with the line that caused it; remove those breaks "
+                "(TORCH_LOGS=graph_breaks shows them) to bring that code into a plan.",
+                stacklevel=7,
             )
 
     def _record_breaks(self) -> None:

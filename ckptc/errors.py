@@ -22,6 +22,11 @@ is what capture could not handle.
 
 from __future__ import annotations
 
+import logging
+import warnings
+import weakref
+from typing import Any
+
 import torch
 
 from solvers.errors import CkptcError
@@ -36,6 +41,8 @@ __all__ = [
     "CorruptPlanError",
     "WrapOrderError",
     "DistributedPlanMismatchError",
+    "CkptcWarning",
+    "warn_once",
 ]
 
 
@@ -115,3 +122,26 @@ class BudgetExceededError(CkptcError):
 
     def __reduce__(self):
         return (type(self), (self.measured_peak_bytes, self.budget_bytes, self.min_feasible_bytes, self.replans))
+
+
+class CkptcWarning(RuntimeWarning):
+    """What a user should act on although training goes on: the cause and what to do.
+
+    Issued through :mod:`warnings`, once per cause and object; everything else ckptc has to
+    say goes to ``logging.getLogger("ckptc")`` (``warnings.filterwarnings("ignore",
+    category=ckptc.CkptcWarning)`` silences these)."""
+
+
+_warned: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
+_log = logging.getLogger("ckptc")
+
+
+def warn_once(owner: Any, key: str, message: str, stacklevel: int = 2) -> None:
+    """Warn ``message`` as a :class:`CkptcWarning` the first time ``key`` comes up for ``owner``
+    (a model, a runtime); also logged at INFO on ``ckptc`` for log files."""
+    keys = _warned.setdefault(owner, set())
+    if key in keys:
+        return
+    keys.add(key)
+    _log.info("%s", message)
+    warnings.warn(message, CkptcWarning, stacklevel=stacklevel + 1)

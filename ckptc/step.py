@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
@@ -39,7 +38,7 @@ import solvers
 from ckptc import _torch_internals as internals
 from ckptc import coverage, distributed, policies
 from ckptc.compiler import CheckpointCompiler
-from ckptc.errors import BudgetExceededError, InvalidArgumentError, UntraceableModelError
+from ckptc.errors import BudgetExceededError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, resident_bytes
 from ckptc.planner import MAX_STEP_RETRIES, GraphRecord, tighter_graph_budgets
@@ -99,7 +98,6 @@ class StepRuntime:
         self._handles: list[Any] = []
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
-        self._warned: set[str] = set()
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -470,11 +468,7 @@ class StepRuntime:
                 )
 
     def _warn_once(self, key: str, message: str) -> None:
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)  # past call(), _call()
+        warn_once(self, key, message, stacklevel=6)  # past _warn_once, call(), _call()
 
 
 # -- helpers -----------------------------------------------------------------

@@ -118,3 +118,42 @@ def test_a_pattern_that_matches_nothing_warns_naming_it() -> None:
         fast(torch.randn(4, 8)).sum().backward()
     assert not any("'*'" in str(w.message) for w in record)  # the pattern that matches says nothing
     assert sum("nothing.here" in str(w.message) for w in record) == 1  # once
+
+
+# -- warnings users see ------------------------------------------------------------------------
+@torch.compiler.disable
+def _runs_eagerly(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w @ w @ w)
+
+
+class _MostlyEager(nn.Module):
+    """Most of its FLOPs run in code Dynamo does not capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 64)
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.b = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_runs_eagerly(self.a(x), self.w)).sum()
+
+
+def test_a_step_mostly_outside_the_graphs_warns_once_with_the_cause_and_what_to_do(recwarn) -> None:
+    fast = ckptc.optimize(_MostlyEager(), budget_bytes=10**9)
+    for rows in (4, 4, 16):  # a new shape plans again: still one warning
+        fast(torch.randn(rows, 8)).backward()
+    told = [w for w in recwarn if issubclass(w.category, ckptc.CkptcWarning)]
+    assert len(told) == 1, [str(w.message) for w in recwarn]
+    message = str(told[0].message)
+    assert "_MostlyEager's training step is split" in message and "What to do" in message
+    assert "plan.coverage" in message
+
+
+def test_ckptc_logs_reach_the_users_handlers() -> None:
+    import logging
+
+    logger = logging.getLogger("ckptc")
+    assert logger.propagate and not any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    # Without any logging configured, Python's last-resort handler prints ckptc's warnings.
+    assert logging.getLogger("ckptc.step").getEffectiveLevel() <= logging.WARNING
