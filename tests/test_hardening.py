@@ -157,3 +157,60 @@ def test_ckptc_logs_reach_the_users_handlers() -> None:
     assert logger.propagate and not any(isinstance(h, logging.NullHandler) for h in logger.handlers)
     # Without any logging configured, Python's last-resort handler prints ckptc's warnings.
     assert logging.getLogger("ckptc.step").getEffectiveLevel() <= logging.WARNING
+
+
+# -- the floor is never above the unoptimized peak ---------------------------------------------
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda y: self.b(torch.tanh(self.a(y))), x, use_reentrant=False)
+
+
+class _NestedCheckpoints(nn.Module):
+    """The user's own checkpoint() around blocks that checkpoint themselves: nothing left to drop."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Inner() for _ in range(3)])
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def run(y: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                y = block(y)
+            return y
+
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=self.reentrant).sum()
+
+
+class _Ema(nn.Module):
+    """A buffer updated in forward: its readers are saved whatever must_recompute says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.register_buffer("mean", torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(h.mean(0) * 0.1)
+        return (torch.tanh(h) * self.mean).sum()
+
+
+@pytest.mark.parametrize(
+    "model, options",
+    [(_NestedCheckpoints(False), {}), (_NestedCheckpoints(True), {}), (_Ema(), {"must_recompute": ["*"]})],
+    ids=["nested-checkpoint", "nested-reentrant-checkpoint", "ema-must-recompute-all"],
+)
+def test_the_floor_is_never_above_the_unoptimized_peak_and_that_budget_plans(model, options) -> None:
+    x = torch.randn(16, 32, requires_grad=isinstance(model, _NestedCheckpoints) and model.reentrant)
+    step = ckptc.capture(model, (x,), **options)
+    assert step.floor_bytes <= step.unoptimized_peak_bytes, (step.floor_bytes, step.unoptimized_peak_bytes)
+    plan = step.plan(budget_bytes=step.unoptimized_peak_bytes)  # keep-everything's own peak is a budget
+    assert plan.predicted_peak_bytes <= step.unoptimized_peak_bytes
+    assert step.plan(budget_bytes=step.floor_bytes).predicted_peak_bytes <= step.floor_bytes
