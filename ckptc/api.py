@@ -20,7 +20,7 @@ from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
 from ckptc.distributed import check_call_order, check_wrap_order
-from ckptc.errors import ArgumentTypeError, InvalidArgumentError
+from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, _parameter_sizes
@@ -264,9 +264,14 @@ def capture(
     with training_state_restored(model):
         for p in model.parameters():
             p.grad = None
-        output = optimized(*example_inputs, **(example_kwargs or {}))
-        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-        loss.backward()
+        try:
+            output = optimized(*example_inputs, **(example_kwargs or {}))
+            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            loss.backward()
+        except (CkptcError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as error:  # one error family: the underlying error chained
+            raise UntraceableModelError.from_exception(model, error) from error
     runtime = optimized._ckptc_runtime
     records = list({id(r): r for r in runtime.step_records()}.values())
     eager = None if runtime.last is None else runtime.last.eager

@@ -65,10 +65,15 @@ class UntraceableModelError(CkptcError):
     """The model's training step could not be captured as a graph."""
 
     @classmethod
-    def from_exception(cls, model: torch.nn.Module, error: BaseException) -> "UntraceableModelError":
+    def from_exception(
+        cls, model: torch.nn.Module | str, error: BaseException, stage: str = "capture"
+    ) -> "UntraceableModelError":
+        """The error for ``error`` raised while ckptc captured, planned or ran (``stage``) the step;
+        raise it ``from error`` so the underlying error stays chained."""
         reason = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[0:3]
+        name = model if isinstance(model, str) else type(model).__name__
         return cls(
-            f"ckptc could not capture the training step of {type(model).__name__}: "
+            f"ckptc could not {stage} the training step of {name}: {type(error).__name__}: "
             f"{' '.join(reason)}\n"
             "What to do: run the step once with torch.compile(model, backend='aot_eager') to see "
             "where capture fails (TORCH_LOGS=graph_breaks lists graph breaks); move the failing "

@@ -38,7 +38,7 @@ import solvers
 from ckptc import _torch_internals as internals
 from ckptc import coverage, distributed, policies
 from ckptc.compiler import CheckpointCompiler
-from ckptc.errors import BudgetExceededError, InvalidArgumentError, UntraceableModelError, warn_once
+from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, resident_bytes
 from ckptc.planner import MAX_STEP_RETRIES, GraphRecord, tighter_graph_budgets
@@ -251,8 +251,11 @@ class StepRuntime:
                 # not match): surface that error, not Dynamo's wrapper.
                 inner = getattr(error, "inner_exception", None)
                 if inner is None:
-                    raise
-                raise inner from None
+                    raise UntraceableModelError.from_exception(self.model, error) from error
+                if isinstance(inner, CkptcError):
+                    raise inner from None
+                # Anything else failing inside capture or planning: one error family, the cause chained.
+                raise UntraceableModelError.from_exception(self.model, inner) from inner
             except internals.DynamoError as error:
                 raise UntraceableModelError.from_exception(self.model, error) from error
 

@@ -214,3 +214,70 @@ def test_the_floor_is_never_above_the_unoptimized_peak_and_that_budget_plans(mod
     plan = step.plan(budget_bytes=step.unoptimized_peak_bytes)  # keep-everything's own peak is a budget
     assert plan.predicted_peak_bytes <= step.unoptimized_peak_bytes
     assert step.plan(budget_bytes=step.floor_bytes).predicted_peak_bytes <= step.floor_bytes
+
+
+# -- captures that fail before they eat the machine --------------------------------------------
+class _TimeStepLoop(nn.Module):
+    """A recurrence written as a Python loop over time steps: Dynamo unrolls it into the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 8)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(h) + x[:, t])  # the time-step loop
+        return h.sum()
+
+
+def test_a_graph_too_large_to_plan_is_refused_before_planning_naming_the_loop(monkeypatch) -> None:
+    import time
+
+    from ckptc import coverage
+
+    monkeypatch.setattr(coverage, "MAX_GRAPH_OPS", 300)  # the real bound, scaled down to run in seconds
+    model = _TimeStepLoop()
+    before = copy.deepcopy(model.state_dict())
+    started = time.perf_counter()
+    with pytest.raises(ckptc.UntraceableModelError) as info:
+        ckptc.optimize(model, budget_bytes=10**9)(torch.randn(2, 100, 8)).backward()
+    message = str(info.value)
+    assert "more than the 300 ckptc plans" in message
+    assert "400 of them come from one line" in message and "the time-step loop" in message  # the line, quoted
+    assert "parallel scan" in message and "What to do" in message
+    assert time.perf_counter() - started < 30
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # the same loop, short enough, is captured
+    ckptc.capture(_TimeStepLoop(), (torch.randn(2, 20, 8),))
+
+
+def test_a_failure_inside_capture_is_a_ckptc_error_with_the_cause_chained() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.WhisperConfig(
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=16,
+        max_source_positions=32,
+        max_target_positions=16,
+        dropout=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).train()
+    features, labels = torch.randn(2, 16, 64), torch.randint(3, 128, (2, 8))
+    # PyTorch's own AOTAutograd fails this backward too (a view of a non-contiguous gradient); ckptc
+    # says so as an UntraceableModelError instead of a raw RuntimeError from its backward graph.
+    with pytest.raises(ckptc.UntraceableModelError) as info:
+        ckptc.capture(model, (features,), {"labels": labels})
+    assert isinstance(info.value.__cause__, RuntimeError), info.value.__cause__
+    assert "RuntimeError: view size is not compatible" in str(info.value)
