@@ -10,16 +10,18 @@ backward recomputes the rest just before it is needed.
     >>> fast.plan                                           # what is kept / recomputed
 """
 
-import logging
-
 from ckptc.api import OptimizedModule, capture, optimize, plan
 from ckptc.backend import backend
 from ckptc.errors import (
+    ArgumentTypeError,
     BudgetExceededError,
     CkptcError,
+    CkptcWarning,
     CorruptPlanError,
     DistributedPlanMismatchError,
+    InvalidArgumentError,
     PlanMismatchError,
+    UnknownOptionError,
     UntraceableModelError,
     WrapOrderError,
 )
@@ -29,7 +31,9 @@ from ckptc.plans import ModelPlan, load_plan
 from solvers import InfeasibleBudgetError
 
 __version__ = "0.1.0"
-logging.getLogger("ckptc").addHandler(logging.NullHandler())
+# No NullHandler: without logging configured, Python's last-resort handler shows ckptc's
+# warnings on stderr (configure logging.getLogger("ckptc") to route or silence them).  What a
+# user must act on is also a ckptc.CkptcWarning through `warnings`, once.
 
 __all__ = [
     "optimize",
@@ -42,6 +46,10 @@ __all__ = [
     "OptimizedModule",
     "ModelPlan",
     "CkptcError",
+    "CkptcWarning",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "UnknownOptionError",
     "BudgetExceededError",
     "CorruptPlanError",
     "PlanMismatchError",

@@ -40,6 +40,7 @@ __all__ = [
     "is_random_op",
     "tree_leaves",
     "tree_map",
+    "version_counter",
     "storage_key",
     "profiler_events",
     "workaround_decompositions",
@@ -104,6 +105,11 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``tree`` with ``fn`` applied to every leaf, structure unchanged."""
     return _pytree.tree_map(fn, tree)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place updates ``tensor`` (and every view of its storage) has seen."""
+    return tensor._version
 
 
 def storage_key(tensor: torch.Tensor) -> Hashable:

@@ -10,6 +10,7 @@ original model eagerly: nothing to plan, nothing to recompute.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
@@ -19,7 +20,8 @@ from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
 from ckptc.distributed import check_call_order, check_wrap_order
-from ckptc.options import CheckpointOptions
+from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError
+from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, _parameter_sizes
 from ckptc.step import ForwardState, StepRuntime
@@ -136,6 +138,7 @@ def optimize(
     progress: Callable[[float, str], None] | None = None,
     verify: bool = True,
     max_plans: int = 8,
+    **unknown: Any,
 ) -> OptimizedModule:
     """Return a module that trains like ``model`` within a memory budget.
 
@@ -172,9 +175,10 @@ def optimize(
             ones are forgotten and planned again when they come back).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: the budget is not a positive finite number, or the model has
-            no trainable parameters.
+        ckptc.UnknownOptionError: a keyword ``optimize`` does not take (the message lists the valid ones).
+        ckptc.ArgumentTypeError: ``model`` is not an ``nn.Module``, or an argument has the wrong type.
+        ckptc.InvalidArgumentError: the budget is not a positive finite number, an option's value is
+            not one ckptc takes, or the model has no trainable parameters.
         solvers.InfeasibleBudgetError: (on the first training call) the budget is
             below the smallest feasible budget, which the message gives.
 
@@ -182,6 +186,9 @@ def optimize(
         >>> fast = ckptc.optimize(model, budget_gb=40)      # doctest: +SKIP
         >>> loss = fast(input_ids, labels=labels).loss; loss.backward()
     """
+    refuse_unknown("ckptc.optimize argument", unknown, _keywords(optimize), "arguments")
+    if not isinstance(verify, bool):
+        raise InvalidArgumentError(f"verify must be True or False, got {verify!r}")
     _check_model(model)
     compiler_ = backend(
         budget_gb,
@@ -202,14 +209,20 @@ def optimize(
     return OptimizedModule(model, compiler_, verify=verify, max_plans=max_plans)
 
 
+def _keywords(function: Callable) -> list[str]:
+    """The names ``function`` takes by keyword (its ``**options`` aside)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds and p.name != "model"]
+
+
 def _check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
+        raise ArgumentTypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, OptimizedModule):
-        raise TypeError("this module is already optimized; pass its original_module instead")
+        raise ArgumentTypeError("this module is already optimized; pass its original_module instead")
     check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{type(model).__name__} has no trainable parameters (none requires grad); there is nothing to checkpoint"
         )
 
@@ -240,7 +253,7 @@ def capture(
     """
     for name in ("budget_gb", "budget_bytes", "plan"):
         if options.get(name) is not None:
-            raise ValueError(f"ckptc.capture takes no {name}; give the budget to CapturedStep.plan(...)")
+            raise InvalidArgumentError(f"ckptc.capture takes no {name}; give the budget to CapturedStep.plan(...)")
     checked = CheckpointOptions.from_user(
         {k: v for k, v in options.items() if k not in ("verify", "max_plans", "progress")}
     )
@@ -251,9 +264,14 @@ def capture(
     with training_state_restored(model):
         for p in model.parameters():
             p.grad = None
-        output = optimized(*example_inputs, **(example_kwargs or {}))
-        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-        loss.backward()
+        try:
+            output = optimized(*example_inputs, **(example_kwargs or {}))
+            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            loss.backward()
+        except (CkptcError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as error:  # one error family: the underlying error chained
+            raise UntraceableModelError.from_exception(model, error) from error
     runtime = optimized._ckptc_runtime
     records = list({id(r): r for r in runtime.step_records()}.values())
     eager = None if runtime.last is None else runtime.last.eager
@@ -315,4 +333,4 @@ def _default_loss(output: Any) -> torch.Tensor:
         output = output[0]
     if isinstance(output, torch.Tensor):
         return output.float().sum()
-    raise TypeError(f"cannot derive a loss from a {type(output).__name__}; pass loss_fn=... to ckptc.plan")
+    raise ArgumentTypeError(f"cannot derive a loss from a {type(output).__name__}; pass loss_fn=... to ckptc.plan")

@@ -29,6 +29,7 @@ import torch.fx as fx
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
+from ckptc.coverage import refuse_oversized
 from ckptc.distributed import check_backend_context, local_nbytes
 from ckptc.meter import resident_bytes
 from ckptc.options import CheckpointOptions
@@ -154,6 +155,7 @@ class CheckpointCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
+        refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
 
         planned: list[GraphRecord] = []
 

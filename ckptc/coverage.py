@@ -21,8 +21,11 @@ Two concerns, one home:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import os
+import re
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -30,7 +33,7 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.costs import op_flops
-from ckptc.errors import UntraceableModelError
+from ckptc.errors import UntraceableModelError, warn_once
 from solvers.errors import human_bytes
 
 if TYPE_CHECKING:
@@ -117,6 +120,55 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager:
             )
 
 
+#: The most ops one captured graph may have.  Capture, pricing and planning grow faster than a graph's
+#: size: transformers' Mamba slow path (3 layers) unrolls 27 ops per token, and its capture took 140 s
+#: and 765 MiB at 128 tokens (3,663 ops) while 1,024 tokens (~28,000 ops) grew one process past 24 GB.
+#: Layer stacks stay below it: GPT-2 is 46 ops per layer, so 170 layers fit.
+MAX_GRAPH_OPS = 8_000
+
+
+def refuse_oversized(gm: torch.fx.GraphModule, model_name: str) -> None:
+    """Refuse a graph Dynamo captured that is too large to plan, before anything prices or traces it
+    further, naming the line of the model's code that repeats most (an unrolled Python loop).
+
+    Raises:
+        UntraceableModelError: the graph has more than :data:`MAX_GRAPH_OPS` ops.
+    """
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    if len(ops) <= MAX_GRAPH_OPS:
+        return
+    lines = collections.Counter(_innermost_frame(n.meta.get("stack_trace")) for n in ops)
+    lines.pop(None, None)
+    cause = ""
+    if lines:
+        (where, code), count = lines.most_common(1)[0]
+        cause = (
+            f" {count:,} of them come from one line, {where}: `{code}`; a line that gives that many ops is "
+            "in a Python loop that Dynamo unrolls into the graph (a recurrence over time steps, a loop over "
+            "positions)."
+        )
+    raise UntraceableModelError(
+        f"ckptc will not capture {model_name}: one of its graphs has {len(ops):,} ops, more than the "
+        f"{MAX_GRAPH_OPS:,} ckptc plans, and capturing, pricing and planning it would take memory and time "
+        f"that grow with its size.{cause}\n"
+        "What to do: replace the loop with a parallel or vectorized form (a state-space model's sequential "
+        "scan with a parallel scan, e.g. mamba.py's, which transformers' Mamba uses with use_mambapy=True); "
+        "shorten the sequence; or leave that module out of ckptc (torch.compiler.disable on it) and "
+        "checkpoint it with torch.utils.checkpoint."
+    )
+
+
+def _innermost_frame(stack_trace: str | None) -> tuple[str, str] | None:
+    """``("file.py:123", "code")`` of the last frame of an FX node's ``stack_trace``."""
+    if not stack_trace:
+        return None
+    found = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n +([^\n]*)', stack_trace)
+    if not found:
+        return None
+    path, line, code = found[-1]
+    return f"{os.path.basename(path)}:{line}", code.strip()
+
+
 # -- the coverage report ------------------------------------------------------
 PARTIAL_COVERAGE_WARNING = 0.95  # warn when graphs cover less of the forward's FLOPs than this
 
@@ -196,12 +248,15 @@ class EagerForward:
         self._record_breaks()
         report = Coverage.of(self, ran)
         if report.breaks and report.flops_share < PARTIAL_COVERAGE_WARNING:
-            log.warning(
-                "ckptc: %s's training step is split: %s. Code outside the graphs runs eagerly and "
-                "unplanned (the measured check corrects the budget for it); removing the break moves "
-                "it into a plan.",
-                type(model).__name__,
-                report.summary(),
+            warn_once(
+                model,
+                "coverage",
+                f"ckptc: {type(model).__name__}'s training step is split: {report.summary()}. Code outside the "
+                "graphs runs eagerly and unplanned: its activations are neither counted nor checkpointed (the "
+                "measured check corrects the budget for it, at more recompute than needed). What to do: "
+                "`fast.plan.coverage` lists each break with the line that caused it; remove those breaks "
+                "(TORCH_LOGS=graph_breaks shows them) to bring that code into a plan.",
+                stacklevel=7,
             )
 
     def _record_breaks(self) -> None:

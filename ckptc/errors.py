@@ -7,6 +7,10 @@ also the base of the solvers' errors, ``InfeasibleBudgetError`` included.
 Errors about the value of an argument are also :class:`ValueError`, so code
 that guards a call with ``except ValueError`` keeps working:
 
+* ``InvalidArgumentError``: a budget or option with a value ckptc does not take
+  (quoted); ``ArgumentTypeError`` (also a :class:`TypeError`) for a wrong type;
+  ``UnknownOptionError`` (both) for a keyword ckptc does not know (the message
+  lists the valid names);
 * ``InfeasibleBudgetError``: the budget is below the smallest feasible one;
 * ``CorruptPlanError``: the plan file's content is not a valid plan;
 * ``PlanMismatchError``: the plan belongs to another model, other inputs,
@@ -18,28 +22,58 @@ is what capture could not handle.
 
 from __future__ import annotations
 
+import logging
+import warnings
+import weakref
+from typing import Any
+
 import torch
 
 from solvers.errors import CkptcError
 
 __all__ = [
     "CkptcError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "UnknownOptionError",
     "UntraceableModelError",
     "PlanMismatchError",
     "CorruptPlanError",
     "WrapOrderError",
     "DistributedPlanMismatchError",
+    "CkptcWarning",
+    "warn_once",
 ]
+
+
+class InvalidArgumentError(CkptcError, ValueError):
+    """An argument (a budget, an option) has a value ckptc does not take; the message quotes it."""
+
+
+class ArgumentTypeError(CkptcError, TypeError):
+    """An argument has a type ckptc does not take (a model that is not an ``nn.Module``, a
+    budget that is not a number); the message names the type given and the one expected."""
+
+
+class UnknownOptionError(InvalidArgumentError, TypeError):
+    """A keyword ckptc does not know; the message lists the valid names (and the closest one).
+
+    Also a :class:`TypeError`, as Python's own error for an unexpected keyword is."""
 
 
 class UntraceableModelError(CkptcError):
     """The model's training step could not be captured as a graph."""
 
     @classmethod
-    def from_exception(cls, model: torch.nn.Module, error: BaseException) -> "UntraceableModelError":
+    def from_exception(
+        cls, model: torch.nn.Module | str, error: BaseException, stage: str = "capture"
+    ) -> "UntraceableModelError":
+        """The error for ``error`` raised while ckptc captured, planned or ran (``stage``) the step;
+        raise it ``from error`` so the underlying error stays chained."""
         reason = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[0:3]
+        name = model if isinstance(model, str) else type(model).__name__
         return cls(
-            f"ckptc could not capture the training step of {type(model).__name__}: "
+            f"ckptc could not {stage} the training step of {name}: {type(error).__name__}: "
             f"{' '.join(reason)}\n"
             "What to do: run the step once with torch.compile(model, backend='aot_eager') to see "
             "where capture fails (TORCH_LOGS=graph_breaks lists graph breaks); move the failing "
@@ -93,3 +127,26 @@ class BudgetExceededError(CkptcError):
 
     def __reduce__(self):
         return (type(self), (self.measured_peak_bytes, self.budget_bytes, self.min_feasible_bytes, self.replans))
+
+
+class CkptcWarning(RuntimeWarning):
+    """What a user should act on although training goes on: the cause and what to do.
+
+    Issued through :mod:`warnings`, once per cause and object; everything else ckptc has to
+    say goes to ``logging.getLogger("ckptc")`` (``warnings.filterwarnings("ignore",
+    category=ckptc.CkptcWarning)`` silences these)."""
+
+
+_warned: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
+_log = logging.getLogger("ckptc")
+
+
+def warn_once(owner: Any, key: str, message: str, stacklevel: int = 2) -> None:
+    """Warn ``message`` as a :class:`CkptcWarning` the first time ``key`` comes up for ``owner``
+    (a model, a runtime); also logged at INFO on ``ckptc`` for log files."""
+    keys = _warned.setdefault(owner, set())
+    if key in keys:
+        return
+    keys.add(key)
+    _log.info("%s", message)
+    warnings.warn(message, CkptcWarning, stacklevel=stacklevel + 1)

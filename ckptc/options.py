@@ -11,11 +11,14 @@ The compiler and the planner read the validated fields and nothing else.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import solvers
+from ckptc.errors import ArgumentTypeError, InvalidArgumentError, UnknownOptionError
 
 GiB = 1024**3
 # Allocators count bytes in 64-bit integers: a larger budget is a mistake in
@@ -25,6 +28,8 @@ MAX_BUDGET_BYTES = 2**63 - 1
 #: Strategies (see :mod:`ckptc.planner`): ``"auto"`` solves under the budget, the others are presets.
 STRATEGY_NAMES = ("auto", "none", "layer", "segment", "selective")
 COMPILER_NAMES = ("eager", "inductor")
+#: Solvers for ``strategy="auto"``: ``"auto"`` and every method (``solvers.METHODS`` has ``"auto"`` too).
+SOLVER_NAMES = tuple(dict.fromkeys(("auto", *sorted(solvers.METHODS))))
 #: Names users give that are not fields: a budget in GiB and a plan file to apply.
 EXTRA_USER_NAMES = ("budget_gb", "plan")
 
@@ -32,27 +37,29 @@ EXTRA_USER_NAMES = ("budget_gb", "plan")
 def budget_to_bytes(budget_gb: float | None, budget_bytes: int | None) -> int | None:
     """Validate the two ways of giving a budget and return bytes (or None)."""
     if budget_gb is not None and budget_bytes is not None:
-        raise ValueError("give either budget_gb or budget_bytes, not both")
+        raise InvalidArgumentError("give either budget_gb or budget_bytes, not both")
     value, unit = (budget_gb, "budget_gb") if budget_gb is not None else (budget_bytes, "budget_bytes")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{unit} must be a number, not {type(value).__name__}")
+    # numbers.Real, not (int, float): numpy's integers (numpy.int64) are budgets too.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{unit} must be a number, not {type(value).__name__}")
+    value = int(value) if isinstance(value, numbers.Integral) else float(value)
     units = "GiB" if unit == "budget_gb" else "bytes"
     if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{unit} must be a finite number of {units}, got {value!r}")
+        raise InvalidArgumentError(f"{unit} must be a finite number of {units}, got {value!r}")
     if value <= 0:
-        raise ValueError(f"{unit} must be positive, got {value!r}")
+        raise InvalidArgumentError(f"{unit} must be positive, got {value!r}")
     # A float budget_gb of 1e300 overflows to inf here; that compares above the cap.
     scaled = value * GiB if unit == "budget_gb" else value
     if scaled > MAX_BUDGET_BYTES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{unit}={value!r} is more than any device's memory (over 2**63 bytes); "
             f"give the budget in {units}, e.g. budget_gb=40"
         )
     nbytes = int(scaled)
     if nbytes < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{unit}={value!r} is less than one byte; give the budget in {units} "
             "(budget_gb=40 means 40 GiB, as does budget_bytes=40 * 2**30)"
         )
@@ -108,33 +115,36 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None:
-            budget_to_bytes(None, self.budget_bytes)
-            object.__setattr__(self, "budget_bytes", int(self.budget_bytes))
+            object.__setattr__(self, "budget_bytes", budget_to_bytes(None, self.budget_bytes))
         _choice("strategy", self.strategy, STRATEGY_NAMES)
-        _choice("solver", self.solver, ("auto", *sorted(solvers.METHODS)))
+        _choice("solver", self.solver, SOLVER_NAMES)
         _choice("compiler", self.compiler, COMPILER_NAMES)
         for name in ("must_save", "must_recompute"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(p, str) for p in value):
-                raise ValueError(f"{name} must be a list of patterns (strings), got {value!r}")
+                raise InvalidArgumentError(f"{name} must be a list of patterns (strings), got {value!r}")
             object.__setattr__(self, name, tuple(value))
         for name in ("measure_time", "measure_scratch", "defer_infeasible"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise InvalidArgumentError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.hold_outputs is None or isinstance(self.hold_outputs, bool)):
-            raise ValueError(f"hold_outputs must be None, True or False, got {self.hold_outputs!r}")
+            raise InvalidArgumentError(f"hold_outputs must be None, True or False, got {self.hold_outputs!r}")
         if self.time_limit is not None and (
             isinstance(self.time_limit, bool)
             or not isinstance(self.time_limit, (int, float))
             or not 0 < self.time_limit < math.inf
         ):
-            raise ValueError(f"time_limit must be a positive number of seconds or None, got {self.time_limit!r}")
+            raise InvalidArgumentError(
+                f"time_limit must be a positive number of seconds or None, got {self.time_limit!r}"
+            )
         if (
             isinstance(self.extra_baseline_bytes, bool)
             or not isinstance(self.extra_baseline_bytes, int)
             or self.extra_baseline_bytes < 0
         ):
-            raise ValueError(f"extra_baseline_bytes must be a non-negative int, got {self.extra_baseline_bytes!r}")
+            raise InvalidArgumentError(
+                f"extra_baseline_bytes must be a non-negative int, got {self.extra_baseline_bytes!r}"
+            )
         object.__setattr__(self, "graph_budgets", dict(self.graph_budgets))
 
     @classmethod
@@ -149,12 +159,13 @@ class CheckpointOptions:
         and is refused here: :func:`ckptc.backend` takes it).
 
         Raises:
-            ValueError: an unknown name (the message lists the valid ones) or a bad value (quoted).
+            UnknownOptionError: an unknown name (the message lists the valid ones).
+            InvalidArgumentError / ArgumentTypeError: a bad value (quoted).
         """
+        if options is not None and not isinstance(options, Mapping):
+            raise ArgumentTypeError(f"ckptc options must be a dict of names to values, not {type(options).__name__}")
         given = {**(options or {}), **more}
-        unknown = sorted(set(given) - set(cls.user_names()) | ({"plan"} & set(given)))
-        if unknown:
-            raise ValueError(f"unknown ckptc option(s) {unknown}; valid options are {list(cls.user_names())}")
+        refuse_unknown("ckptc option", set(given) - set(cls.user_names()) | ({"plan"} & set(given)), cls.user_names())
         budget = budget_to_bytes(given.pop("budget_gb", None), given.pop("budget_bytes", None))
         return cls(budget_bytes=budget, **given)
 
@@ -179,5 +190,17 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {list(choices)}")
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidArgumentError(f"unknown {name} {value!r}; choose one of {list(choices)}")
+
+
+def refuse_unknown(what: str, unknown: Any, valid: Any, noun: str = "options") -> None:
+    """Raise :class:`UnknownOptionError` for the names in ``unknown`` (if any), listing the ``valid``
+    ones and the closest valid name to each (``budget_gbs``: did you mean ``budget_gb``?)."""
+    unknown = sorted(str(u) for u in unknown)
+    if not unknown:
+        return
+    valid = sorted(valid)
+    close = {u: difflib.get_close_matches(u, valid, n=1) for u in unknown}
+    hints = "".join(f" Did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
+    raise UnknownOptionError(f"unknown {what}(s) {unknown}; valid {noun} are {valid}.{hints}")

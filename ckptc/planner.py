@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import solvers
+from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes
 from ckptc.policies import PRESETS, keep_everything
 from ckptc.problem import JointProblem
@@ -172,16 +173,27 @@ def decide(
     start = time.perf_counter() if started is None else started
     floor_plan = solvers.lowest_peak_plan(jp.problem)
     floor_result = solvers.simulate(jp.problem, floor_plan)
-    step_floor = max(
-        [budget_for_planning_floor(floor_result.peak_bytes - sum(r.slack_bytes for r in earlier))]
-        + [r.min_feasible_bytes for r in earlier]
-    )
+    keep_all = unoptimized_result(jp)
+    if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
+        floor_plan, floor_result = keep_everything(jp), keep_all
+    slack = sum(r.slack_bytes for r in earlier)
+    lowest = floor_result.peak_bytes - slack
+    # Keeping everything fits a budget of its own peak, margin or not (nothing left to drop):
+    # the floor is never above the unoptimized peak (both with earlier graphs at their floors).
+    own_floor = min(budget_for_planning_floor(lowest), max(lowest, keep_all.peak_bytes - slack))
+    step_floor = max([own_floor] + [r.min_feasible_bytes for r in earlier])
     infeasible = False
     try:
         plan = _choose(jp, options, index, plan_source, progress)
     except solvers.InfeasibleBudgetError as error:
         fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0)
-        if index in options.graph_budgets and fits_alone:
+        if (
+            plan_source is None
+            and options.budget_bytes is not None
+            and keep_all.peak_bytes <= min(options.budget_bytes, options.graph_budgets.get(index, options.budget_bytes))
+        ):
+            plan = keep_everything(jp)  # within the budget, only not within the planning margin
+        elif index in options.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
         elif options.defer_infeasible and plan_source is None and index > 0:
             infeasible = True  # earlier graphs of the step may keep less: seen by the caller
@@ -189,7 +201,7 @@ def decide(
         else:
             raise _refusal(error, step_floor, options) from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
-    unoptimized = unoptimized_result(jp).peak_bytes
+    unoptimized = keep_all.peak_bytes
     record = GraphRecord(
         index=index,
         joint_problem=jp,
@@ -318,7 +330,7 @@ class CapturedStep:
         coverage: Any = None,
     ) -> None:
         if not records:
-            raise ValueError("a captured step needs at least one graph")
+            raise InvalidArgumentError("a captured step needs at least one graph")
         self.records = list(records)
         self.options = options
         self.parameter_bytes = parameter_bytes

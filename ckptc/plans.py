@@ -16,6 +16,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import stat
+import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
@@ -24,7 +27,7 @@ import torch
 import solvers
 import solvers.plan
 from ckptc._torch_internals import is_op_overload
-from ckptc.errors import CorruptPlanError, PlanMismatchError
+from ckptc.errors import ArgumentTypeError, CorruptPlanError, PlanMismatchError
 
 if TYPE_CHECKING:
     from ckptc.coverage import Coverage
@@ -86,7 +89,7 @@ class GraphPlan:
         data = r.mapping(data, where)
         values = r.get(data, "values", where, default=[])
         return cls(
-            fingerprint=r.string(r.get(data, "fingerprint", where), f"{where}.fingerprint"),
+            fingerprint=r.name(r.get(data, "fingerprint", where), f"{where}.fingerprint"),
             inputs=r.inputs(r.get(data, "inputs", where), f"{where}.inputs"),
             plan=r.plan(r.get(data, "plan", where), f"{where}.plan"),
             predicted_peak_bytes=r.count(r.get(data, "predicted_peak_bytes", where), f"{where}.predicted_peak_bytes"),
@@ -233,8 +236,8 @@ class ModelPlan:
             raise CorruptPlanError(f"{source} is not a ckptc plan file (no 'format': 'ckptc-plan' field)")
         if data.get("schema_version") != SCHEMA_VERSION or isinstance(data.get("schema_version"), bool):
             raise CorruptPlanError(
-                f"{source} has plan schema version {_show(data.get('schema_version'))}; this ckptc "
-                f"reads version {SCHEMA_VERSION}. Plan the model again with this version."
+                f"{source} has plan schema version {_show(data.get('schema_version'))} (field 'schema_version'); "
+                f"this ckptc reads version {SCHEMA_VERSION}. Plan the model again with this version."
             )
         r = _Reader(source)
         graphs = r.array(r.get(data, "graphs"), "graphs")
@@ -243,13 +246,15 @@ class ModelPlan:
                 f"{source} holds no graphs (field 'graphs' is empty): there are no decisions to "
                 "apply or show. Plan the model again."
             )
+        from ckptc.options import SOLVER_NAMES, STRATEGY_NAMES  # options imports ckptc.errors only
+
         model_plan = cls(
             graphs=[GraphPlan.from_dict(g, source=source, where=f"graphs[{i}]") for i, g in enumerate(graphs)],
             budget_bytes=r.budget(r.get(data, "budget_bytes"), "budget_bytes"),
-            strategy=r.string(r.get(data, "strategy"), "strategy"),
-            solver=r.string(r.get(data, "solver"), "solver"),
-            torch_version=r.string(r.get(data, "torch_version"), "torch_version"),
-            ckptc_version=r.string(r.get(data, "ckptc_version"), "ckptc_version"),
+            strategy=r.choice(r.get(data, "strategy"), "strategy", STRATEGY_NAMES),
+            solver=r.choice(r.get(data, "solver"), "solver", SOLVER_NAMES),
+            torch_version=r.version(r.get(data, "torch_version"), "torch_version"),
+            ckptc_version=r.version(r.get(data, "ckptc_version"), "ckptc_version"),
             parameter_bytes=r.optional_count(data.get("parameter_bytes"), "parameter_bytes"),
             gradient_bytes=r.optional_count(data.get("gradient_bytes"), "gradient_bytes"),
         )
@@ -257,9 +262,19 @@ class ModelPlan:
             # Derived from the graphs; a different figure means the file was edited.
             peak = r.count(data["predicted_peak_bytes"], "predicted_peak_bytes")
             if peak != model_plan.predicted_peak_bytes:
-                r.fail("predicted_peak_bytes", f"is {peak} but its graphs peak at {model_plan.predicted_peak_bytes}")
+                r.fail(
+                    "predicted_peak_bytes",
+                    f"is {peak} but its graphs peak at {model_plan.predicted_peak_bytes} "
+                    f"({_per_graph(model_plan, 'predicted_peak_bytes')})",
+                )
         if "recompute_flops" in data:
-            r.number(data["recompute_flops"], "recompute_flops")
+            flops = r.number(data["recompute_flops"], "recompute_flops")
+            if flops != model_plan.recompute_flops:
+                r.fail(
+                    "recompute_flops",
+                    f"is {flops} but its graphs recompute {model_plan.recompute_flops} "
+                    f"({_per_graph(model_plan, 'recompute_flops')})",
+                )
         return model_plan
 
 
@@ -270,6 +285,32 @@ MAX_PLAN_FILE_BYTES = 1 << 30
 MAX_INPUT_NESTING = 16
 MAX_BYTES = 2**63 - 1  # allocators count bytes in 64-bit integers
 DECISIONS = ("kept", "recomputed", "free")
+
+
+def known_methods() -> list[str]:
+    """Every ``Plan.method`` ckptc writes: the solvers', the presets' and their building blocks'."""
+    from ckptc.options import STRATEGY_NAMES
+
+    return sorted({*solvers.METHODS, *STRATEGY_NAMES, "keep_all", "per_block", "manual"})
+
+
+# Solve-info fields that have a value in every plan (the others may be null: not known).
+NOT_NULL_INFO = ("refined", "applied_from_file", "details")
+# Details solvers report whose type is known (the rest: any JSON scalar).
+DETAIL_CHECKS = {
+    "blocks": "count",
+    "block_classes": "count",
+    "variables": "count",
+    "constraints": "count",
+    "solver": "name",
+    "solver_status": "name",
+    "warm_start": "boolean",
+}
+
+
+def _per_graph(model_plan: ModelPlan, name: str) -> str:
+    """Each graph's field, named: the figure a derived total disagrees with may be the edited one."""
+    return ", ".join(f"'graphs[{i}].{name}' {getattr(g, name)}" for i, g in enumerate(model_plan.graphs[:4]))
 
 
 def _show(value: Any, limit: int = 60) -> str:
@@ -315,6 +356,33 @@ class _Reader:
         if not isinstance(value, str):
             self.fail(field, f"must be a string, got {_show(value)}")
         return value
+
+    def name(self, value: Any, field: str) -> str:
+        """A non-empty string without surrounding whitespace (a version, a node or method name)."""
+        text = self.string(value, field)
+        if not text or text != text.strip():
+            self.fail(field, f"must be a non-empty name, got {_show(value)}")
+        return text
+
+    def choice(self, value: Any, field: str, choices: tuple[str, ...]) -> str:
+        if not isinstance(value, str) or value not in choices:
+            self.fail(field, f"must be one of {list(choices)}, got {_show(value)}")
+        return value
+
+    def method(self, value: Any, field: str) -> str:
+        """A method that makes plans: a solver's (``hierarchical``), a preset's (``layer``) or a
+        building block's (``keep_all``, ``per_block``)."""
+        methods = known_methods()
+        if not isinstance(value, str) or value not in methods:
+            self.fail(field, f"must be one of {methods}, got {_show(value)}")
+        return value
+
+    def version(self, value: Any, field: str) -> str:
+        """A version such as ``0.1.0`` or ``2.13.0+cpu``."""
+        text = self.string(value, field)
+        if not re.fullmatch(r"\d+(\.\d+)*([.+-]?[0-9A-Za-z]+)*", text):
+            self.fail(field, f"must be a version such as '0.1.0', got {_show(value)}")
+        return text
 
     def count(self, value: Any, field: str) -> int:
         """A whole number of bytes (or FLOPs), from 0 to 2**63 - 1."""
@@ -366,7 +434,7 @@ class _Reader:
         data = self.mapping(value, field)
         kept = self.array(self.get(data, "kept", field), f"{field}.kept")
         for i, name in enumerate(kept):
-            self.string(name, f"{field}.kept[{i}]")
+            self.name(name, f"{field}.kept[{i}]")
         schedule = self.get(data, "schedule", field, default=None)
         steps = None
         if schedule is not None:
@@ -376,7 +444,7 @@ class _Reader:
                 if not isinstance(step, list) or len(step) != 2:
                     self.fail(where, f"must be a [node, phase] pair, got {_show(step)}")
                 node, phase = step
-                self.string(node, f"{where}[0]")
+                self.name(node, f"{where}[0]")
                 if phase not in solvers.plan.PHASES:
                     self.fail(f"{where}[1]", f"must be one of {list(solvers.plan.PHASES)}, got {_show(phase)}")
                 steps.append(solvers.Step(node, phase))
@@ -384,7 +452,7 @@ class _Reader:
         return solvers.Plan(
             kept=frozenset(kept),
             schedule=None if steps is None else tuple(steps),
-            method=self.string(self.get(data, "method", field), f"{field}.method"),
+            method=self.method(self.get(data, "method", field), f"{field}.method"),
             budget_bytes=self.budget(self.get(data, "budget_bytes", field, default=None), f"{field}.budget_bytes"),
             info=info,
         )
@@ -395,23 +463,23 @@ class _Reader:
         checks: dict[str, Callable[[Any, str], Any]] = {
             "predicted_peak_bytes": self.count,
             "recompute_cost": self.number,
-            "status": self.string,
+            "status": self.name,
             "gap": self.number,
             "bound": self.number,
             "objective": self.number,
-            "candidate": self.string,
+            "candidate": self.name,
             "threshold_bytes": self.count,
             "simulations": self.count,
             "refined": self.boolean,
             "applied_from_file": self.boolean,
-            "chosen": self.string,
-            "details": self.scalars,
+            "chosen": self.method,
+            "details": self.details,
         }
         for key, item in data.items():
             check = checks.get(key)
             if check is None:
                 self.fail(f"{field}.{key}", "is not a field of a plan's solve info")
-            if item is not None:
+            if item is not None or key in NOT_NULL_INFO:
                 check(item, f"{field}.{key}")
         return solvers.SolveInfo(**data)
 
@@ -420,11 +488,15 @@ class _Reader:
             self.fail(field, f"must be true or false, got {_show(value)}")
         return value
 
-    def scalars(self, value: Any, field: str) -> dict[str, Any]:
-        """A JSON object of numbers, strings, booleans and nulls."""
+    def details(self, value: Any, field: str) -> dict[str, Any]:
+        """A solver's details: the known ones by their type (``blocks`` a count), any other
+        a number, string, boolean or null."""
         data = self.mapping(value, field)
         for key, item in data.items():
-            if isinstance(item, (dict, list)):
+            check = DETAIL_CHECKS.get(key)
+            if check is not None:
+                getattr(self, check)(item, f"{field}.{key}")
+            elif isinstance(item, (dict, list)):
                 self.fail(f"{field}.{key}", f"must be a number, string, boolean or null, got {_show(item)}")
         return data
 
@@ -436,10 +508,14 @@ class _Reader:
         decision = self.string(self.get(data, "decision", field), f"{field}.decision")
         if decision not in DECISIONS:
             self.fail(f"{field}.decision", f"must be one of {list(DECISIONS)}, got {_show(decision)}")
+        name = self.name(self.get(data, "name", field), f"{field}.name")
+        op = self.name(self.get(data, "op", field), f"{field}.op")
+        if name.rsplit(".", 1)[-1] != op:
+            self.fail(f"{field}.name", f"is {_show(name)}, which is not an {_show(op)} as field '{field}.op' says")
         return KeptValue(
-            name=self.string(self.get(data, "name", field), f"{field}.name"),
+            name=name,
             module=self.string(self.get(data, "module", field), f"{field}.module"),
-            op=self.string(self.get(data, "op", field), f"{field}.op"),
+            op=op,
             bytes=self.count(self.get(data, "bytes", field), f"{field}.bytes"),
             flops=self.count(self.get(data, "flops", field), f"{field}.flops"),
             decision=decision,
@@ -458,23 +534,45 @@ def _parameter_sizes(model: torch.nn.Module | None) -> dict[str, int | None]:
 
 
 def load_plan(path: str | os.PathLike[str]) -> ModelPlan:
-    """Read a plan file.  Raises :class:`CorruptPlanError` with the reason if it is unusable."""
+    """Read a plan file.  Raises :class:`CorruptPlanError` with the reason if it is unusable.
+
+    Only a regular file is read (a device, a pipe or a link to one is refused: ``/dev/zero`` never
+    ends), and never more than :data:`MAX_PLAN_FILE_BYTES`, whatever its size said.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"a plan is a path (str or os.PathLike) or a ckptc.ModelPlan, not {type(path).__name__} {_show(path)}"
+        )
     try:
-        size = os.path.getsize(path)
+        status = os.stat(path)  # follows links: what would be read
     except OSError:
-        size = 0  # let open() report the missing file with its own error
-    if size > MAX_PLAN_FILE_BYTES:
+        status = None  # let open() report the missing file with its own error
+    if status is not None and not stat.S_ISREG(status.st_mode):
+        raise CorruptPlanError(f"{path} is not a regular file (a device, pipe or directory); plan files are JSON files")
+    if status is not None and status.st_size > MAX_PLAN_FILE_BYTES:
         raise CorruptPlanError(
-            f"{path} is {size} bytes, more than any plan file ({MAX_PLAN_FILE_BYTES} bytes at most); "
+            f"{path} is {status.st_size} bytes, more than any plan file ({MAX_PLAN_FILE_BYTES} bytes at most); "
+            "it is not a plan written by ckptc. Plan the model again."
+        )
+    with open(path, "rb") as f:
+        raw = f.read(MAX_PLAN_FILE_BYTES + 1)  # the file may have grown since stat()
+    if len(raw) > MAX_PLAN_FILE_BYTES:
+        raise CorruptPlanError(
+            f"{path} holds more than any plan file ({MAX_PLAN_FILE_BYTES} bytes at most); "
             "it is not a plan written by ckptc. Plan the model again."
         )
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptPlanError(f"{path} is not a text file; plan files are JSON") from None
+    del raw
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as duplicate:
+        raise CorruptPlanError(
+            f"{path} is damaged: field '{duplicate.args[0]}' appears twice in one JSON object (which one "
+            "counts is ambiguous). Plan files are written by ckptc and not meant to be edited; plan the model again."
+        ) from None
     except json.JSONDecodeError as error:
         raise CorruptPlanError(
             f"{path} is not valid JSON ({error.msg} at line {error.lineno}); "
@@ -487,6 +585,21 @@ def load_plan(path: str | os.PathLike[str]) -> ModelPlan:
     except ValueError as error:  # e.g. an integer with more digits than Python converts
         raise CorruptPlanError(f"{path} is not a usable JSON document ({error}). Plan the model again.") from None
     return ModelPlan.from_dict(data, source=str(path))
+
+
+class _DuplicateKey(Exception):
+    """A JSON object names one key twice (``json`` keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return result
 
 
 # -- graph <-> plan ------------------------------------------------------
@@ -607,6 +720,7 @@ def applied_plan(
         CorruptPlanError: the file is unusable.
         PlanMismatchError: the plan predicts a peak over the budget given with it.
     """
+    # load_plan refuses anything but a path: an int would be read as a file descriptor.
     model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
     if budget_bytes is not None and model_plan.predicted_peak_bytes > budget_bytes:
         # A plan does not adapt to a budget: it would silently break the promise.
@@ -684,6 +798,7 @@ def plan_source_for(
                 f"the plan is damaged: field '{field}' does not give a valid execution of graph "
                 f"#{index + 1} ({error}). Plan the model again."
             ) from None
+        _check_against_graph(expected, jp, plan, result, index)
         if budget_bytes is not None and result.peak_bytes > budget_bytes:
             raise PlanMismatchError(
                 f"graph #{index + 1}: the plan peaks at {solvers.format_bytes(result.peak_bytes)} "
@@ -694,3 +809,45 @@ def plan_source_for(
         return plan
 
     return source
+
+
+def _check_against_graph(
+    expected: GraphPlan, jp: "JointProblem", plan: solvers.Plan, result: solvers.SimResult, index: int
+) -> None:
+    """Every figure of a graph's entry that the captured graph determines must be the graph's:
+    its FLOPs, and each listed value's name, module, op, bytes, FLOPs and decision.
+
+    Raises:
+        CorruptPlanError: naming the first field that differs (the file was edited).
+    """
+    # The entry this graph and plan would have been saved as (graph_plan reads nothing else of a record).
+    applied = graph_plan(
+        types.SimpleNamespace(  # type: ignore[arg-type]
+            joint_problem=jp, plan=plan, result=result, unoptimized_peak_bytes=0, min_feasible_bytes=0, baseline_bytes=0
+        )
+    )
+    where = f"graphs[{index}]"
+
+    def fail(field: str, found: Any, wanted: Any) -> NoReturn:
+        raise CorruptPlanError(
+            f"the plan is damaged: field '{where}.{field}' is {_show(found)} but graph #{index + 1} gives "
+            f"{_show(wanted)} although its fingerprint matches (the file was edited). Plan the model again."
+        )
+
+    for name in ("forward_flops", "backward_flops", "recompute_flops"):
+        if getattr(expected, name) != getattr(applied, name):
+            fail(name, getattr(expected, name), getattr(applied, name))
+    by_name = {v.name: v for v in applied.values}
+    listed: set[str] = set()
+    for i, value in enumerate(expected.values):
+        actual = by_name.get(value.name)
+        if actual is None or value.name in listed:
+            why = "listed twice" if value.name in listed else "not a value this plan keeps or recomputes"
+            fail(f"values[{i}].name", value.name, why)
+        listed.add(value.name)
+        for name in ("module", "op", "bytes", "flops", "decision"):
+            if getattr(value, name) != getattr(actual, name):
+                fail(f"values[{i}].{name}", getattr(value, name), getattr(actual, name))
+    if len(listed) != len(by_name):
+        missing = sorted(set(by_name) - listed)
+        fail("values", f"{len(expected.values)} values", f"{len(by_name)} (missing {missing[:3]})")

@@ -16,6 +16,7 @@ import logging
 from typing import Callable, Iterable
 
 import solvers
+from ckptc.errors import InvalidArgumentError
 from ckptc.problem import JointProblem
 from solvers.chen import keep_all_plan
 from solvers.graph import own_checkpoint_mask
@@ -151,9 +152,16 @@ def policies_from_patterns(
                     continue
                 if fnmatch.fnmatchcase(cost.stable_name, pattern):
                     if policies.get(name, policy) != policy:
-                        raise ValueError(
+                        raise InvalidArgumentError(
                             f"{cost.stable_name} is matched by both must_save and must_recompute "
                             f"(pattern {pattern!r}); remove it from one of them"
                         )
                     policies[name] = policy
     return policies
+
+
+def unmatched_patterns(problems: Iterable[JointProblem], patterns: Iterable[str]) -> list[str]:
+    """The patterns that match no forward value's stable name in any of ``problems`` (a whole step:
+    a pattern may match in one graph of a step split by graph breaks and not in the others)."""
+    names = [jp.stable_names[n] for jp in problems for n in jp.problem.forward_nodes if n in jp.stable_names]
+    return [p for p in dict.fromkeys(patterns) if not any(fnmatch.fnmatchcase(name, p) for name in names)]

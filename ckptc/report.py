@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import solvers
-from ckptc.errors import CkptcError
+from ckptc.errors import CkptcError, InvalidArgumentError
 from ckptc.plans import KeptValue, ModelPlan
 from solvers import format_bytes
 
@@ -393,7 +393,7 @@ class ParetoResult:
 def budget_range(low: int, high: int, points: int) -> list[int]:
     """``points`` evenly spaced budgets from ``low`` to ``high`` inclusive (distinct, ascending)."""
     if points < 1:
-        raise ValueError(f"points must be at least 1, got {points}")
+        raise InvalidArgumentError(f"points must be at least 1, got {points}")
     if points == 1 or high <= low:
         return [max(low, high)]
     return sorted({round(low + (high - low) * i / (points - 1)) for i in range(points)})
@@ -422,7 +422,7 @@ def pareto_points(
 
     unknown = [s for s in solver_names if s not in solvers.METHODS]
     if unknown:
-        raise ValueError(f"unknown solver(s) {', '.join(unknown)}; choose from {', '.join(solvers.METHODS)}")
+        raise InvalidArgumentError(f"unknown solver(s) {', '.join(unknown)}; choose from {', '.join(solvers.METHODS)}")
     total = 1 + points * len(solver_names)
 
     def report(done: float, message: str) -> None:

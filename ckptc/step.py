@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
@@ -37,9 +36,9 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc import coverage, distributed
+from ckptc import coverage, distributed, policies
 from ckptc.compiler import CheckpointCompiler
-from ckptc.errors import BudgetExceededError, UntraceableModelError
+from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, resident_bytes
 from ckptc.planner import MAX_STEP_RETRIES, GraphRecord, tighter_graph_budgets
@@ -82,7 +81,7 @@ class StepRuntime:
         self, model: torch.nn.Module, template: CheckpointCompiler, *, verify: bool = True, max_plans: int = 8
     ) -> None:
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
-            raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
+            raise InvalidArgumentError(f"max_plans must be a positive integer, got {max_plans!r}")
         self.model = model
         self.template = template
         self.verify = bool(verify)
@@ -99,7 +98,6 @@ class StepRuntime:
         self._handles: list[Any] = []
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
-        self._warned: set[str] = set()
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -201,10 +199,16 @@ class StepRuntime:
         """
         before = len(self.active)
         saved = ForwardState(self.model) if not shape.compiler.records else None
+        if saved is not None:
+            # A forward may update its inputs in place (x.mul_(2)); the reference below runs on copies
+            # and a retry starts from the inputs as the caller gave them, so they change exactly once.
+            saved.save_inputs(args, kwargs)
         # The reference of the coverage report; not under DDP/FSDP2, where an extra eager forward
         # would run collectives and leave FSDP2 expecting a backward.
         if saved is not None and shape.eager is None and self.ranks is None:
-            shape.eager = coverage.EagerForward.measure(self.model, args, kwargs)
+            copies = internals.tree_map(_detached_copy, (args, kwargs))
+            shape.eager = coverage.EagerForward.measure(self.model, *copies)
+            del copies
             saved.restore()
         for attempt in range(MAX_STEP_RETRIES + 1):
             output = self._run_once(shape, args, kwargs)
@@ -213,6 +217,8 @@ class StepRuntime:
             if not short:
                 if saved is not None and shape.eager is not None:
                     shape.eager.capture_ended(self.model, ran)
+                if saved is not None:
+                    self._check_patterns(ran)
                 return output
             del output
             del self.active[before:]
@@ -245,8 +251,11 @@ class StepRuntime:
                 # not match): surface that error, not Dynamo's wrapper.
                 inner = getattr(error, "inner_exception", None)
                 if inner is None:
-                    raise
-                raise inner from None
+                    raise UntraceableModelError.from_exception(self.model, error) from error
+                if isinstance(inner, CkptcError):
+                    raise inner from None
+                # Anything else failing inside capture or planning: one error family, the cause chained.
+                raise UntraceableModelError.from_exception(self.model, inner) from inner
             except internals.DynamoError as error:
                 raise UntraceableModelError.from_exception(self.model, error) from error
 
@@ -449,12 +458,20 @@ class StepRuntime:
             shape.needs_replan = True
         self._warn_once(key, message)
 
+    def _check_patterns(self, ran: list[GraphRecord]) -> None:
+        """Warn once per pattern of ``must_save``/``must_recompute`` that matches nothing in the step."""
+        options = self.template.options
+        for option in ("must_save", "must_recompute"):
+            for pattern in policies.unmatched_patterns([r.joint_problem for r in ran], getattr(options, option)):
+                self._warn_once(
+                    f"{option}:{pattern}",
+                    f"ckptc: the {option} pattern {pattern!r} matches no value of {type(self.model).__name__}'s "
+                    "training step, so it changes nothing. Patterns match stable names 'module.path.op_ordinal' "
+                    "(e.g. 'transformer.h.*.attn.*', '*.softmax*'); `ckptc show` on a saved plan lists them.",
+                )
+
     def _warn_once(self, key: str, message: str) -> None:
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)  # past call(), _call()
+        warn_once(self, key, message, stacklevel=6)  # past _warn_once, call(), _call()
 
 
 # -- helpers -----------------------------------------------------------------
@@ -466,16 +483,39 @@ class ForwardState:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.inputs: list[list[Any]] = []  # [tensor, version when saved or restored, its value]
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def save_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Also put back the call's input tensors that a forward updates in place (their version
+        counter tells which did).  Inputs that require grad are left alone: autograd refuses in-place
+        updates of leaves, and restoring a non-leaf would not undo its recorded history."""
+        known = {id(b) for b, _ in self.buffers}
+        for leaf in internals.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and not leaf.requires_grad and id(leaf) not in known:
+                known.add(id(leaf))
+                self.inputs.append([leaf, internals.version_counter(leaf), leaf.detach().clone()])
 
     def restore(self) -> None:
         with torch.no_grad():
             for buffer, value in self.buffers:
                 buffer.copy_(value)
+            for entry in self.inputs:
+                tensor, version, value = entry
+                if internals.version_counter(tensor) != version:
+                    tensor.copy_(value)
+                    entry[1] = internals.version_counter(tensor)
         torch.random.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def _detached_copy(leaf: Any) -> Any:
+    """A copy of an input tensor for a reference forward (so its in-place updates stay there)."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from ckptc._torch_internals import is_tangent, is_view_op
+from ckptc.errors import CkptcError, UntraceableModelError
 
 if TYPE_CHECKING:
     from ckptc.planner import GraphRecord
@@ -277,4 +278,10 @@ class ZeroGradBackward:
         if run is None:
             run = self.variants[key] = self.compile_graph(specialize(self.gm, key))
             log.debug("backward specialized for unused results %s", sorted(key))
-        return run(args)
+        try:
+            return run(args)
+        except (CkptcError, MemoryError, torch.OutOfMemoryError):
+            raise  # ckptc's own, or the step did not fit the device: not a capture that failed
+        except Exception as error:
+            graph = "a graph" if self.record is None else f"graph {self.record.index}"
+            raise UntraceableModelError.from_exception(f"the model ({graph}'s backward)", error, "run") from error

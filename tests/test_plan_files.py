@@ -323,3 +323,127 @@ def test_cli_show_of_a_plan_without_graphs_says_so(capsys: pytest.CaptureFixture
     data["graphs"] = []
     code, err = _cli(capsys, "show", _write(tmp_path, data))
     assert code != 0 and err.count("\n") == 1 and "no graphs" in err, err
+
+
+# -- issue 22: bounded reads, duplicate keys, path types, every field against the graph ---------
+def test_a_path_to_a_device_is_refused_without_reading_it(tmp_path: Path) -> None:
+    import resource
+
+    link = tmp_path / "plan.json"
+    link.symlink_to("/dev/zero")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ckptc.CorruptPlanError, match="not a regular file"):
+        ckptc.load_plan(link)
+    with pytest.raises(ckptc.CorruptPlanError, match="not a regular file"):
+        ckptc.optimize(torch.nn.Linear(2, 2), plan=link)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: nothing was read
+
+
+def test_a_file_read_is_bounded_by_the_limit_whatever_its_size_said(planned, tmp_path: Path, monkeypatch) -> None:
+    path = _write(tmp_path, planned[0])
+    monkeypatch.setattr("ckptc.plans.MAX_PLAN_FILE_BYTES", 64)
+    monkeypatch.setattr("os.stat", lambda p, *a, **k: _small_stat(p))
+    with pytest.raises(ckptc.CorruptPlanError, match="more than any plan file"):
+        ckptc.load_plan(path)
+
+
+def _small_stat(path: Any) -> os.stat_result:
+    """What stat said before the file grew: a regular file of 10 bytes."""
+    real = os.lstat(path)
+    return os.stat_result((real.st_mode, *tuple(real)[1:6], 10, *tuple(real)[7:10]))
+
+
+def test_duplicate_keys_are_refused_naming_the_key(planned, tmp_path: Path) -> None:
+    text = json.dumps(planned[0]).replace('"budget_bytes": ', '"budget_bytes": 99, "budget_bytes": ', 1)
+    with pytest.raises(ckptc.CorruptPlanError, match="'budget_bytes' appears twice"):
+        ckptc.load_plan(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize("plan", [123, 3.5, b"plan.json", ["plan.json"], {"graphs": []}])
+def test_a_plan_is_a_path_or_a_model_plan(plan: Any) -> None:
+    read, write = os.pipe()
+    try:
+        with pytest.raises(ckptc.ArgumentTypeError, match="a plan is a path"):
+            ckptc.optimize(torch.nn.Linear(2, 2), plan=plan)
+        os.fstat(read)  # the caller's descriptors stay open
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+# Mutations each field gets.  Accepted only where the value is legitimately valid for the field:
+# another boolean for a flag, a fractional figure for a solver's own numbers, free text where the
+# field is free text.  Everything else must be refused with CorruptPlanError naming the field
+# (or PlanMismatchError where the field says which graph the plan is for).
+_MUTATIONS: list[Any] = ["", "x", -5, True, 1.5, None, [], {}]
+_FREE_NUMBERS = {"gap", "bound", "objective", "recompute_cost"}
+_FREE_TEXT = {"status", "candidate", "solver_status"}
+_IDENTITY = {"inputs", "fingerprint", "torch_version"}
+
+
+def _field_name(path: tuple) -> str:
+    text = ""
+    for key in path:
+        text += f"[{key}]" if isinstance(key, int) else (f".{key}" if text else key)
+    return text
+
+
+def _legitimate(path: tuple, original: Any, value: Any) -> bool:
+    leaf = next(k for k in reversed(path) if isinstance(k, str))
+    if isinstance(original, bool):
+        return isinstance(value, bool)
+    if value is None and (leaf in ("budget_bytes", "parameter_bytes", "gradient_bytes", "schedule") or _in_info(path)):
+        return True  # "no limit", "not known", "derived from kept"
+    if value == {} and leaf == "details":
+        return True  # a solver that reports no details
+    in_details = "details" in path
+    return (leaf in _FREE_NUMBERS and value == 1.5) or ((leaf in _FREE_TEXT or in_details) and value == "x")
+
+
+def _in_info(path: tuple) -> bool:
+    """A solve-info field that may be unknown (null): not the flags, not details."""
+    return len(path) >= 2 and path[-2] == "info" and path[-1] not in ("refined", "applied_from_file", "details")
+
+
+def test_every_single_field_mutation_is_refused_naming_the_field_or_is_valid(planned) -> None:
+    valid, jp = planned
+    leaves = [p for p in _paths(valid) if not isinstance(_at(valid, p), (dict, list)) or p[-1] == "details"]
+    accepted = []
+    for path in leaves:
+        original = _at(valid, path)
+        for value in _MUTATIONS:
+            if value == original and type(value) is type(original):
+                continue
+            document = copy.deepcopy(valid)
+            _at(document, path[:-1])[path[-1]] = value
+            try:
+                loaded = ModelPlan.from_dict(json.loads(json.dumps(document)), source="plan.json")
+                for index in range(len(loaded.graphs)):
+                    plan_source_for(loaded, loaded.budget_bytes)(index, jp)
+            except ckptc.CorruptPlanError as error:
+                last_key = max(i for i, k in enumerate(path) if isinstance(k, str))
+                named = {_field_name(path[:n]) for n in range(last_key + 1, len(path) + 1)}
+                assert any(f"'{name}'" in str(error) for name in named), (path, value, str(error))
+                continue
+            except ckptc.PlanMismatchError:
+                if any(k in _IDENTITY for k in path):
+                    continue
+                raise
+            if not _legitimate(path, original, value):
+                accepted.append((_field_name(path), value))
+    assert accepted == [], "\n".join(map(repr, accepted))
+
+
+def _at(document: Any, path: tuple) -> Any:
+    for key in path:
+        document = document[key]
+    return document
+
+
+@pytest.mark.parametrize("value", ["x", -5, True, 1.5, None])
+@pytest.mark.parametrize("detail", ["blocks", "block_classes"])
+def test_a_hierarchical_plans_block_counts_are_whole_numbers(planned, tmp_path: Path, detail: str, value: Any) -> None:
+    data = copy.deepcopy(planned[0])
+    data["graphs"][0]["plan"]["info"]["details"] = {"blocks": 4, "block_classes": 1, detail: value}
+    with pytest.raises(ckptc.CorruptPlanError, match=rf"'graphs\[0\]\.plan\.info\.details\.{detail}'"):
+        ckptc.load_plan(_write(tmp_path, data))

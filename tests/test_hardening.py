@@ -1,0 +1,283 @@
+"""Issue 22: what a hostile user tries.  Inputs updated in place change once per call, every error is a
+``CkptcError``, warnings reach the user, the floor never exceeds the unoptimized peak, and a capture
+that would eat the machine is refused before it does.
+
+Tiny models only: the whole module runs in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ckptc
+
+
+# -- inputs updated in place -------------------------------------------------------------------
+class _ScalesItsInput(nn.Module):
+    """A forward that updates the caller's tensor in place, optionally across a graph break."""
+
+    def __init__(self, graph_break: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+        self.graph_break = graph_break
+
+    def forward(self, x: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        h = torch.tanh(self.a(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        seen.add_(1)  # a step counter the caller keeps
+        return self.b(h * seen).pow(2).mean()
+
+
+@pytest.mark.parametrize("graph_break", [False, True], ids=["one-graph", "graph-break"])
+def test_an_input_updated_in_place_changes_once_per_call_planning_calls_included(graph_break: bool) -> None:
+    torch.manual_seed(0)
+    model = _ScalesItsInput(graph_break)
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_bytes=10**9)
+    x0 = torch.randn(4, 8)
+    ours, eager = (x0.clone(), torch.zeros(())), (x0.clone(), torch.zeros(()))
+    for call in range(2):  # the first call plans, the second runs the plan
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            p.grad = q.grad = None
+        loss, ref_loss = fast(*ours), reference(*eager)
+        loss.backward()
+        ref_loss.backward()
+        assert torch.equal(ours[0], eager[0]) and torch.equal(ours[1], eager[1]), (call, ours[1], eager[1])
+        assert torch.allclose(loss, ref_loss), (call, loss, ref_loss)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    # ckptc.plan runs the step once, as the caller would: the input changes once.
+    planned = (x0.clone(), torch.zeros(()))
+    ckptc.plan(copy.deepcopy(reference), planned, budget_bytes=10**9)
+    assert torch.equal(planned[0], x0 * 2) and planned[1].item() == 1
+
+
+# -- one error family --------------------------------------------------------------------------
+def _tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize(
+    "call, also",
+    [
+        (lambda: ckptc.optimize(_tiny(), budget_gb=0), ValueError),
+        (lambda: ckptc.optimize(_tiny(), budget_gb=1, budget_bytes=1), ValueError),
+        (lambda: ckptc.optimize(_tiny(), budget_bytes="1GB"), TypeError),
+        (lambda: ckptc.optimize(_tiny(), budget_bytes=2**64), ValueError),
+        (lambda: ckptc.optimize(_tiny(), solver="magic"), ValueError),
+        (lambda: ckptc.optimize(_tiny(), strategy=None), ValueError),
+        (lambda: ckptc.optimize(_tiny(), must_save="*.mm"), ValueError),
+        (lambda: ckptc.optimize(_tiny(), time_limit=-1), ValueError),
+        (lambda: ckptc.optimize(_tiny(), max_plans=0), ValueError),
+        (lambda: ckptc.optimize(_tiny(), verify="yes"), ValueError),
+        (lambda: ckptc.optimize(lambda x: x), TypeError),
+        (lambda: ckptc.optimize(_tiny().requires_grad_(False)), ValueError),
+        (lambda: ckptc.backend(options=[1]), TypeError),
+        (lambda: ckptc.CheckpointOptions.from_user([("budget_gb", 1)]), TypeError),
+        (lambda: ckptc.capture(_tiny(), (torch.randn(2, 8),), budget_gb=1), ValueError),
+    ],
+)
+def test_every_argument_error_is_a_ckptc_error_and_a_value_or_type_error(call, also) -> None:
+    with pytest.raises(ckptc.CkptcError) as info:
+        call()
+    assert isinstance(info.value, also), (type(info.value).__mro__, info.value)
+
+
+def test_an_unknown_keyword_lists_the_valid_names_and_the_closest_one() -> None:
+    with pytest.raises(ckptc.UnknownOptionError) as info:
+        ckptc.optimize(_tiny(), budget_gbb=1)
+    message = str(info.value)
+    assert "['budget_gbb']" in message and "'budget_gb'" in message and "'verify'" in message
+    assert "Did you mean 'budget_gb'" in message
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)  # Python's kind and ckptc's
+    with pytest.raises(ckptc.UnknownOptionError, match="valid options are"):
+        ckptc.backend(budget_gb=1, solvr="ilp")
+
+
+def test_numpy_budgets_are_budgets_and_the_solver_list_names_auto_once() -> None:
+    np = pytest.importorskip("numpy")
+    assert ckptc.optimize(_tiny(), budget_bytes=np.int64(10**9)).compiler.budget_bytes == 10**9
+    assert ckptc.optimize(_tiny(), budget_gb=np.float32(0.5)).compiler.budget_bytes == 2**29
+    with pytest.raises(ckptc.InvalidArgumentError) as info:
+        ckptc.optimize(_tiny(), solver="magic")
+    assert str(info.value).count("'auto'") == 1, info.value
+
+
+def test_a_pattern_that_matches_nothing_warns_naming_it() -> None:
+    fast = ckptc.optimize(_tiny(), budget_bytes=10**9, must_save=["nothing.here.*"], must_recompute=["*"])
+    with pytest.warns(RuntimeWarning, match=r"must_save pattern 'nothing.here.\*' matches no value") as record:
+        fast(torch.randn(4, 8)).sum().backward()
+        fast(torch.randn(4, 8)).sum().backward()
+    assert not any("'*'" in str(w.message) for w in record)  # the pattern that matches says nothing
+    assert sum("nothing.here" in str(w.message) for w in record) == 1  # once
+
+
+# -- warnings users see ------------------------------------------------------------------------
+@torch.compiler.disable
+def _runs_eagerly(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w @ w @ w)
+
+
+class _MostlyEager(nn.Module):
+    """Most of its FLOPs run in code Dynamo does not capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 64)
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.b = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_runs_eagerly(self.a(x), self.w)).sum()
+
+
+def test_a_step_mostly_outside_the_graphs_warns_once_with_the_cause_and_what_to_do(recwarn) -> None:
+    fast = ckptc.optimize(_MostlyEager(), budget_bytes=10**9)
+    for rows in (4, 4, 16):  # a new shape plans again: still one warning
+        fast(torch.randn(rows, 8)).backward()
+    told = [w for w in recwarn if issubclass(w.category, ckptc.CkptcWarning)]
+    assert len(told) == 1, [str(w.message) for w in recwarn]
+    message = str(told[0].message)
+    assert "_MostlyEager's training step is split" in message and "What to do" in message
+    assert "plan.coverage" in message
+
+
+def test_ckptc_logs_reach_the_users_handlers() -> None:
+    import logging
+
+    logger = logging.getLogger("ckptc")
+    assert logger.propagate and not any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    # Without any logging configured, Python's last-resort handler prints ckptc's warnings.
+    assert logging.getLogger("ckptc.step").getEffectiveLevel() <= logging.WARNING
+
+
+# -- the floor is never above the unoptimized peak ---------------------------------------------
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda y: self.b(torch.tanh(self.a(y))), x, use_reentrant=False)
+
+
+class _NestedCheckpoints(nn.Module):
+    """The user's own checkpoint() around blocks that checkpoint themselves: nothing left to drop."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Inner() for _ in range(3)])
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def run(y: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                y = block(y)
+            return y
+
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=self.reentrant).sum()
+
+
+class _Ema(nn.Module):
+    """A buffer updated in forward: its readers are saved whatever must_recompute says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.register_buffer("mean", torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(h.mean(0) * 0.1)
+        return (torch.tanh(h) * self.mean).sum()
+
+
+@pytest.mark.parametrize(
+    "model, options",
+    [(_NestedCheckpoints(False), {}), (_NestedCheckpoints(True), {}), (_Ema(), {"must_recompute": ["*"]})],
+    ids=["nested-checkpoint", "nested-reentrant-checkpoint", "ema-must-recompute-all"],
+)
+def test_the_floor_is_never_above_the_unoptimized_peak_and_that_budget_plans(model, options) -> None:
+    x = torch.randn(16, 32, requires_grad=isinstance(model, _NestedCheckpoints) and model.reentrant)
+    step = ckptc.capture(model, (x,), **options)
+    assert step.floor_bytes <= step.unoptimized_peak_bytes, (step.floor_bytes, step.unoptimized_peak_bytes)
+    plan = step.plan(budget_bytes=step.unoptimized_peak_bytes)  # keep-everything's own peak is a budget
+    assert plan.predicted_peak_bytes <= step.unoptimized_peak_bytes
+    assert step.plan(budget_bytes=step.floor_bytes).predicted_peak_bytes <= step.floor_bytes
+
+
+# -- captures that fail before they eat the machine --------------------------------------------
+class _TimeStepLoop(nn.Module):
+    """A recurrence written as a Python loop over time steps: Dynamo unrolls it into the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 8)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(h) + x[:, t])  # the time-step loop
+        return h.sum()
+
+
+def test_a_graph_too_large_to_plan_is_refused_before_planning_naming_the_loop(monkeypatch) -> None:
+    import time
+
+    from ckptc import coverage
+
+    monkeypatch.setattr(coverage, "MAX_GRAPH_OPS", 300)  # the real bound, scaled down to run in seconds
+    model = _TimeStepLoop()
+    before = copy.deepcopy(model.state_dict())
+    started = time.perf_counter()
+    with pytest.raises(ckptc.UntraceableModelError) as info:
+        ckptc.optimize(model, budget_bytes=10**9)(torch.randn(2, 100, 8)).backward()
+    message = str(info.value)
+    assert "more than the 300 ckptc plans" in message
+    assert "400 of them come from one line" in message and "the time-step loop" in message  # the line, quoted
+    assert "parallel scan" in message and "What to do" in message
+    assert time.perf_counter() - started < 30
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # the same loop, short enough, is captured
+    ckptc.capture(_TimeStepLoop(), (torch.randn(2, 20, 8),))
+
+
+def test_a_failure_inside_capture_is_a_ckptc_error_with_the_cause_chained() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.WhisperConfig(
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=16,
+        max_source_positions=32,
+        max_target_positions=16,
+        dropout=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).train()
+    features, labels = torch.randn(2, 16, 64), torch.randint(3, 128, (2, 8))
+    # PyTorch's own AOTAutograd fails this backward too (a view of a non-contiguous gradient); ckptc
+    # says so as an UntraceableModelError instead of a raw RuntimeError from its backward graph.
+    with pytest.raises(ckptc.UntraceableModelError) as info:
+        ckptc.capture(model, (features,), {"labels": labels})
+    assert isinstance(info.value.__cause__, RuntimeError), info.value.__cause__
+    assert "RuntimeError: view size is not compatible" in str(info.value)
