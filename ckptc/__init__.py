@@ -23,6 +23,7 @@ from ckptc.errors import (
     UntraceableModelError,
     WrapOrderError,
 )
+from ckptc.inplace import applied, apply, remove
 from ckptc.options import CheckpointOptions
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, load_plan
@@ -33,6 +34,9 @@ logging.getLogger("ckptc").addHandler(logging.NullHandler())
 
 __all__ = [
     "optimize",
+    "apply",
+    "applied",
+    "remove",
     "backend",
     "plan",
     "capture",

@@ -471,3 +471,22 @@ def pass_missing_grads_as_none(outputs: Any, inputs: Sequence[Any]) -> bool:
                 candidate.set_materialize_grads(False)
                 return True
     return False
+
+
+# nn.Module.__call__ runs `_compiled_call_impl` instead of `_call_impl` when it is set (the slot
+# `model.compile()` fills); ckptc.apply fills it so the model keeps its class, forward and hooks.
+# nn.Module.__getstate__ drops it, so copies of the model are plain.
+_CALL_SLOT = "_compiled_call_impl"
+
+
+def module_call_override(module: torch.nn.Module) -> Any:
+    """What ``module(...)`` calls instead of its ``_call_impl`` (None: nothing)."""
+    return module.__dict__.get(_CALL_SLOT)
+
+
+def set_module_call_override(module: torch.nn.Module, call: Any) -> None:
+    """Make ``module(...)`` call ``call`` instead of its ``_call_impl`` (None: back to it)."""
+    if call is None:
+        module.__dict__.pop(_CALL_SLOT, None)
+    else:
+        module.__dict__[_CALL_SLOT] = call

@@ -1,0 +1,167 @@
+"""ckptc where people train: in place (``ckptc.apply``), the Hugging Face Trainer, PEFT and Lightning.
+
+Tiny GPT-2 built from a config with random weights (dropout on), a tiny
+in-memory dataset, a few steps.  Peaks are measured by the tests themselves:
+a forward pre-hook starts :class:`ckptc.meter.StepMeter` (the allocator's
+events) with the resident bytes of the model and the call's inputs as its
+baseline, and the measurement stops after backward, before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+import ckptc
+from ckptc.meter import StepMeter, measure_peak, resident_bytes
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH, VOCAB = 16, 2, 128
+
+
+def tiny_gpt2(seed: int = 0) -> Any:
+    """GPT-2 as a user builds it (no ckptc-specific settings): dropout on, tied embeddings."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+class StepPeaks:
+    """Peaks of training steps measured here, independently of ckptc: the allocator's events
+    from :meth:`start` (before forward) to :meth:`stop` (after backward), on top of
+    ``baseline`` (the model's parameters, gradients and buffers, and the step's inputs)."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._meter: StepMeter | None = None
+
+    def start(self, baseline: int) -> None:
+        self._meter = StepMeter("cpu", baseline).start()
+
+    def stop(self) -> None:
+        if self._meter is not None:
+            self.peaks.append(self._meter.stop().peak_bytes)
+            self._meter = None
+
+
+def eager_peak(model: torch.nn.Module, kwargs: dict) -> int:
+    """Measured peak of one eager step of a copy of ``model``."""
+    model = copy.deepcopy(model)
+    _, measured = measure_peak(lambda: model(**kwargs).loss.backward(), baseline_bytes=resident_bytes(model, kwargs))
+    return measured.peak_bytes
+
+
+# ckptc's floor on these steps is ~80% of the eager peak: 88% makes it recompute, with room to plan.
+BUDGET_FRACTION = 0.88
+
+
+def batch_kwargs(n: int = BATCH) -> dict[str, torch.Tensor]:
+    ids = tokens(n)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+# --------------------------------------------------------------------------- #
+# The in-place form                                                            #
+# --------------------------------------------------------------------------- #
+
+
+def test_apply_keeps_the_model_and_trains_like_eager(tmp_path: Any) -> None:
+    model, reference = tiny_gpt2(), tiny_gpt2()
+    calls: list[str] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    model.register_forward_hook(lambda module, args, out: calls.append("post"))
+    signature, keys = inspect.signature(model.forward), list(model.state_dict())
+    parameters = dict(model.named_parameters())
+    kwargs = batch_kwargs()
+    budget = int(BUDGET_FRACTION * eager_peak(model, kwargs))
+
+    assert ckptc.apply(model, budget_bytes=budget) is model
+    assert type(model) is transformers.GPT2LMHeadModel
+    assert inspect.signature(model.forward) == signature
+    assert list(model.state_dict()) == keys and dict(model.named_parameters()) == parameters
+    assert model.config.n_layer == 2 and model.lm_head.weight is model.transformer.wte.weight
+
+    for seed in range(3):
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        calls.clear()
+        torch.manual_seed(seed)
+        loss = model(**kwargs).loss
+        loss.backward()
+        if seed > 0:  # the first call also runs the eager forward of the coverage report
+            assert calls == ["pre", "post"], "hooks run once per call"
+        torch.manual_seed(seed)
+        ref_loss = reference(**kwargs).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=name)
+    plan = ckptc.applied(model).plan
+    assert plan is not None and plan.recompute_flops > 0, "the budget was meant to make ckptc recompute"
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+
+    # save_pretrained / from_pretrained (tied weights) round trip; copies are plain models.
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert list(reloaded.state_dict()) == keys
+    for name, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
+    assert ckptc.applied(copy.deepcopy(model)) is None  # nn.Module.__getstate__ drops the slot (pickle too)
+
+    # eval and no_grad run the plain model: no plan, nothing recomputed.
+    runtime = ckptc.applied(model)._ckptc_runtime
+    plans = len(runtime.plans)
+    model.eval()
+    with torch.no_grad():
+        model(**batch_kwargs(3))
+    assert len(runtime.plans) == plans
+
+    assert ckptc.remove(model) is model and ckptc.applied(model) is None
+    model.train()
+    calls.clear()
+    model(**kwargs).loss.backward()
+    assert calls == ["pre", "post"] and len(runtime.plans) == plans
+
+
+def test_apply_refuses_what_it_cannot_keep_and_leaves_the_model_as_it_was() -> None:
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="budget"):
+        ckptc.apply(model, budget_bytes=-1)
+    assert ckptc.applied(model) is None
+    ckptc.apply(model, budget_gb=1)
+    first = ckptc.applied(model)
+    with pytest.raises(TypeError, match="ckptc.apply was already called"):
+        ckptc.optimize(model, budget_gb=1)
+    with pytest.raises(ValueError, match="budget"):
+        ckptc.apply(model, budget_bytes=0)
+    assert ckptc.applied(model) is first, "a refused re-apply keeps the earlier one"
+    ckptc.apply(model, budget_gb=2)  # applying again replaces the options
+    assert ckptc.applied(model) is not first and ckptc.applied(model).compiler.budget_bytes == 2 * 1024**3
+
+    compiled = tiny_gpt2()
+    compiled.compile()
+    with pytest.raises(TypeError, match="model.compile"):
+        ckptc.apply(compiled, budget_gb=1)
+
+
+def test_wrapper_exposes_the_model_signature_and_unwraps() -> None:
+    model = tiny_gpt2()
+    fast = ckptc.optimize(model, budget_gb=1)
+    assert inspect.signature(fast.forward) == inspect.signature(model.forward)
+    assert "labels" in inspect.signature(fast.forward).parameters
+    # `.module` as DDP's (transformers' unwrap_model follows it without accelerate), and the
+    # model's own attributes (accelerate unwraps only its own and torch's wrappers: use ckptc.apply).
+    assert fast.module is model and fast.config is model.config
+    assert fast.save_pretrained.__self__ is model
+    assert fast.transformer is model.transformer  # submodules come from the shared registry
+    with pytest.raises(AttributeError):
+        fast.no_such_attribute  # noqa: B018
