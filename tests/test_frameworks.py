@@ -165,3 +165,108 @@ def test_wrapper_exposes_the_model_signature_and_unwraps() -> None:
     assert fast.transformer is model.transformer  # submodules come from the shared registry
     with pytest.raises(AttributeError):
         fast.no_such_attribute  # noqa: B018
+
+
+# --------------------------------------------------------------------------- #
+# Hugging Face Trainer                                                         #
+# --------------------------------------------------------------------------- #
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """A tiny in-memory causal-LM dataset of dicts, as a tokenized dataset gives them."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.ids = tokens(n, seed)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(), "text_id": i}
+
+
+def trainer_for(model: Any, out: Any, peaks: StepPeaks | None = None) -> Any:
+    """A Trainer with default arguments apart from the run's length, logging, saving and CPU."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=3,
+        logging_steps=1,
+        save_steps=2,
+        seed=0,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(8, seed=2),
+        eval_dataset=TokenDataset(3, seed=3),
+        callbacks=[] if peaks is None else [_MeasureSteps(peaks)],
+    )
+
+
+# What a training batch holds when a step begins: input_ids, attention_mask and labels (int64,
+# BATCH x SEQ; the Trainer dropped "text_id", which GPT-2's forward does not take) and the
+# 0-d int64 num_items_in_batch.
+BATCH_BYTES = 3 * BATCH * SEQ * 8 + 8
+
+
+class _MeasureSteps(transformers.TrainerCallback):
+    """Measures steps 3 and 4 (ckptc plans on the first and verifies the second, with its own
+    profiler) from the step's beginning to the end of backward (before the optimizer step)."""
+
+    def __init__(self, peaks: StepPeaks) -> None:
+        self.peaks = peaks
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step >= 2:
+            self.peaks.start(resident_bytes(model) + BATCH_BYTES)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.peaks.stop()
+
+
+def losses(trainer: Any) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_hugging_face_trainer_trains_saves_reloads_and_resumes_like_the_plain_trainer(tmp_path: Any) -> None:
+    plain_peaks = StepPeaks()
+    plain = trainer_for(tiny_gpt2(), tmp_path / "plain", plain_peaks)
+    plain.train()
+    plain_eval = plain.evaluate()
+    budget = int(BUDGET_FRACTION * min(plain_peaks.peaks))
+
+    model = ckptc.apply(tiny_gpt2(), budget_bytes=budget)
+    peaks = StepPeaks()
+    trainer = trainer_for(model, tmp_path / "ckptc", peaks)
+    trainer.train()
+    assert len(losses(trainer)) == 4
+    assert losses(trainer) == pytest.approx(losses(plain), rel=1e-5), "same seed, same losses as the plain Trainer"
+    optimized = ckptc.applied(model)
+    plan = optimized.plan
+    assert plan is not None and plan.recompute_flops > 0
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+    assert len(peaks.peaks) == 2 and max(peaks.peaks) <= budget, (peaks.peaks, budget)
+
+    # evaluate: eval() and no_grad run the plain model (no new plan; eval batches have another shape).
+    plans = len(optimized._ckptc_runtime.plans)
+    evaluated = trainer.evaluate()
+    assert len(optimized._ckptc_runtime.plans) == plans
+    assert evaluated["eval_loss"] == pytest.approx(plain_eval["eval_loss"], rel=1e-5)
+
+    # save_model with tied weights (save_pretrained), reload, and resume from the step-2 checkpoint.
+    trainer.save_model(tmp_path / "saved")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    for name, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
+    resumed_model = ckptc.apply(tiny_gpt2(seed=5), budget_bytes=budget)
+    resumed = trainer_for(resumed_model, tmp_path / "ckptc")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ckptc" / "checkpoint-2"))
+    assert losses(resumed)[-2:] == pytest.approx(losses(plain)[2:], rel=1e-5)
+    for name, value in resumed_model.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[name], rtol=1e-5, atol=1e-6, msg=name)
