@@ -270,3 +270,58 @@ def test_hugging_face_trainer_trains_saves_reloads_and_resumes_like_the_plain_tr
     assert losses(resumed)[-2:] == pytest.approx(losses(plain)[2:], rel=1e-5)
     for name, value in resumed_model.state_dict().items():
         torch.testing.assert_close(value, model.state_dict()[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------------- #
+# PEFT / LoRA                                                                  #
+# --------------------------------------------------------------------------- #
+
+
+def lora_gpt2() -> Any:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True
+    )
+    return peft.get_peft_model(tiny_gpt2(), config)
+
+
+def gradient_outputs(record: Any) -> int:
+    """How many gradients the backward of a captured joint graph computes (the rest are None)."""
+    joint = record.joint_problem
+    (output,) = [n for n in joint.joint.graph.nodes if n.op == "output"]
+    return sum(g is not None for g in output.args[0][joint.num_fwd_outputs :])
+
+
+def test_peft_lora_model_plans_only_what_trains_with_eager_gradients() -> None:
+    model, reference = lora_gpt2(), lora_gpt2()
+    kwargs = batch_kwargs()
+    budget = int(BUDGET_FRACTION * eager_peak(model, kwargs))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+
+    assert ckptc.apply(model, budget_bytes=budget) is model
+    for seed in range(2):  # LoRA dropout: the same masks as eager, recomputed or not
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = model(**kwargs).loss
+        loss.backward()
+        torch.manual_seed(seed)
+        ref_loss = reference(**kwargs).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+            if name in trainable:
+                torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=name)
+            else:
+                assert p.grad is None, f"{name} is frozen but got a gradient"
+    # The backward of the graph holding the parameters computes the adapters' gradients only.
+    first = ckptc.applied(model)._ckptc_runtime.step_records()[0]
+    assert gradient_outputs(first) == len(trainable)
+    plan = ckptc.applied(model).plan
+    assert plan.gradient_bytes == sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert plan.recompute_flops > 0 and plan.measured_peak_bytes <= budget
+
+    model.zero_grad(set_to_none=True)
+    _, measured = measure_peak(lambda: model(**kwargs).loss.backward(), baseline_bytes=resident_bytes(model, kwargs))
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
