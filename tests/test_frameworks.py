@@ -325,3 +325,69 @@ def test_peft_lora_model_plans_only_what_trains_with_eager_gradients() -> None:
     model.zero_grad(set_to_none=True)
     _, measured = measure_peak(lambda: model(**kwargs).loss.backward(), baseline_bytes=resident_bytes(model, kwargs))
     assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+
+
+# --------------------------------------------------------------------------- #
+# Lightning                                                                    #
+# --------------------------------------------------------------------------- #
+
+
+def lightning_run(budget_bytes: int | None) -> tuple[list[float], list[int], Any]:
+    """Four steps of lightning.Trainer (CPU, 1 device) on a LightningModule holding tiny GPT-2,
+    ckptc-applied when a budget is given; the losses and the peaks of steps 3 and 4."""
+    lightning = pytest.importorskip("lightning")
+
+    class CausalLM(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+            if budget_bytes is not None:
+                ckptc.apply(self.model, budget_bytes=budget_bytes)
+            self.losses: list[float] = []
+            self.peaks = StepPeaks()
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            loss = self.model(**batch).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+            if batch_idx >= 2:  # ckptc plans on the first step and verifies the second
+                self.peaks.start(resident_bytes(self, batch))
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # after backward
+            self.peaks.stop()
+
+        def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+            super().optimizer_step(*args, **kwargs)
+            # Lightning zeroes gradients after the next forward; the budget counts a step
+            # from None gradients (and ckptc verifies only such steps): free them here.
+            self.zero_grad(set_to_none=True)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    module = CausalLM()
+    data = [{k: v for k, v in item.items() if k != "text_id"} for item in TokenDataset(8, seed=2)]
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    return module.losses, module.peaks.peaks, module.model
+
+
+def test_lightning_trainer_trains_a_ckptc_applied_model_like_eager() -> None:
+    plain_losses, plain_peaks, _ = lightning_run(None)
+    budget = int(BUDGET_FRACTION * min(plain_peaks))
+    losses_, peaks, model = lightning_run(budget)
+    assert len(losses_) == 4 and losses_ == pytest.approx(plain_losses, rel=1e-5)
+    plan = ckptc.applied(model).plan
+    assert plan.recompute_flops > 0 and plan.measured_peak_bytes <= budget
+    assert len(peaks) == 2 and max(peaks) <= budget, (peaks, budget)
