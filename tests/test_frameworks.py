@@ -391,3 +391,40 @@ def test_lightning_trainer_trains_a_ckptc_applied_model_like_eager() -> None:
     plan = ckptc.applied(model).plan
     assert plan.recompute_flops > 0 and plan.measured_peak_bytes <= budget
     assert len(peaks) == 2 and max(peaks) <= budget, (peaks, budget)
+
+
+# --------------------------------------------------------------------------- #
+# accelerate                                                                   #
+# --------------------------------------------------------------------------- #
+
+
+def accelerate_run(budget_bytes: int | None) -> tuple[list[float], Any]:
+    """Three steps of a plain accelerate loop (CPU) over tiny GPT-2, ckptc-applied when a budget is given."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = tiny_gpt2()
+    if budget_bytes is not None:
+        ckptc.apply(model, budget_bytes=budget_bytes)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [{k: v for k, v in item.items() if k != "text_id"} for item in TokenDataset(6, seed=2)]
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
+    prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    assert prepared is model and accelerator.unwrap_model(prepared) is model
+    torch.manual_seed(0)
+    losses_ = []
+    for batch in loader:
+        loss = prepared(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses_.append(loss.item())
+    return losses_, model
+
+
+def test_accelerate_prepares_and_trains_a_ckptc_applied_model_like_eager() -> None:
+    budget = int(BUDGET_FRACTION * eager_peak(tiny_gpt2(), batch_kwargs()))
+    plain_losses, _ = accelerate_run(None)
+    losses_, model = accelerate_run(budget)
+    assert len(losses_) == 3 and losses_ == pytest.approx(plain_losses, rel=1e-5)
+    plan = ckptc.applied(model).plan
+    assert plan.recompute_flops > 0 and plan.measured_peak_bytes <= budget
