@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from typing import Any
 
 import pytest
@@ -455,3 +456,21 @@ def test_the_labels_path_of_causal_lms_is_captured_in_one_graph(name: str) -> No
     ids = tokens(BATCH)
     step = ckptc.capture(model, (ids,), {"labels": ids}, measure_scratch=False)
     assert len(step.records) == 1, step.coverage
+
+
+def test_gradients_zeroed_between_forward_and_backward_warn_once() -> None:
+    """Lightning's loop zeroes gradients after the forward: the last step's gradients are alive
+    through it, which the budget does not count; ckptc says so (accumulation stays quiet)."""
+    torch.manual_seed(0)
+    model = ckptc.apply(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)), budget_gb=1
+    )
+    x = torch.randn(16, 32)
+    model(x).sum().backward()  # plans
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()  # accumulation: backward adds to the gradients present
+    with pytest.warns(RuntimeWarning, match="dropped before its backward"):
+        loss = model(x).sum()
+        model.zero_grad(set_to_none=True)
+        loss.backward()
