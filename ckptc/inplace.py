@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
@@ -64,32 +64,15 @@ class AppliedCall:
         return f"AppliedCall({self.optimized!r})"
 
 
-def apply(
-    model: torch.nn.Module,
-    budget_gb: float | None = None,
-    *,
-    budget_bytes: int | None = None,
-    solver: str = "auto",
-    strategy: str = "auto",
-    plan: str | ModelPlan | None = None,
-    must_save: Sequence[str] = (),
-    must_recompute: Sequence[str] = (),
-    compiler: str = "eager",
-    measure_time: bool = False,
-    measure_scratch: bool = True,
-    hold_outputs: bool | None = None,
-    time_limit: float | None = None,
-    progress: Callable[[float, str], None] | None = None,
-    verify: bool = True,
-    max_plans: int = 8,
-) -> torch.nn.Module:
+def apply(model: torch.nn.Module, budget_gb: float | None = None, **options: Any) -> torch.nn.Module:
     """Plan ``model``'s training calls for a memory budget in place, and return ``model`` itself.
 
-    The options and their checks are :func:`ckptc.optimize`'s.  ``model`` keeps
-    its class, ``forward`` (and its signature), ``config``, parameters, buffers,
-    ``state_dict`` keys and hooks, so it can be handed to any framework that
-    takes a model; :func:`applied` gives its plan, :func:`remove` undoes it.
-    Applying again replaces the earlier options (and forgets their plans).
+    ``options`` (``budget_bytes``, ``solver``, ``strategy``, ``plan``, ...) and their
+    checks are :func:`ckptc.optimize`'s.  ``model`` keeps its class, ``forward`` (and
+    its signature), ``config``, parameters, buffers, ``state_dict`` keys and hooks, so
+    it can be handed to any framework that takes a model; :func:`applied` gives its
+    plan, :func:`remove` undoes it.  Applying again replaces the earlier options (and
+    forgets their plans).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, is a ``ckptc.optimize``
@@ -106,28 +89,11 @@ def apply(
     if current is not None and not isinstance(current, AppliedCall):
         raise TypeError(
             f"{type(model).__name__} was compiled in place with model.compile(), which uses the same slot as "
-            "ckptc.apply; use one of them (torch.compile(model, backend='ckptc') combines both)"
+            "ckptc.apply; apply ckptc to a model that is not compiled in place"
         )
     # Build (and check every option) before touching the model: a bad option leaves it as it was.
     with _detached(model):
-        optimized = optimize(
-            model,
-            budget_gb,
-            budget_bytes=budget_bytes,
-            solver=solver,
-            strategy=strategy,
-            plan=plan,
-            must_save=must_save,
-            must_recompute=must_recompute,
-            compiler=compiler,
-            measure_time=measure_time,
-            measure_scratch=measure_scratch,
-            hold_outputs=hold_outputs,
-            time_limit=time_limit,
-            progress=progress,
-            verify=verify,
-            max_plans=max_plans,
-        )
+        optimized = optimize(model, budget_gb, **options)
     if current is not None:
         log.info("ckptc.apply on %s again: the new options replace the earlier ones", type(model).__name__)
     set_module_call_override(model, AppliedCall(model, optimized))
