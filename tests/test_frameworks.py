@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import pickle
 import warnings
 from typing import Any
 
@@ -147,6 +148,8 @@ def test_apply_refuses_what_it_cannot_keep_and_leaves_the_model_as_it_was() -> N
     assert ckptc.applied(model) is first, "a refused re-apply keeps the earlier one"
     ckptc.apply(model, budget_gb=2)  # applying again replaces the options
     assert ckptc.applied(model) is not first and ckptc.applied(model).compiler.budget_bytes == 2 * 1024**3
+    copied = pickle.loads(pickle.dumps(model))  # as torch.save: a plain model
+    assert type(copied) is type(model) and ckptc.applied(copied) is None
 
     compiled = tiny_gpt2()
     compiled.compile()
