@@ -25,6 +25,7 @@ from ckptc.errors import (
     UntraceableModelError,
     WrapOrderError,
 )
+from ckptc.inplace import applied, apply, remove
 from ckptc.options import CheckpointOptions
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, load_plan
@@ -37,6 +38,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "optimize",
+    "apply",
+    "applied",
+    "remove",
     "backend",
     "plan",
     "capture",

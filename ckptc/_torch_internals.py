@@ -386,6 +386,8 @@ def compile_config():
       ``.item()``, ``nonzero`` and boolean indexing (MoE routing) stay in the
       graph instead of breaking it; their unbacked sizes are priced at their
       upper bound (:func:`concrete_upper_bound`).
+    * Logging below ``error`` is a no-op in the graph instead of a graph break
+      (:func:`traced_logging_functions`).
     """
     return torch._dynamo.config.patch(
         recompile_limit=256,
@@ -393,7 +395,24 @@ def compile_config():
         allow_rnn=True,
         capture_scalar_outputs=True,
         capture_dynamic_output_shape_ops=True,
+        ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | traced_logging_functions(),
     )
+
+
+def traced_logging_functions() -> set[Callable[..., Any]]:
+    """``logging.Logger`` methods that Dynamo skips (no graph break) in ckptc's captures.
+
+    A log call in a forward (Hugging Face's ``logger.warning_once`` in ``loss_function``
+    when a model's ``loss_type`` is unset, as for ``GPT2LMHeadModel`` built from a config)
+    otherwise breaks the graph right before the loss, and the step is planned as two
+    graphs.  The message is still emitted by the eager forward ckptc runs on every call
+    that plans (the coverage report), and on every untraced call (``eval``, ``no_grad``).
+    ``error`` and ``critical`` keep breaking the graph, so they run on every call.
+    """
+    import logging
+
+    names = ("debug", "info", "warning", "warn", "info_once", "warning_once")  # *_once: transformers' additions
+    return {getattr(logging.Logger, name) for name in names if callable(getattr(logging.Logger, name, None))}
 
 
 def outside_fake_mode():
@@ -477,3 +496,22 @@ def pass_missing_grads_as_none(outputs: Any, inputs: Sequence[Any]) -> bool:
                 candidate.set_materialize_grads(False)
                 return True
     return False
+
+
+# nn.Module.__call__ runs `_compiled_call_impl` instead of `_call_impl` when it is set (the slot
+# `model.compile()` fills); ckptc.apply fills it so the model keeps its class, forward and hooks.
+# nn.Module.__getstate__ drops it, so copies of the model are plain.
+_CALL_SLOT = "_compiled_call_impl"
+
+
+def module_call_override(module: torch.nn.Module) -> Any:
+    """What ``module(...)`` calls instead of its ``_call_impl`` (None: nothing)."""
+    return module.__dict__.get(_CALL_SLOT)
+
+
+def set_module_call_override(module: torch.nn.Module, call: Any) -> None:
+    """Make ``module(...)`` call ``call`` instead of its ``_call_impl`` (None: back to it)."""
+    if call is None:
+        module.__dict__.pop(_CALL_SLOT, None)
+    else:
+        module.__dict__[_CALL_SLOT] = call

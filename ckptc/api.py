@@ -29,6 +29,39 @@ from ckptc.step import ForwardState, StepRuntime
 log = logging.getLogger("ckptc.api")
 
 
+class _SignedForward:
+    """``OptimizedModule.forward`` bound to one module, reporting the wrapped model's
+    ``forward`` signature to ``inspect.signature`` (the Hugging Face Trainer keeps only
+    the dataset columns the model's ``forward`` accepts)."""
+
+    __slots__ = ("function", "module")
+    __name__ = "forward"
+
+    def __init__(self, function: Callable[..., Any], module: torch.nn.Module) -> None:
+        self.function = function
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.module.__dict__["_ckptc_model"].forward)
+
+    def __repr__(self) -> str:
+        return f"<bound method OptimizedModule.forward of {self.module!r}>"
+
+
+class _model_signature:
+    """Descriptor for ``OptimizedModule.forward``: binds it as a :class:`_SignedForward`."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __get__(self, module: torch.nn.Module | None, owner: type | None = None) -> Any:
+        return self.function if module is None else _SignedForward(self.function, module)
+
+
 class OptimizedModule(torch.nn.Module):
     """``model`` with activation checkpointing planned for a memory budget.
 
@@ -109,6 +142,21 @@ class OptimizedModule(torch.nn.Module):
         self._ckptc_model.train(mode)
         return self
 
+    def __getattr__(self, name: str) -> Any:
+        # Parameters, buffers and submodules first (the shared registries), then the wrapped
+        # model's own attributes (config, save_pretrained, generate), as torch.compile's wrapper
+        # does; `module` is the wrapped model (transformers' unwrap_model follows `.module`).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_ckptc_model")
+            if model is None or name.startswith("__"):
+                raise
+        if name == "module" and not hasattr(model, "module"):
+            return model
+        return getattr(model, name)
+
+    @_model_signature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._ckptc_model
         if not torch.is_grad_enabled() or not model.training or not any(p.requires_grad for p in model.parameters()):
@@ -220,6 +268,13 @@ def _check_model(model: Any) -> None:
         raise ArgumentTypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, OptimizedModule):
         raise ArgumentTypeError("this module is already optimized; pass its original_module instead")
+    from ckptc.inplace import is_applied  # inplace builds on this module
+
+    if is_applied(model):
+        raise ArgumentTypeError(
+            f"ckptc.apply was already called on this {type(model).__name__}; train it as it is, "
+            "or call ckptc.remove(model) first"
+        )
     check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise InvalidArgumentError(

@@ -98,6 +98,7 @@ class StepRuntime:
         self._handles: list[Any] = []
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
+        self._grads_at_start: list[tuple[weakref.ref, weakref.ref]] = []
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -306,6 +307,7 @@ class StepRuntime:
 
     # -- steps -----------------------------------------------------------------
     def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan) -> None:
+        self._grads_at_start = []
         self._step_open = True
         self.active.clear()
         self._step_plans = []
@@ -325,6 +327,7 @@ class StepRuntime:
                 # Gradient accumulation: the budget counts a step from None gradients
                 # (README, "What the budget counts"); measure a step that starts there.
                 log.info("step starts with gradients present (accumulation): not measured")
+                self._grads_at_start = _gradient_refs(self.model)
                 return
             baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
             self._meter = StepMeter(_device_of(self.model), baseline).start()
@@ -387,6 +390,8 @@ class StepRuntime:
             mine = {id(r) for r in shape.compiler.records}
             shape.last_records = [r for r in self.active if id(r) in mine]
         self._check_gradient_assumption()
+        if measured:
+            self._check_gradients_zeroed_after_forward()
         if measurement is None:
             return
         budget = self.template.budget_bytes
@@ -449,6 +454,24 @@ class StepRuntime:
             f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` (logits); "
             "the plan had counted them as dropped after forward, so the next call plans again with them held "
             "until backward ends. Pass hold_outputs=True to ckptc.optimize to decide upfront.",
+        )
+
+    def _check_gradients_zeroed_after_forward(self) -> None:
+        """A step that began with gradients present is accumulation if backward added to them.
+        If they were dropped between forward and backward instead (Lightning zeroes gradients
+        after ``training_step``), the last step's gradients were alive through this forward:
+        memory the budget does not count, on a step ckptc cannot verify.  Say so, once."""
+        refs, self._grads_at_start = self._grads_at_start, []
+        if not any(param() is not None and param().grad is not grad() for param, grad in refs):
+            return
+        self._warn_once(
+            "zeroed-after-forward",
+            f"ckptc: the gradients present when this training step of {type(self.model).__name__} began were "
+            "dropped before its backward (zero_grad after forward, as Lightning's training loop does), so they "
+            "were alive through the forward: the budget counts a step from None gradients, and such steps are "
+            "not verified, so the peak can exceed the budget by their size. Zero gradients with "
+            "set_to_none=True before the forward (in a LightningModule: self.zero_grad(set_to_none=True) at "
+            "the end of optimizer_step).",
         )
 
     def _plan_again_holding_outputs(self, shapes: list[ShapePlan], key: str, message: str) -> None:
@@ -516,6 +539,11 @@ def _detached_copy(leaf: Any) -> Any:
     if not isinstance(leaf, torch.Tensor):
         return leaf
     return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+
+
+def _gradient_refs(model: torch.nn.Module) -> list[tuple[weakref.ref, weakref.ref]]:
+    """Weak references to the parameters and their present gradients (holding them would keep the memory)."""
+    return [(weakref.ref(p), weakref.ref(p.grad)) for p in model.parameters() if p.grad is not None]
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
