@@ -52,6 +52,8 @@ __all__ = [
     "unmark_dynamic",
     "graph_break_after",
     "pass_missing_grads_as_none",
+    "fake_tensor_mode",
+    "is_fake",
 ]
 
 
@@ -471,3 +473,24 @@ def pass_missing_grads_as_none(outputs: Any, inputs: Sequence[Any]) -> bool:
                 candidate.set_materialize_grads(False)
                 return True
     return False
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes and dtypes, no storage)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def fake_tensor_mode() -> tuple[Any, bool]:
+    """The fake-tensor mode to capture under: the active one (the caller built the model in it), else a new one.
+
+    Returns the mode and whether the caller must enter it.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    active = detect_fake_mode()
+    if active is not None:
+        return active, False
+    return FakeTensorMode(allow_non_fake_inputs=True), True
