@@ -19,6 +19,7 @@ from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
 from ckptc.distributed import check_call_order, check_wrap_order
+from ckptc.errors import UntraceableModelError
 from ckptc.offline import offline_device, offline_step
 from ckptc.options import CheckpointOptions
 from ckptc.planner import CapturedStep
@@ -272,7 +273,18 @@ def capture(
             for p in model.parameters():
                 p.grad = None
             output = optimized(*inputs, **kwargs)
-            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            try:
+                loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            except RuntimeError as error:
+                if target is None or "meta" not in str(error):
+                    raise
+                why = str(error).splitlines()[0][:200]
+                raise UntraceableModelError(
+                    f"ckptc captured {type(model).__name__} offline for {target}, but the loss function read a "
+                    f"tensor on the meta device ({why}): it closes over a tensor that is not one of "
+                    "the example inputs, so the capture could not replace it.\nWhat to do: pass what the loss "
+                    "reads as an input (labels=ids) or compute the loss inside the model's forward."
+                ) from None
             loss.backward()
     runtime = optimized._ckptc_runtime
     records = list({id(r): r for r in runtime.step_records()}.values())

@@ -160,3 +160,16 @@ def test_a_plan_with_other_inputs_names_the_inputs_that_differ() -> None:
     last = len(data["graphs"][0]["inputs"])
     with pytest.raises(ckptc.PlanMismatchError, match=rf"input {last} only in the model"):
         source(0, step_.records[0].joint_problem)
+
+
+def test_a_loss_closing_over_meta_tensors_is_refused_with_what_to_do() -> None:
+    meta = _llama("meta")
+    ids = _ids("meta")
+
+    def loss_fn(output):  # reads the meta ids, which the capture cannot replace
+        logits = output.logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+    with pytest.raises(ckptc.UntraceableModelError, match=r"(?s)meta device.*pass what the loss reads as an input"):
+        ckptc.capture(meta, (ids,), loss_fn=loss_fn)
+    assert all(p.device.type == "meta" for p in meta.parameters())
