@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptc.planner")
 
-#: The margin is 1/200 of the activations kept for backward and 1/8 of the largest scratch (see planning_margin).
+#: The margin is 1/200 of the activations kept for backward and 1/32 of the largest scratch (see planning_margin).
 PLANNING_MARGIN_DIVISOR = 200
-SCRATCH_UNCERTAINTY_DIVISOR = 8
+SCRATCH_UNCERTAINTY_DIVISOR = 32
 #: How many times a step of several graphs is planned again with earlier graphs keeping less.
 MAX_STEP_RETRIES = 2
 
