@@ -53,6 +53,8 @@ __all__ = [
     "unmark_dynamic",
     "graph_break_after",
     "pass_missing_grads_as_none",
+    "fake_tensor_mode",
+    "is_fake",
 ]
 
 
@@ -515,3 +517,24 @@ def set_module_call_override(module: torch.nn.Module, call: Any) -> None:
         module.__dict__.pop(_CALL_SLOT, None)
     else:
         module.__dict__[_CALL_SLOT] = call
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes and dtypes, no storage)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def fake_tensor_mode() -> tuple[Any, bool]:
+    """The fake-tensor mode to capture under: the active one (the caller built the model in it), else a new one.
+
+    Returns the mode and whether the caller must enter it.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    active = detect_fake_mode()
+    if active is not None:
+        return active, False
+    return FakeTensorMode(allow_non_fake_inputs=True), True

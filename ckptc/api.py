@@ -21,6 +21,7 @@ from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
 from ckptc.distributed import check_call_order, check_wrap_order
 from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError
+from ckptc.offline import offline_device, offline_step
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, _parameter_sizes
@@ -288,9 +289,16 @@ def capture(
     example_kwargs: dict[str, Any] | None = None,
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str | torch.device | None = None,
     **options: Any,
 ) -> CapturedStep:
     """Capture one training step of ``model`` once, to plan it under any number of budgets.
+
+    A model on the ``meta`` device or built under ``FakeTensorMode`` (or any
+    model, given ``device``) is captured offline, for ``device`` (default: the
+    fake tensors' device, else ``cpu``), under fake tensors: nothing is
+    allocated, no op runs, kernels' scratch is priced at 0 and the plan is the
+    one the same model with real weights gets there (:mod:`ckptc.offline`).
 
     Runs one forward and backward pass on the example inputs (to capture every
     graph, including those after graph breaks) and restores the parameters'
@@ -313,20 +321,43 @@ def capture(
         {k: v for k, v in options.items() if k not in ("verify", "max_plans", "progress")}
     )
     _check_model(model)
+    target = offline_device(model, example_inputs, example_kwargs, device)
+    if target is not None:
+        if checked.measure_time:
+            raise ValueError(
+                "measure_time=True runs every op on real tensors, which an offline capture (meta or fake "
+                "tensors, or device=...) does not do; plan without it"
+            )
+        checked = checked.replace(measure_scratch=False)  # would run every op at full size
     # Captured keeping everything; CapturedStep.plan decides for each budget afterwards.
     compiler = CheckpointCompiler(checked.replace(strategy="none"), model=model)
     optimized = OptimizedModule(model, compiler, verify=False)
-    with training_state_restored(model):
-        for p in model.parameters():
-            p.grad = None
-        try:
-            output = optimized(*example_inputs, **(example_kwargs or {}))
-            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-            loss.backward()
-        except (CkptcError, MemoryError, torch.OutOfMemoryError):
-            raise
-        except Exception as error:  # one error family: the underlying error chained
-            raise UntraceableModelError.from_exception(model, error) from error
+    with contextlib.ExitStack() as stack:
+        inputs, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+        if target is not None:
+            inputs, kwargs = stack.enter_context(offline_step(model, inputs, kwargs, target))
+        with training_state_restored(model):
+            for p in model.parameters():
+                p.grad = None
+            try:
+                output = optimized(*inputs, **kwargs)
+                try:
+                    loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+                except RuntimeError as error:
+                    if target is None or "meta" not in str(error):
+                        raise
+                    why = str(error).splitlines()[0][:200]
+                    raise UntraceableModelError(
+                        f"ckptc captured {type(model).__name__} offline for {target}, but the loss function read a "
+                        f"tensor on the meta device ({why}): it closes over a tensor that is not one of "
+                        "the example inputs, so the capture could not replace it.\nWhat to do: pass what the loss "
+                        "reads as an input (labels=ids) or compute the loss inside the model's forward."
+                    ) from None
+                loss.backward()
+            except (CkptcError, MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception as error:  # one error family: the underlying error chained
+                raise UntraceableModelError.from_exception(model, error) from error
     runtime = optimized._ckptc_runtime
     records = list({id(r): r for r in runtime.step_records()}.values())
     eager = None if runtime.last is None else runtime.last.eager
@@ -345,13 +376,15 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     plan: str | ModelPlan | None = None,
     progress: Callable[[float, str], None] | None = None,
+    device: str | torch.device | None = None,
     **options: Any,
 ) -> ModelPlan:
     """Plan one training step of ``model`` without training it: ``capture(...).plan(...)``.
 
     ``plan`` (a plan file or :class:`ModelPlan`) applies its decisions to the
     captured graphs instead of solving.  The model is left exactly as it was
-    (see :func:`capture`).
+    (see :func:`capture`).  A model on ``meta`` or under fake tensors, or
+    ``device=...``, is planned offline for that device (see :func:`capture`).
     """
     budget = CheckpointOptions.from_user(budget_gb=budget_gb, budget_bytes=budget_bytes).budget_bytes
     source = None
@@ -359,7 +392,7 @@ def plan(
         from ckptc.plans import applied_plan
 
         source, budget = applied_plan(plan, budget)
-    step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, **options)
+    step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, device=device, **options)
     return step.plan(budget_bytes=budget, plan_source=source, progress=progress)
 
 

@@ -39,6 +39,7 @@ import torch
 import ckptc
 import solvers
 from ckptc import report
+from ckptc._torch_internals import fake_tensor_mode
 from ckptc.errors import CkptcError
 from ckptc.options import STRATEGY_NAMES, CheckpointOptions, budget_to_bytes
 from solvers import format_bytes
@@ -374,6 +375,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "-o", "--output", default="plan.json", metavar="PLAN.json", help="where to write the plan (default: plan.json)"
     )
+    plan.add_argument(
+        "--fake",
+        action="store_true",
+        help="run the factory under fake tensors and plan offline: nothing is allocated, so a model that does "
+        "not fit this machine can be planned (also for a factory that builds on the meta device)",
+    )
+    plan.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="plan offline for this device (cpu, cuda): the step is captured under fake tensors there "
+        "(default: the model's device; cpu for a model on meta)",
+    )
     _add_common(plan)
 
     show = commands.add_parser(
@@ -514,20 +527,25 @@ def command_plan(args: argparse.Namespace, out: TextIO) -> int:
     """``ckptc plan``: plan, save, print a one-line summary."""
     output = _ensure_writable(args.output)
     options = _planning_options(args)
-    workload = load_workload(args.factory)
     progress = ProgressLine()
-    try:
-        model_plan = ckptc.plan(
-            workload.model,
-            workload.example_inputs,
-            workload.example_kwargs,
-            budget_bytes=budget_from(args),
-            loss_fn=workload.loss_fn,
-            progress=progress,
-            **options,
-        )
-    finally:
-        progress.finish()
+    with contextlib.ExitStack() as stack:
+        if args.fake:
+            mode, _ = fake_tensor_mode()
+            stack.enter_context(mode)  # the factory's tensors are fake: nothing it builds is allocated
+        workload = load_workload(args.factory)
+        try:
+            model_plan = ckptc.plan(
+                workload.model,
+                workload.example_inputs,
+                workload.example_kwargs,
+                budget_bytes=budget_from(args),
+                loss_fn=workload.loss_fn,
+                progress=progress,
+                device=args.device,
+                **options,
+            )
+        finally:
+            progress.finish()
     model_plan.save(output)
     print(f"{output}: {report.summary_line(model_plan)}", file=out)
     if model_plan.coverage is not None and model_plan.coverage.breaks:  # the step is split: say where and why

@@ -30,6 +30,7 @@ import solvers
 from ckptc import _torch_internals as internals
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.coverage import refuse_oversized
+from ckptc.devices import graph_device, memory_model
 from ckptc.distributed import check_backend_context, local_nbytes
 from ckptc.meter import resident_bytes
 from ckptc.options import CheckpointOptions
@@ -264,7 +265,10 @@ class CheckpointCompiler:
         policies = policies_from_patterns(
             {n.name: n for n in joint.graph.nodes}, self.options.must_save, self.options.must_recompute
         )
-        baseline = outside + earlier + HELD_RESULTS_RESERVE_BYTES + self.options.extra_baseline_bytes
+        # Held by the device for the whole step outside the graph's tensors (cuBLAS workspaces on CUDA).
+        device = graph_device([n.meta["val"] for n in joint.graph.find_nodes(op="placeholder") if _is_tensor(n)])
+        overhead = memory_model(device).step_overhead_bytes
+        baseline = outside + earlier + HELD_RESULTS_RESERVE_BYTES + self.options.extra_baseline_bytes + overhead
         jp = joint_to_problem(
             joint,
             num_fwd_outputs,
@@ -289,3 +293,7 @@ class CheckpointCompiler:
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
         backward.meta["ckptc_record"] = RecordLink(record)
         return forward, backward
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)

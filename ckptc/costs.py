@@ -36,6 +36,7 @@ from ckptc._torch_internals import (
     tree_map,
     upper_bound,
 )
+from ckptc.devices import memory_model
 from ckptc.errors import UntraceableModelError
 
 log = logging.getLogger("ckptc.costs")
@@ -198,7 +199,8 @@ def _storage_bytes(node: fx.Node, storage_owner: dict[Hashable, str]) -> tuple[i
         except (NotImplementedError, RuntimeError):  # e.g. sparse or nested tensors
             new_bytes += _numel(t) * t.element_size()
             continue
-        nbytes = priced_size(nbytes, f"the bytes of {node.name}")
+        # What the device's allocator counts for it (the CUDA caching allocator rounds to blocks).
+        nbytes = memory_model(t.device).storage_bytes(priced_size(nbytes, f"the bytes of {node.name}"))
         owner = storage_owner.get(ref)
         if owner is None:
             if not multi_output:

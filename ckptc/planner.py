@@ -3,8 +3,12 @@
 Everything that turns a captured graph and :class:`~ckptc.options.CheckpointOptions`
 into a decision lives here:
 
-* the planning margin (:func:`planning_budget`, :func:`budget_for_planning_floor`):
-  solvers plan for 99.5% of the user's budget;
+* the planning margin (:func:`planning_margin`, :func:`planning_budget`,
+  :func:`budget_for_planning_floor`): solvers plan a little below the user's
+  budget, by an amount sized from what the plan controls (the activations kept
+  for backward) and the model's own uncertainty (kernels' measured scratch),
+  never from the whole budget; a budget at or above the unoptimized peak keeps
+  everything;
 * the candidates: a solver under the budget (``strategy="auto"``) or a preset
   (``"none"``, ``"layer"``, ``"segment"``, ``"selective"``), or a plan file's
   decisions (``plan_source``);
@@ -40,7 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptc.planner")
 
-PLANNING_MARGIN_DIVISOR = 200  # plan for 99.5% of the budget, see planning_budget
+#: The margin is 1/200 of the activations kept for backward and 1/32 of the largest scratch (see planning_margin).
+PLANNING_MARGIN_DIVISOR = 200
+SCRATCH_UNCERTAINTY_DIVISOR = 32
 #: How many times a step of several graphs is planned again with earlier graphs keeping less.
 MAX_STEP_RETRIES = 2
 
@@ -48,22 +54,34 @@ PlanSource = Callable[[int, JointProblem], solvers.Plan]
 Progress = Callable[[float, str], None]
 
 
-def planning_budget(budget_bytes: int) -> int:
-    """The budget solvers plan for: 0.5% below the user's.
+def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) -> int:
+    """How far below the user's budget the solvers plan for this graph.
 
-    Kernels' scratch memory varies a little between runs (measured once per
-    op, on random data); plans that fill the budget exactly would sometimes
-    exceed it by a few kilobytes.
+    What can differ between the prediction and a run is what the plan moves
+    (activations kept for backward, whose kernels' scratch memory is measured
+    once per op on random data and varies a little between runs), not the
+    weights and gradients, which are exact.  So the margin is a share of the
+    unoptimized plan's kept bytes plus a share of the largest scratch: a
+    billion-parameter model whose weights dwarf its activations keeps its
+    whole useful range (floor to unoptimized peak) plannable, which a share
+    of the whole budget would swallow.
     """
-    return budget_bytes - budget_bytes // PLANNING_MARGIN_DIVISOR
+    scratch = max((n.scratch for n in problem.nodes), default=0)
+    return unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
 
 
-def budget_for_planning_floor(floor: int) -> int:
+def planning_budget(budget_bytes: int, margin: int) -> int:
+    """The budget solvers plan for: ``margin`` (:func:`planning_margin`) below the user's.
+
+    Plans that fill the budget exactly would sometimes exceed it by a few
+    kilobytes (kernels' scratch memory varies a little between runs).
+    """
+    return max(0, budget_bytes - margin)
+
+
+def budget_for_planning_floor(floor: int, margin: int) -> int:
     """The smallest user budget whose planning budget reaches ``floor``."""
-    budget = floor + floor // (PLANNING_MARGIN_DIVISOR - 1)
-    while planning_budget(budget) < floor:
-        budget += 1
-    return budget
+    return floor + margin
 
 
 @dataclass
@@ -87,6 +105,7 @@ class GraphRecord:
     held_output_bytes: int = 0
     floor_peak_bytes: int = 0
     floor_kept_bytes: int = 0
+    margin_bytes: int = 0  # planning_margin of this graph
     infeasible: bool = False
     earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
     break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where
@@ -131,22 +150,36 @@ def candidate(
 
 
 def _choose(
-    jp: JointProblem, options: CheckpointOptions, index: int, plan_source: PlanSource | None, progress: Progress | None
+    jp: JointProblem,
+    options: CheckpointOptions,
+    index: int,
+    plan_source: PlanSource | None,
+    progress: Progress | None,
+    unoptimized: solvers.SimResult,
+    margin: int,
 ) -> solvers.Plan:
-    """The plan for graph ``index``; an infeasible budget is reported in the user's units."""
+    """The plan for graph ``index``; an infeasible budget is reported in the user's units.
+
+    Under ``strategy="auto"`` a budget at or above the unoptimized peak keeps
+    everything: nothing to recompute, and no solver's plan peaks above it.
+    """
     if plan_source is not None:
         return plan_source(index, jp)
     budget = options.budget_bytes
     if budget is None:
         return candidate(jp, options, None, progress)
     budget = min(budget, options.graph_budgets.get(index, budget))
+    if options.strategy == "auto" and unoptimized.peak_bytes <= budget:
+        return dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
     try:
-        return candidate(jp, options, planning_budget(budget), progress)
+        return candidate(jp, options, planning_budget(budget, margin), progress)
     except solvers.InfeasibleBudgetError as error:
         floor = error.min_feasible_bytes
-        raise solvers.InfeasibleBudgetError(
-            options.budget_bytes, None if floor is None else budget_for_planning_floor(floor)
-        ) from None
+        if floor is not None:
+            floor = budget_for_planning_floor(floor, margin)
+            if options.strategy == "auto":
+                floor = min(floor, unoptimized.peak_bytes)
+        raise solvers.InfeasibleBudgetError(options.budget_bytes, floor) from None
 
 
 def decide(
@@ -176,17 +209,18 @@ def decide(
     keep_all = unoptimized_result(jp)
     if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
         floor_plan, floor_result = keep_everything(jp), keep_all
+    margin = planning_margin(jp.problem, keep_all)
     slack = sum(r.slack_bytes for r in earlier)
     lowest = floor_result.peak_bytes - slack
     # Keeping everything fits a budget of its own peak, margin or not (nothing left to drop):
     # the floor is never above the unoptimized peak (both with earlier graphs at their floors).
-    own_floor = min(budget_for_planning_floor(lowest), max(lowest, keep_all.peak_bytes - slack))
+    own_floor = min(budget_for_planning_floor(lowest, margin), max(lowest, keep_all.peak_bytes - slack))
     step_floor = max([own_floor] + [r.min_feasible_bytes for r in earlier])
     infeasible = False
     try:
-        plan = _choose(jp, options, index, plan_source, progress)
+        plan = _choose(jp, options, index, plan_source, progress, keep_all, margin)
     except solvers.InfeasibleBudgetError as error:
-        fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0)
+        fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0, margin)
         if (
             plan_source is None
             and options.budget_bytes is not None
@@ -215,6 +249,7 @@ def decide(
         held_output_bytes=jp.held_output_bytes,
         floor_peak_bytes=floor_result.peak_bytes,
         floor_kept_bytes=floor_result.kept_bytes,
+        margin_bytes=margin,
         infeasible=infeasible,
         earlier=tuple(earlier),
     )
@@ -283,7 +318,7 @@ def tighter_graph_budgets(
             "What to do: give a few percent more budget, or pass solver='auto' if another solver was chosen.",
         )
     if attempt == 0:
-        need = max(budget_for_planning_floor(r.floor_peak_bytes) - budget_bytes for r in short)
+        need = max(budget_for_planning_floor(r.floor_peak_bytes, r.margin_bytes) - budget_bytes for r in short)
         # Each earlier graph lowers its own peak (keeping less) by its share of `need` (the budget
         # alone would not bind a graph whose peak is well below it); a graph run for several
         # layers (blocks compiled once) keeps its bytes once per run.

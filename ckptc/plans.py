@@ -625,6 +625,67 @@ def fingerprint(jp: "JointProblem") -> str:
     return h.hexdigest()
 
 
+def torch_release(version: str) -> str:
+    """``2.13.0`` of ``2.13.0+cpu`` / ``2.13.0+cu128``: the local build suffix names the wheel's
+    accelerator, not the release, and captured graphs follow the release."""
+    return str(version).split("+", 1)[0]
+
+
+# Aten ops that are one decision made by different kernels on different devices: a
+# plan made on one device type names the other's op (and the tensors it saves).
+_DEVICE_VARIANTS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "CPU",
+    "_scaled_dot_product_flash_attention": "CUDA",
+    "_scaled_dot_product_efficient_attention": "CUDA",
+    "_scaled_dot_product_cudnn_attention": "CUDA",
+    "_flash_attention_forward": "CUDA",
+    "_efficient_attention_forward": "CUDA",
+}
+
+
+def _op_differences(expected: GraphPlan, jp: "JointProblem") -> str:
+    """Why a fingerprint differs, in words: the forward ops that one side has and the other has not."""
+    planned = {re.sub(r"_\d+$", "", v.op) for v in expected.values}  # ordinals: mm_1 is mm
+    captured = {jp.node_cost(n).op for n in jp.graph_nodes(jp.problem.forward_nodes)}
+    only_plan, only_model = sorted(planned - captured), sorted(captured - planned)
+    variants = [(a, b) for a in only_plan for b in only_model if a in _DEVICE_VARIANTS and b in _DEVICE_VARIANTS]
+    if variants:
+        a, b = variants[0]
+        return (
+            f"the plan has aten op {a!r}, a {_DEVICE_VARIANTS[a]} kernel, where this graph has {b!r}, a "
+            f"{_DEVICE_VARIANTS[b]} kernel: the plan was made for another device type, whose kernels save other "
+            "tensors for backward; plan for this device (ckptc.plan(..., device=...) plans offline)"
+        )
+    words = []
+    if only_plan or only_model:
+        words.append(
+            f"ops in the plan only: {', '.join(only_plan[:5]) or 'none'}; in this graph only: "
+            f"{', '.join(only_model[:5]) or 'none'}"
+        )
+    kernels = sorted(op for op in captured if op in _DEVICE_VARIANTS)
+    if kernels:
+        words.append(
+            f"this graph runs aten op {kernels[0]!r}, a {_DEVICE_VARIANTS[kernels[0]]} kernel; a plan made for "
+            "another device type has that device's kernel instead, which saves other tensors for backward: plan "
+            "for this device (ckptc.plan(..., device=...) plans offline)"
+        )
+    return "; ".join(words + ["otherwise the model's code or configuration changed"])
+
+
+def _input_differences(planned: list[list[Any]], captured: list[list[Any]]) -> list[str]:
+    """The inputs one side has and the other has not (aligned on the rest), by position and shape."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(a=[repr(i) for i in planned], b=[repr(i) for i in captured], autojunk=False)
+    found = []
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag in ("delete", "replace"):
+            found += [f"input {i} only in the plan: {planned[i]}" for i in range(a0, a1)]
+        if tag in ("insert", "replace"):
+            found += [f"input {i} only in the model: {captured[i]}" for i in range(b0, b1)]
+    return found
+
+
 def target_name(target: Any) -> str:
     """A process-independent name for an FX node's target.
 
@@ -749,10 +810,10 @@ def plan_source_for(
     """
 
     def source(index: int, jp: "JointProblem") -> solvers.Plan:
-        if model_plan.torch_version != torch.__version__:
+        if torch_release(model_plan.torch_version) != torch_release(torch.__version__):
             raise PlanMismatchError(
                 f"the plan was made with torch {model_plan.torch_version}, this is torch "
-                f"{torch.__version__}; captured graphs differ between versions. Plan again."
+                f"{torch.__version__}; captured graphs differ between releases. Plan again."
             )
         if index >= len(model_plan.graphs):
             raise PlanMismatchError(
@@ -769,7 +830,8 @@ def plan_source_for(
                 if a != b
             ]
             if len(inputs) != len(expected.inputs):
-                diffs.insert(0, f"plan has {len(expected.inputs)} inputs, model has {len(inputs)}")
+                diffs = [f"plan has {len(expected.inputs)} inputs, model has {len(inputs)}"]
+                diffs += _input_differences(expected.inputs, inputs)
             raise PlanMismatchError(
                 f"graph #{index + 1}: input shapes or dtypes differ from the plan's ({'; '.join(diffs[:3])}). "
                 "Plan again for these inputs."
@@ -777,7 +839,7 @@ def plan_source_for(
         if fingerprint(jp) != expected.fingerprint:
             raise PlanMismatchError(
                 f"graph #{index + 1}: the captured graph's fingerprint differs from the plan's "
-                "(the model's code or configuration changed). Plan again."
+                f"({_op_differences(expected, jp)}). Plan again."
             )
         where = f"graphs[{index}].plan"
         try:

@@ -60,3 +60,23 @@ def mlp_dropout() -> tuple[nn.Module, tuple[torch.Tensor]]:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
     return model.train(), (torch.randn(64, 32, generator=generator),)
+
+
+def llama_on_meta() -> tuple[nn.Module, tuple[torch.Tensor], dict]:
+    """A tiny Llama built on the meta device (no weights): planned offline (``ckptc plan --device cpu``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).train()
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids}

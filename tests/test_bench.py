@@ -104,3 +104,26 @@ def test_block_helper_and_flop_counter_on_a_tiny_model():
         """
     )
     assert _run_python("-c", script).stdout.strip().endswith("ok")
+
+
+def test_gpu_check_refuses_without_cuda_and_its_logic_runs_on_the_cpu(tmp_path):
+    """bench/gpu_check.py is the prepared GPU run (issue 21): without CUDA it says so (exit 2); its
+    CPU smoke mode runs every configuration on a tiny model and writes the table."""
+    import torch
+
+    if not torch.cuda.is_available():
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_check"], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    out = tmp_path / "gpu"
+    _run_python(
+        "-m", "bench.gpu_check", "--cpu-smoke", "--models", "mlp", "--size", "tiny", "--reps", "1", "--out", str(out)
+    )
+    data = json.loads((out / "gpu_cpu_smoke.json").read_text())
+    rows = {r["config"].split(" (")[0]: r for r in data["results"][0]["rows"]}
+    assert {"eager", "ckptc @0", "ckptc @0.5", "ckptc @1", "aot_eager activation_memory_budget=0.5"} <= set(rows)
+    for fraction in ("0", "0.5", "1"):
+        row = rows[f"ckptc @{fraction}"]
+        assert row["loss_equal"] and row["measured_peak_bytes"] <= row["budget_bytes"]
+    assert "| ckptc @0.5" in (out / "gpu_cpu_smoke.md").read_text()

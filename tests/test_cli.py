@@ -292,3 +292,22 @@ def test_progress_line_is_silent_for_quick_solves_and_one_line_on_a_terminal() -
     for i in range(101):
         line(i / 100, "ilp")
     assert len(log_file.getvalue().splitlines()) == 11  # every 10 %, no carriage returns
+
+
+def test_plan_offline_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`--fake` runs the factory under fake tensors; a factory building on meta plans for `--device`."""
+    from tests.factories import mlp
+
+    model, inputs = mlp()
+    real = ckptc.plan(model, inputs, budget_gb=1, measure_scratch=False)
+    path = tmp_path / "fake.json"
+    code, _, err = run(capsys, "plan", factory("mlp"), "--budget-gb", "1", "--fake", "-o", path)
+    assert code == 0, err
+    assert ckptc.load_plan(path).graphs[0].to_dict() == real.graphs[0].to_dict()
+    code, out, err = run(capsys, "plan", factory("llama_on_meta"), "--budget-gb", "1", "-o", tmp_path / "meta.json")
+    assert code == 0, err
+    assert "predicted peak" in out
+    code, _, err = run(
+        capsys, "plan", factory("llama_on_meta"), "--budget-gb", "1", "--device", "meta", "-o", tmp_path / "x.json"
+    )
+    assert_one_line_error(code, err, "'meta' device")

@@ -1,0 +1,252 @@
+"""ckptc on one GPU: predicted peaks against ``torch.cuda.max_memory_allocated``, side by side with
+per-block checkpointing and PyTorch's ``activation_memory_budget`` (issue 21).
+
+Run from the repository root on a machine with a CUDA GPU, in one call (about 3-6 minutes on one GPU)::
+
+    python -m bench.gpu_check                      # writes bench/results/gpu.md and gpu.json
+
+For GPT-2, Llama and Enformer at the bench sizes it measures, on the GPU, one
+training step of: eager PyTorch; ckptc at 3 budgets between its floor and the
+unoptimized peak (predicted peak, measured ``max_memory_allocated``, their
+ratio, recompute, loss equal to eager); per-block ``torch.utils.checkpoint``;
+and ``torch.compile(backend="aot_eager")`` under ``activation_memory_budget``
+0, 0.5 and 1.  Every figure is absolute: ``max_memory_allocated`` after
+``reset_peak_memory_stats``, with the model's weights, inputs and cuBLAS
+workspaces resident, as ckptc's prediction counts them (CUDA memory model:
+``ckptc/devices.py``).  Step times are the median of ``--reps`` steps after a
+warm-up.  Optimizer state is not part of any figure.
+
+Without CUDA it refuses (exit status 2) and says so; ``--cpu-smoke`` runs the
+same code on the CPU (tiny sizes, the CPU allocator's events instead of
+``max_memory_allocated``) so that its logic is tested where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import ckptc
+from bench.alternatives import Alternative, Skip, fmt_mib
+from ckptc.meter import measure_peak
+from tests.zoo import ModelCase, get_case
+
+MODELS = ("gpt2", "llama", "enformer")
+FRACTIONS = (0.0, 0.5, 1.0)  # ckptc budgets: floor, halfway, unoptimized peak
+AOT_BUDGETS = (0.0, 0.5, 1.0)
+DEADLINE_S = 7 * 60  # stop starting new rows after this (the script must finish within 8 minutes)
+
+
+def moved(case: ModelCase, device: torch.device) -> ModelCase:
+    """``case`` with its model and every input tensor on ``device``."""
+
+    def to(value: Any) -> Any:
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    return ModelCase(
+        case.name,
+        case.model.to(device),
+        tuple(to(t) for t in case.example_inputs),
+        {k: to(v) for k, v in case.example_kwargs.items()},
+        case.loss,
+    )
+
+
+class Meter:
+    """One training step's absolute peak on the device, and step times."""
+
+    def __init__(self, device: torch.device, reps: int) -> None:
+        self.device = device
+        self.reps = reps
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, case: ModelCase, run: Callable[..., Any], params: Any) -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        torch.manual_seed(0)
+        loss = case.loss(run(*case.example_inputs, **case.example_kwargs))
+        loss.backward()
+        return loss.detach()
+
+    def measure(self, case: ModelCase, run: Callable[..., Any], module: torch.nn.Module) -> dict[str, Any]:
+        params = list(module.parameters())
+        self.step(case, run, params)  # warm-up: plans, compiles, allocates cuBLAS workspaces
+        self.step(case, run, params)
+        for p in params:
+            p.grad = None
+        self.sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            loss = self.step(case, run, params)
+            self.sync()
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:  # --cpu-smoke: the CPU allocator's events, above what the model and inputs hold
+            resident = sum(t.untyped_storage().nbytes() for t in [*params, *module.buffers(), *_tensors(case)])
+            loss, measured = measure_peak(lambda: self.step(case, run, params), baseline_bytes=resident)
+            peak = measured.peak_bytes
+        times = []
+        for _ in range(self.reps):
+            self.sync()
+            start = time.perf_counter()
+            self.step(case, run, params)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        for p in params:
+            p.grad = None  # copies made from this model later must not carry gradients
+        return {"measured_peak_bytes": int(peak), "step_s": statistics.median(times), "loss": float(loss)}
+
+
+def _tensors(case: ModelCase) -> list[torch.Tensor]:
+    values = [*case.example_inputs, *case.example_kwargs.values()]
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+def check_model(name: str, size: str, device: torch.device, meter: Meter, started: float) -> dict[str, Any]:
+    """Every row of one model."""
+    case = moved(get_case(name, size=size), device)
+    rows: list[dict[str, Any]] = []
+    eager = meter.measure(case, case.model, case.model)
+    rows.append({"config": "eager", **eager})
+    captured = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
+    floor, unoptimized = captured.floor_bytes, captured.unoptimized_peak_bytes
+    for fraction in FRACTIONS:
+        if time.perf_counter() - started > DEADLINE_S:
+            rows.append({"config": f"ckptc @{fraction:g}", "skipped": "time"})
+            continue
+        budget = floor + int((unoptimized - floor) * fraction)
+        model = copy.deepcopy(case.model)
+        fast = ckptc.optimize(model, budget_bytes=budget, verify=False)
+        row = meter.measure(case, fast, model)
+        plan = fast.plan
+        row.update(
+            config=f"ckptc @{fraction:g} (budget {fmt_mib(budget)} MiB)",
+            budget_bytes=budget,
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            recompute_percent=plan.recompute_percent,
+            loss_equal=abs(row["loss"] - eager["loss"]) <= 1e-4 * max(1.0, abs(eager["loss"])),
+        )
+        rows.append(row)
+    alternatives = [Alternative("ckpt_every", "per-block checkpoint")] + [
+        Alternative("aot_eager", f"aot_eager activation_memory_budget={b:g}", budget_fraction=b) for b in AOT_BUDGETS
+    ]
+    for alternative in alternatives:
+        if time.perf_counter() - started > DEADLINE_S:
+            rows.append({"config": alternative.label, "skipped": "time"})
+            continue
+        model = copy.deepcopy(case.model)
+        try:
+            runner = alternative.build(model)
+        except Skip as why:
+            rows.append({"config": alternative.label, "skipped": str(why)})
+            continue
+        torch._dynamo.reset()
+        rows.append({"config": alternative.label, **meter.measure(case, runner.call, runner.module)})
+    return {
+        "model": name,
+        "size": size,
+        "parameters": case.num_parameters(),
+        "floor_bytes": floor,
+        "unoptimized_peak_bytes": unoptimized,
+        "rows": rows,
+    }
+
+
+def markdown(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
+    """The results as ``gpu.md``."""
+    lines = [
+        "# ckptc on a GPU: predicted against measured peaks",
+        "",
+        f"Made by `python -m bench.gpu_check` on {header['device']} (torch {header['torch']}, "
+        f"{header['when']}). Peaks are {header['meter']} of one training step "
+        "(weights, inputs, gradients, activations, cuBLAS workspaces; no optimizer state); times are medians.",
+        "",
+    ]
+    for result in results:
+        lines += [
+            f"## {result['model']} ({result['size']}, {result['parameters'] / 1e6:.1f} M parameters)",
+            "",
+            f"ckptc floor {fmt_mib(result['floor_bytes'])} MiB, unoptimized peak "
+            f"{fmt_mib(result['unoptimized_peak_bytes'])} MiB (predicted).",
+            "",
+            "| configuration | predicted peak | measured peak | measured / predicted | recompute | step time | "
+            "loss = eager |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in result["rows"]:
+            if "skipped" in row:
+                lines.append(f"| {row['config']} | skipped: {row['skipped']} | | | | | |")
+                continue
+            predicted = row.get("predicted_peak_bytes")
+            ratio = "-" if not predicted else f"{row['measured_peak_bytes'] / predicted:.3f}"
+            shown = "-" if predicted is None else f"{fmt_mib(predicted)} MiB"
+            recompute = row.get("recompute_percent")
+            recomputed = "-" if recompute is None else f"{recompute:.1f}%"
+            lines.append(
+                f"| {row['config']} | {shown} | {fmt_mib(row['measured_peak_bytes'])} MiB | {ratio} | "
+                f"{recomputed} | {row['step_s'] * 1000:.1f} ms | {row.get('loss_equal', '-')} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="models of tests.zoo (default: %(default)s)")
+    parser.add_argument("--size", default="bench", help="zoo size (default: bench)")
+    parser.add_argument("--reps", type=int, default=3, help="timed steps per configuration (default: 3)")
+    parser.add_argument("--out", default="bench/results", help="folder for gpu.md and gpu.json")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="run on the CPU (tiny sizes; tests the script where no GPU is)"
+    )
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print(
+            f"bench.gpu_check needs a CUDA GPU: torch.cuda.is_available() is False here (torch "
+            f"{torch.__version__}). Run it on a GPU machine: python -m bench.gpu_check "
+            "(or --cpu-smoke to test the script on the CPU).",
+            file=sys.stderr,
+        )
+        return 2
+    else:
+        device = torch.device("cuda")
+    started = time.perf_counter()
+    meter = Meter(device, args.reps)
+    results = []
+    for name in args.models:
+        print(f"[gpu_check] {name} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+        results.append(check_model(name, args.size, device, meter, started))
+        torch._dynamo.reset()
+    header = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
+        "torch": torch.__version__,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "seconds": time.perf_counter() - started,
+        "meter": "absolute `torch.cuda.max_memory_allocated`"
+        if device.type == "cuda"
+        else "the CPU allocator's events (--cpu-smoke: a test of the script, not GPU figures)",
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu" if device.type == "cuda" else "gpu_cpu_smoke"
+    (out / f"{stem}.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(results, header) + "\n")
+    print(f"[gpu_check] wrote {out / stem}.md in {header['seconds']:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

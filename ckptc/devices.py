@@ -1,0 +1,124 @@
+"""What a device's allocator adds to the bytes a step's tensors hold.
+
+The budget is what the device's allocator counts (``torch.cuda.max_memory_allocated``
+on CUDA, the CPU allocator's events on CPU).  On CPU that is the tensors'
+storage bytes.  PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``)
+counts whole blocks instead, and cuBLAS keeps a workspace per handle and stream
+allocated through it:
+
+* every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
+* requests up to 1 MiB (``kSmallSize``) come from 2 MiB segments, split at
+  512-byte granularity: the block is the rounded size;
+* larger requests come from 20 MiB segments (``kLargeBuffer``) below 10 MiB
+  (``kMinLargeAlloc``), else from a segment of their size rounded up to 2 MiB
+  (``kRoundLarge``); a large-pool block is split only when more than 1 MiB
+  would remain, so a request whose 2 MiB rounding leaves at most 1 MiB gets
+  (and is counted as) the whole segment;
+* each cuBLAS handle (one per thread: the training thread and autograd's
+  device thread) keeps a workspace of ``CUBLAS_WORKSPACE_CONFIG``'s size, by
+  default 32 MiB on compute capability 9-12 (Hopper, Blackwell) and
+  4096 KiB * 2 + 16 KiB * 8 below.
+
+Blocks reused from the cache can be larger than a fresh segment's (a freed
+12 MiB block serves an 11.5 MiB request whole); :func:`block_bytes` prices the
+fresh-segment case, the run-time check measures the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("ckptc.devices")
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+# Threads with their own cuBLAS handle (and workspace) in a training step: the caller's and autograd's.
+CUBLAS_HANDLES_PER_STEP = 2
+
+
+def round_size(nbytes: int) -> int:
+    """The allocator's request size: at least 512 bytes, a multiple of 512."""
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def block_bytes(nbytes: int, expandable_segments: bool = False) -> int:
+    """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes`` (0 allocates nothing).
+
+    With ``expandable_segments`` every block is split at 512-byte granularity.
+    """
+    if nbytes <= 0:
+        return 0
+    size = round_size(nbytes)
+    if size < MIN_LARGE_ALLOC or expandable_segments:
+        return size  # small pool, or a 20 MiB large segment with far more than 1 MiB left: split
+    segment = -(-size // ROUND_LARGE) * ROUND_LARGE
+    return segment if segment - size <= SMALL_SIZE else size
+
+
+def cublas_workspace_bytes(config: str | None = None, capability: tuple[int, int] | None = None) -> int:
+    """One cuBLAS handle's workspace: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KIB:COUNT`` pairs, summed
+    as ``CublasHandlePool.cpp`` does) or the default for the compute capability (unknown: the larger)."""
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    if capability is None or 9 <= capability[0] <= 12:
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How one device type's allocator counts a step's memory.
+
+    Attributes:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        rounds_blocks: sizes are priced as the allocator's blocks (:func:`block_bytes`).
+        step_overhead_bytes: held through every step outside any tensor of the graph
+            (cuBLAS workspaces), counted in each graph's baseline.
+    """
+
+    device_type: str
+    rounds_blocks: bool = False
+    step_overhead_bytes: int = 0
+    expandable_segments: bool = False
+
+    def storage_bytes(self, nbytes: int) -> int:
+        """What one storage of ``nbytes`` costs on this device."""
+        return block_bytes(nbytes, self.expandable_segments) if self.rounds_blocks else nbytes
+
+
+def memory_model(device: torch.device | str) -> MemoryModel:
+    """The memory model of the device a plan targets (CUDA: the caching allocator; others: storage bytes)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return MemoryModel(device.type)
+    return _cuda_model(
+        str(device), os.environ.get("CUBLAS_WORKSPACE_CONFIG"), os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_model(device: str, workspace_config: str | None, alloc_conf: str) -> MemoryModel:
+    capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+    expandable = bool(re.search(r"expandable_segments\s*:\s*true", alloc_conf, re.IGNORECASE))
+    workspace = block_bytes(cublas_workspace_bytes(workspace_config, capability), expandable)
+    model = MemoryModel("cuda", True, CUBLAS_HANDLES_PER_STEP * workspace, expandable)
+    log.info("%s memory model: %s", device, model)
+    return model
+
+
+def graph_device(tensors: list[torch.Tensor]) -> torch.device:
+    """The device a graph's step runs on: that of its first tensor not on the CPU, else the CPU."""
+    for t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            return t.device
+    return torch.device("cpu")

@@ -1,0 +1,118 @@
+"""Planning a model that does not fit here: capture a step under fake tensors.
+
+A model built on the ``meta`` device (``with torch.device("meta"):``,
+accelerate's ``init_empty_weights``) or under ``FakeTensorMode`` has shapes and
+dtypes but no storage.  :func:`offline_step` captures its training step as if
+it lived on a real device: every parameter, buffer and input is replaced, for
+the capture only, by a fake tensor of the same shape, strides and dtype on the
+target device (``cpu`` unless told otherwise), so autocast, kernel choice and
+the captured aten ops are those of that device and the plan applies to the same
+model with real weights there.  Nothing is allocated; the model is left as it
+was (its parameters and buffers are put back, meta or fake as they were).
+
+What is not known offline: kernels' scratch memory, which ckptc otherwise
+measures by running each op once on random data (:func:`ckptc.costs.measure_scratch`)
+and which offline capture prices at 0 bytes (running full-size ops is what
+offline planning avoids; the run-time check measures what that leaves out on
+the first training step), and measured run times (``measure_time``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ckptc._torch_internals import fake_tensor_mode, is_fake, tree_map
+from ckptc.errors import UntraceableModelError
+
+log = logging.getLogger("ckptc.offline")
+
+
+def offline_device(
+    model: torch.nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any] | None, device: Any
+) -> torch.device | None:
+    """The device an offline capture plans for, or None when the step can run here as it is.
+
+    A capture is offline when ``device`` is given, or when the model or its
+    inputs hold meta or fake tensors; it then plans for ``device``, else for
+    the real device of the fake tensors, else ``cpu``.
+
+    Raises:
+        UntraceableModelError: ``device`` is ``meta`` (no kernels there to plan
+            for), or a CUDA device on a torch build without CUDA.
+    """
+    tensors = [
+        t
+        for t in (*model.parameters(), *model.buffers(), *_leaves((example_inputs, example_kwargs or {})))
+        if isinstance(t, torch.Tensor)
+    ]
+    storeless = [t for t in tensors if t.device.type == "meta" or is_fake(t)]
+    if device is None and not storeless:
+        return None
+    if device is None:
+        real = [t.device for t in storeless if t.device.type != "meta"]
+        device = real[0] if real else torch.device("cpu")
+    target = torch.device(device)
+    if target.type == "meta":
+        raise UntraceableModelError(
+            "ckptc cannot plan for the 'meta' device: it has no kernels, so there is no memory to plan "
+            "(transformers' rotary embedding, for one, enters torch.autocast(device_type='meta'), which fails).\n"
+            "What to do: keep the model on meta and give the device the plan is for: "
+            "ckptc.plan(model, inputs, budget_gb=..., device='cpu') (or 'cuda' on a CUDA build of torch); "
+            "from the CLI, `ckptc plan FACTORY --device cpu`."
+        )
+    if target.type == "cuda" and not torch.backends.cuda.is_built():
+        raise UntraceableModelError(
+            f"ckptc cannot plan for {target} with this torch build ({torch.__version__}, no CUDA): CUDA kernels "
+            "(flash attention, cuBLAS) choose their variant and saved tensors through the CUDA runtime, even on "
+            "fake tensors.\nWhat to do: plan on a machine with a CUDA build of torch, or plan for device='cpu' here."
+        )
+    return target
+
+
+@contextlib.contextmanager
+def offline_step(
+    model: torch.nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any] | None, device: torch.device
+) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Inside: ``model`` holds fake parameters and buffers on ``device`` and a fake-tensor mode is active;
+    yields the example inputs as fake tensors there.  Afterwards the model's own tensors are back."""
+    mode, enter = fake_tensor_mode()
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    made: dict[int, Any] = {}  # tied weights stay tied
+    with mode if enter else contextlib.nullcontext():
+
+        def fake(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if id(t) not in made:
+                new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                if isinstance(t, torch.nn.Parameter):
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                made[id(t)] = new
+            return made[id(t)]
+
+        try:
+            for module in model.modules():
+                for registry in (module._parameters, module._buffers):
+                    for name, t in list(registry.items()):
+                        if t is not None:
+                            swapped.append((registry, name, t))
+                            registry[name] = fake(t)
+            inputs = tuple(tree_map(fake, list(example_inputs)))
+            kwargs = tree_map(fake, dict(example_kwargs or {}))
+            log.info(
+                "offline capture of %s for %s under fake tensors: nothing is allocated", type(model).__name__, device
+            )
+            yield inputs, kwargs
+        finally:
+            for registry, name, t in reversed(swapped):
+                registry[name] = t
+
+
+def _leaves(tree: Any) -> list[Any]:
+    from ckptc._torch_internals import tree_leaves
+
+    return tree_leaves(tree)

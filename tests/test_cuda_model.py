@@ -1,0 +1,125 @@
+"""The CUDA memory model, without a GPU (issue 21): the caching allocator's rules on recorded
+sizes, cuBLAS workspaces, and the tensors CUDA's flash attention saves, priced on fake CUDA tensors."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ckptc.costs import annotate_costs
+from ckptc.devices import block_bytes, cublas_workspace_bytes, graph_device, memory_model
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("requested", "counted"),
+    [
+        (1, 512),  # kMinBlockSize
+        (512, 512),
+        (513, 1024),
+        (16384, 16384),  # Llama-8B RMSNorm rsqrt [1, 4096, 1] fp32
+        (MiB, MiB),  # the largest small-pool request: Llama-8B rotary cos [1, 4096, 128] bf16
+        (MiB + 1, MiB + 512),  # large pool, from a 20 MiB segment: split
+        (5 * MiB + 3, 5 * MiB + 512),
+        (10 * MiB, 10 * MiB),  # kMinLargeAlloc: its own segment, rounded to 2 MiB, nothing left
+        (10 * MiB + 1, 10 * MiB + 512),  # segment 12 MiB, 2 MiB - 512 left: split
+        (11 * MiB, 12 * MiB),  # 1 MiB left is not more than kSmallSize: the whole segment
+        (23 * MiB + 100, 24 * MiB),
+        (8 * 1024 * 768 * 4, 24 * MiB),  # GPT-2 bench activation [8, 1024, 768] fp32
+        (4096 * 128256 * 4, 4096 * 128256 * 4),  # Llama-3 logits [1, 4096, 128256] fp32: 2004 MiB
+        (0, 0),  # an empty tensor allocates nothing
+    ],
+)
+def test_caching_allocator_blocks_on_recorded_sizes(requested: int, counted: int) -> None:
+    assert block_bytes(requested) == counted
+
+
+def test_expandable_segments_split_every_block() -> None:
+    assert block_bytes(11 * MiB, expandable_segments=True) == 11 * MiB
+    assert block_bytes(100, expandable_segments=True) == 512
+
+
+def test_cublas_workspace_follows_the_config_and_the_compute_capability() -> None:
+    assert cublas_workspace_bytes(None, (9, 0)) == 32 * MiB  # Hopper
+    assert cublas_workspace_bytes(None, (10, 0)) == 32 * MiB  # Blackwell
+    assert cublas_workspace_bytes(None, (8, 0)) == 4096 * 1024 * 2 + 16 * 1024 * 8  # Ampere: :4096:2:16:8
+    assert cublas_workspace_bytes(":4096:8", (8, 0)) == 32 * MiB
+    assert cublas_workspace_bytes(":16:8", (9, 0)) == 128 * 1024
+    assert cublas_workspace_bytes(None, None) == 32 * MiB  # unknown device: the larger
+
+
+def test_the_memory_model_is_chosen_by_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cpu = memory_model("cpu")
+    assert cpu.storage_bytes(1) == 1 and cpu.step_overhead_bytes == 0
+    cuda = memory_model("cuda")
+    assert cuda.storage_bytes(1) == 512 and cuda.storage_bytes(11 * MiB) == 12 * MiB
+    if not torch.cuda.is_available():
+        assert cuda.step_overhead_bytes == 2 * 32 * MiB  # two handles (caller and autograd threads)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    small = memory_model("cuda")
+    assert small.step_overhead_bytes == 2 * 128 * 1024 and small.storage_bytes(11 * MiB) == 11 * MiB
+    with FakeTensorMode():
+        tensors = [torch.empty(2), torch.empty(2, device="cuda")]
+    assert graph_device(tensors).type == "cuda" and graph_device(tensors[:1]).type == "cpu"
+
+
+def test_cuda_flash_attention_saves_logsumexp_and_the_rng_state_priced_as_blocks() -> None:
+    """A forward and backward of CUDA's flash attention kernel, on fake CUDA tensors: the shapes
+    are PyTorch's own meta kernels' (Llama-3-8B attention: 32 heads, seq 4096, head 128, bf16)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    graph = fx.Graph()
+    with FakeTensorMode():
+        q = torch.empty(1, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
+        names = ("primals_1", "primals_2", "primals_3", "tangents_1")
+        inputs = {name: graph.placeholder(name) for name in names}
+        for node in inputs.values():
+            node.meta["val"] = torch.empty_like(q)
+        outs = flash(q, q, q, 0.1, True)  # dropout: the kernel draws, and saves its seed and offset
+        forward = graph.call_function(flash, (inputs["primals_1"], inputs["primals_2"], inputs["primals_3"], 0.1, True))
+        forward.meta["val"] = outs
+        got = {}
+        for i in (0, 1, 6, 7, 8):
+            got[i] = graph.call_function(operator.getitem, (forward, i))
+            got[i].meta["val"] = outs[i]
+        out, lse, _, _, max_q, max_k, seed, offset, _ = outs
+        args = (q, q, q, q, out, lse, None, None, max_q, max_k, 0.1, True, seed, offset)
+        grads = flash_backward(*args)
+        node_args = (
+            inputs["tangents_1"],
+            inputs["primals_1"],
+            inputs["primals_2"],
+            inputs["primals_3"],
+            got[0],
+            got[1],
+            None,
+            None,
+            max_q,
+            max_k,
+            0.1,
+            True,
+            got[6],
+            got[7],
+        )
+        backward = graph.call_function(flash_backward, node_args)
+        backward.meta["val"] = grads
+        graph.output((got[0], backward))
+    costs = annotate_costs(fx.GraphModule(torch.nn.Module(), graph))
+    by_name = {node: costs[node] for node in got.values()}
+    out_cost, lse_cost, seed_cost, offset_cost, mask_cost = (by_name[got[i]] for i in (0, 1, 6, 7, 8))
+    assert out_cost.bytes == 32 * MiB and out_cost.kind == "forward"
+    assert lse_cost.bytes == 32 * 4096 * 4  # fp32 log-sum-exp per row: 512 KiB
+    assert seed_cost.bytes == offset_cost.bytes == 512  # 16 and 8 bytes, each a 512-byte block
+    assert mask_cost.bytes == 0  # the empty debug mask
+    # What backward reads from forward: the output, the log-sum-exp and the RNG state.
+    saved = {n for n in backward.all_input_nodes if n.op != "placeholder"}
+    assert saved == {got[0], got[1], got[6], got[7]}
+    assert costs[forward].op == "_scaled_dot_product_flash_attention"

@@ -1,0 +1,175 @@
+"""Planning a model that does not fit here, and carrying the plan to where it runs (issue 21).
+
+A model built on ``meta`` or under ``FakeTensorMode`` is captured under fake
+tensors for a target device: nothing allocated, the same plan as the model
+with real weights gets, and the plan file applies to that model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import resource
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import ckptc
+from ckptc.plans import ModelPlan, plan_source_for
+from tests.helpers import assert_same_training, step
+from tests.test_scale import llama_config
+from tests.zoo import ModelCase
+
+
+def _llama(device: str | None = None, seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if device is None:
+        return LlamaForCausalLM(llama_config(64, 2, 32, 256)).train()
+    with torch.device(device):
+        return LlamaForCausalLM(llama_config(64, 2, 32, 256)).train()
+
+
+def _ids(device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def _decisions(plan: ModelPlan) -> list:
+    """Every graph's decisions (kept values, schedule) as its plan file holds them."""
+    return [{k: g.to_dict()["plan"].get(k) for k in ("kept", "schedule")} for g in plan.graphs]
+
+
+@functools.cache
+def _real_step() -> ckptc.CapturedStep:
+    ids = _ids()
+    return ckptc.capture(_llama(), (ids,), {"labels": ids}, measure_scratch=False)
+
+
+def _real_plan(fraction: float = 0.5) -> tuple[ModelPlan, int]:
+    step_ = _real_step()
+    budget = step_.floor_bytes + int((step_.unoptimized_peak_bytes - step_.floor_bytes) * fraction)
+    return step_.plan(budget_bytes=budget), budget
+
+
+def test_a_plan_made_on_meta_is_the_real_models_plan_and_trains_it_like_eager(tmp_path) -> None:
+    real_plan, budget = _real_plan()
+    assert real_plan.recompute_flops > 0  # a budget that makes decisions
+    meta = _llama("meta")
+    ids = _ids("meta")
+    offline = ckptc.plan(meta, (ids,), {"labels": ids}, budget_bytes=budget)  # rotary autocast on meta works
+    assert offline.to_json() == real_plan.to_json()  # byte-identical decisions
+    assert all(p.device.type == "meta" for p in meta.parameters())  # the model is left as it was
+    path = tmp_path / "offline.json"
+    offline.save(path)
+    ids = _ids()
+    case = ModelCase("llama", _llama(), (ids,), {"labels": ids})
+    reference = copy.deepcopy(case.model)
+    fast = ckptc.optimize(case.model, plan=path, verify=False)
+    assert_same_training(case, reference, step(case, fast), step(case, reference))
+    # Applied as planned; here the scratch measured at run time moves only the reported floor.
+    assert _decisions(fast.plan) == _decisions(real_plan)
+
+
+def test_a_model_built_under_fake_tensors_plans_like_the_real_one() -> None:
+    real_plan, budget = _real_plan(0.3)
+    with FakeTensorMode():
+        model = _llama()
+        ids = torch.randint(0, 256, (2, 32))
+    # Captured outside the mode it was built in, and inside it: the same plan.
+    outside = ckptc.plan(model, (ids,), {"labels": ids}, budget_bytes=budget)
+    with model.lm_head.weight.fake_mode:
+        inside = ckptc.plan(model, (ids,), {"labels": ids}, budget_bytes=budget)
+    assert outside.to_json() == inside.to_json() == real_plan.to_json()
+
+
+def test_offline_planning_allocates_nothing() -> None:
+    # 2.4 GiB of fp32 weights on meta: a capture that materialized them (or their gradients)
+    # would raise this process's peak resident memory by at least that much.
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(4096, 2, 256, vocab=32000)).train()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
+    step_ = ckptc.capture(model, (ids,), {"labels": ids}, device="cpu")
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert step_.parameter_bytes > 2 * 2**30
+    assert step_.unoptimized_peak_bytes > 2 * step_.parameter_bytes  # weights, gradients, activations
+    assert grown < 2**30, grown
+
+
+def test_what_cannot_be_planned_offline_is_refused_with_what_to_do() -> None:
+    meta = _llama("meta")
+    ids = _ids("meta")
+    with pytest.raises(ckptc.UntraceableModelError, match=r"(?s)'meta' device.*device='cpu'"):
+        ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="meta")
+    with pytest.raises(ValueError, match="measure_time"):
+        ckptc.capture(meta, (ids,), {"labels": ids}, measure_time=True)
+    if not torch.backends.cuda.is_built():
+        with pytest.raises(ckptc.UntraceableModelError, match="no CUDA"):
+            ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="cuda")
+
+
+def test_plan_files_ignore_the_local_build_suffix_and_refuse_another_release() -> None:
+    real_plan, _ = _real_plan()
+    release = torch.__version__.split("+")[0]
+    ids = _ids()
+    for version in (f"{release}+cu128", release):
+        plan = ModelPlan.from_dict({**real_plan.to_dict(), "torch_version": version})
+        fast = ckptc.optimize(_llama(), plan=plan, verify=False)
+        fast(ids, labels=ids).loss.backward()
+        assert _decisions(fast.plan) == _decisions(real_plan)
+    major, minor, *_ = release.split(".")
+    other = f"{major}.{int(minor) + 1}.0+cu128"
+    plan = ModelPlan.from_dict({**real_plan.to_dict(), "torch_version": other})
+    with pytest.raises(ckptc.PlanMismatchError, match=re.escape(f"torch {other}")):
+        ckptc.optimize(_llama(), plan=plan, verify=False)(ids, labels=ids)
+
+
+def test_a_plan_for_another_device_type_names_the_attention_kernel() -> None:
+    cpu_op = "_scaled_dot_product_flash_attention_for_cpu"
+    real_plan, _ = _real_plan(0.0)  # at the floor, attention is recomputed: the plan names its op
+    data = real_plan.to_dict()
+    assert cpu_op in json.dumps(data)
+    # What a plan made on a GPU holds: the CUDA flash kernel's op, in another graph.
+    cuda = json.loads(json.dumps(data).replace(cpu_op, "_scaled_dot_product_flash_attention"))
+    for graph in cuda["graphs"]:
+        graph["fingerprint"] = "0" * 64
+    ids = _ids()
+    with pytest.raises(ckptc.PlanMismatchError, match=r"'_scaled_dot_product_flash_attention', a CUDA kernel.*CPU"):
+        ckptc.optimize(_llama(), plan=ModelPlan.from_dict(cuda), verify=False)(ids, labels=ids)
+    # A plan that does not name the op (nothing of attention decided): the graph's kernel is named.
+    halfway, _ = _real_plan(1.0)
+    data = halfway.to_dict()
+    data["graphs"][0]["fingerprint"] = "0" * 64
+    with pytest.raises(ckptc.PlanMismatchError, match=rf"runs aten op '{cpu_op}', a CPU kernel"):
+        ckptc.optimize(_llama(), plan=ModelPlan.from_dict(data), verify=False)(ids, labels=ids)
+
+
+def test_a_plan_with_other_inputs_names_the_inputs_that_differ() -> None:
+    real_plan, _ = _real_plan()
+    data = real_plan.to_dict()
+    data["graphs"][0]["inputs"] = data["graphs"][0]["inputs"][:-1]  # as if one parameter were missing
+    plan = ModelPlan.from_dict(data)
+    source = plan_source_for(plan)
+    step_ = _real_step()
+    last = len(data["graphs"][0]["inputs"])
+    with pytest.raises(ckptc.PlanMismatchError, match=rf"input {last} only in the model"):
+        source(0, step_.records[0].joint_problem)
+
+
+def test_a_loss_closing_over_meta_tensors_is_refused_with_what_to_do() -> None:
+    meta = _llama("meta")
+    ids = _ids("meta")
+
+    def loss_fn(output):  # reads the meta ids, which the capture cannot replace
+        logits = output.logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+    with pytest.raises(ckptc.UntraceableModelError, match=r"(?s)meta device.*pass what the loss reads as an input"):
+        ckptc.capture(meta, (ids,), loss_fn=loss_fn)
+    assert all(p.device.type == "meta" for p in meta.parameters())
