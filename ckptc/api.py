@@ -23,7 +23,7 @@ from ckptc.distributed import check_call_order, check_wrap_order
 from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planner import CapturedStep
-from ckptc.plans import ModelPlan, _parameter_sizes
+from ckptc.plans import ModelPlan, _parameter_sizes, applied_plan
 from ckptc.step import ForwardState, StepRuntime
 
 log = logging.getLogger("ckptc.api")
@@ -301,8 +301,6 @@ def plan(
     budget = CheckpointOptions.from_user(budget_gb=budget_gb, budget_bytes=budget_bytes).budget_bytes
     source = None
     if plan is not None:
-        from ckptc.plans import applied_plan
-
         source, budget = applied_plan(plan, budget)
     step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, **options)
     return step.plan(budget_bytes=budget, plan_source=source, progress=progress)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -33,15 +33,14 @@ from ckptc.coverage import refuse_oversized
 from ckptc.distributed import check_backend_context, local_nbytes
 from ckptc.meter import resident_bytes
 from ckptc.options import CheckpointOptions
-from ckptc.planner import GraphRecord, PlanSource, decide
+from ckptc.planner import decide
+from ckptc.plans import ModelPlan
 from ckptc.policies import policies_from_patterns
 from ckptc.problem import joint_to_problem
+from ckptc.records import GraphRecord, PlanSource, RecordLink
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
-from ckptc.unused_grads import RecordLink, ZeroGradBackward, zeros_buildable
-
-if TYPE_CHECKING:
-    from ckptc.plans import ModelPlan
+from ckptc.unused_grads import ZeroGradBackward, zeros_buildable
 
 log = logging.getLogger("ckptc.compiler")
 
@@ -142,8 +141,6 @@ class CheckpointCompiler:
         """
         if not self.records:
             return None
-        from ckptc.plans import ModelPlan  # plans imports this module
-
         return ModelPlan.from_records(self.records, self.options, self.model)
 
     def reset(self) -> None:

@@ -26,26 +26,21 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import solvers
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes
+from ckptc.plans import ModelPlan, graph_plan
 from ckptc.policies import PRESETS, keep_everything
 from ckptc.problem import JointProblem
-
-if TYPE_CHECKING:
-    from ckptc.plans import ModelPlan
+from ckptc.records import GraphRecord, PlanSource, Progress
 
 log = logging.getLogger("ckptc.planner")
 
 PLANNING_MARGIN_DIVISOR = 200  # plan for 99.5% of the budget, see planning_budget
 #: How many times a step of several graphs is planned again with earlier graphs keeping less.
 MAX_STEP_RETRIES = 2
-
-PlanSource = Callable[[int, JointProblem], solvers.Plan]
-Progress = Callable[[float, str], None]
 
 
 def planning_budget(budget_bytes: int) -> int:
@@ -64,54 +59,6 @@ def budget_for_planning_floor(floor: int) -> int:
     while planning_budget(budget) < floor:
         budget += 1
     return budget
-
-
-@dataclass
-class GraphRecord:
-    """What ckptc decided for one captured graph.
-
-    ``earlier`` are the graphs that ran before this one in the same step
-    when it was planned: what they keep for backward is part of this graph's
-    baseline (``baseline_bytes``), on top of its own (``own_baseline_bytes``).
-    """
-
-    index: int
-    joint_problem: JointProblem = field(repr=False)
-    plan: solvers.Plan
-    result: solvers.SimResult = field(repr=False)
-    baseline_bytes: int
-    unoptimized_peak_bytes: int
-    min_feasible_bytes: int
-    solve_seconds: float
-    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
-    held_output_bytes: int = 0
-    floor_peak_bytes: int = 0
-    floor_kept_bytes: int = 0
-    infeasible: bool = False
-    earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
-    break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where
-    # A result whose gradient the plan counted as free (unused by the loss) received one.
-    gradients_unexpected: bool = False
-
-    @property
-    def step_bytes(self) -> int:
-        """What this graph leaves alive for the rest of the step after its forward:
-        values kept for its backward plus the results the caller holds."""
-        return self.result.kept_bytes + self.held_output_bytes
-
-    @property
-    def slack_bytes(self) -> int:
-        """How much less this graph would leave alive for later graphs under its lowest-peak plan."""
-        return max(0, self.result.kept_bytes - self.floor_kept_bytes)
-
-    @property
-    def own_baseline_bytes(self) -> int:
-        """The baseline without what earlier graphs of the step keep."""
-        return self.baseline_bytes - sum(e.step_bytes for e in self.earlier)
-
-    @property
-    def problem(self) -> solvers.Problem:
-        return self.joint_problem.problem
 
 
 def candidate(
@@ -215,6 +162,7 @@ def decide(
         held_output_bytes=jp.held_output_bytes,
         floor_peak_bytes=floor_result.peak_bytes,
         floor_kept_bytes=floor_result.kept_bytes,
+        unoptimized_kept_bytes=keep_all.kept_bytes,
         infeasible=infeasible,
         earlier=tuple(earlier),
     )
@@ -405,7 +353,7 @@ class CapturedStep:
         time_limit: float | None = None,
         plan_source: PlanSource | None = None,
         progress: Progress | None = None,
-    ) -> "ModelPlan":
+    ) -> ModelPlan:
         """The :class:`~ckptc.plans.ModelPlan` of this step under a budget (None: no limit).
 
         ``strategy``, ``solver`` and ``time_limit`` override the capture's options.
@@ -414,8 +362,6 @@ class CapturedStep:
             ValueError: a bad budget, strategy or solver.
             solvers.InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
         """
-        from ckptc.plans import ModelPlan, graph_plan  # plans imports this module's types
-
         records = self.decisions(
             budget_gb,
             budget_bytes=budget_bytes,
