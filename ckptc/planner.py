@@ -26,15 +26,16 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import solvers
+from ckptc import policies
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes
 from ckptc.plans import ModelPlan, graph_plan
-from ckptc.policies import PRESETS, keep_everything
 from ckptc.problem import JointProblem
 from ckptc.records import GraphRecord, PlanSource, Progress
+from solvers.simulator import honour_policies
 
 log = logging.getLogger("ckptc.planner")
 
@@ -59,6 +60,49 @@ def budget_for_planning_floor(floor: int) -> int:
     while planning_budget(budget) < floor:
         budget += 1
     return budget
+
+
+def _scored(jp: JointProblem, plan: solvers.Plan, method: str, budget_bytes: int | None) -> solvers.Plan:
+    """A policy's plan as the preset ``method``: adjusted to the nodes' policies (must_save,
+    must_recompute) and scored by the one simulator (its info holds the predicted peak)."""
+    plan = dataclasses.replace(plan, method=method, budget_bytes=budget_bytes)
+    if plan.schedule is None:
+        plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
+    result = solvers.simulate(jp.problem, plan)
+    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
+    return solvers.Plan(
+        kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info
+    )
+
+
+Preset = Callable[[JointProblem, "int | None"], solvers.Plan]
+
+
+def _applied(policy: Callable[[JointProblem], solvers.Plan], method: str) -> Preset:
+    def preset(jp: JointProblem, budget_bytes: int | None = None) -> solvers.Plan:
+        return _scored(jp, policy(jp), method, budget_bytes)
+
+    preset.__name__ = preset.__qualname__ = f"{method}_preset"
+    preset.__doc__ = policy.__doc__
+    return preset
+
+
+#: No ckptc: what the model does by itself (:func:`ckptc.policies.everything_saveable`), scored.
+keep_everything = _applied(policies.everything_saveable, "none")
+
+
+def chen_segments(jp: JointProblem, budget_bytes: int | None = None) -> solvers.Plan:
+    """Chen et al.'s sqrt(n) segments (the solver ``chen_sqrt``), without a budget check."""
+    return solvers.solve(jp.problem, budget_bytes if budget_bytes is not None else 2**62, method="chen_sqrt")
+
+
+#: The presets by strategy name; ``"auto"`` (a solver under the budget) is decided in :func:`candidate`.
+PRESETS: dict[str, Preset] = {
+    "none": keep_everything,
+    "layer": _applied(policies.block_inputs_saveable, "layer"),
+    "segment": chen_segments,
+    "selective": _applied(policies.selective, "selective"),
+}
 
 
 def candidate(
