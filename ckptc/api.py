@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ckptc import _torch_internals as internals
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
@@ -48,9 +49,7 @@ class OptimizedModule(torch.nn.Module):
         super().__init__()
         # Share the registries instead of registering `model` as a child, so
         # parameter names and state_dict keys stay exactly the model's.
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
+        internals.share_registries(self, model)
         object.__setattr__(self, "_ckptc_model", model)
         object.__setattr__(self, "_ckptc_compiler", compiler)
         object.__setattr__(self, "_ckptc_runtime", StepRuntime(model, compiler, verify=verify, max_plans=max_plans))
@@ -78,6 +77,12 @@ class OptimizedModule(torch.nn.Module):
         options = state.pop("_ckptc_options", {})
         self.__dict__.update(state)
         object.__setattr__(self, "_ckptc_runtime", StepRuntime(self._ckptc_model, self._ckptc_compiler, **options))
+
+    @property
+    def step_runtime(self) -> StepRuntime:
+        """The :class:`~ckptc.step.StepRuntime` that runs this module's training calls (its per-shape
+        plans, the records of the last step)."""
+        return self._ckptc_runtime
 
     @property
     def original_module(self) -> torch.nn.Module:

@@ -201,8 +201,7 @@ class CheckpointCompiler:
             self.active.append(record)
             return compiled(args)
 
-        forward._boxed_call = True  # type: ignore[attr-defined]
-        return forward
+        return internals.mark_boxed(forward)
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if self.options.compiler == "inductor":

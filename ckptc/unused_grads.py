@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import torch.fx as fx
 
-from ckptc._torch_internals import is_tangent, is_view_op
+from ckptc._torch_internals import is_tangent, is_view_op, mark_boxed
 from ckptc.errors import CkptcError, UntraceableModelError
 
 log = logging.getLogger("ckptc.unused_grads")
@@ -233,8 +233,7 @@ class ZeroGradBackward:
         self.gm = gm
         self.compile_graph = compile_graph
         self.variants: dict[frozenset[str], Callable] = {frozenset(): compile_graph(gm)}
-        # In the instance dict: wrappers copy it (functools.wraps), not class attributes.
-        self._boxed_call = True
+        mark_boxed(self)  # in the instance dict: wrappers copy it (functools.wraps), not class attributes
 
     def __repr__(self) -> str:
         return (

@@ -23,8 +23,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # Private torch attributes reached through objects rather than dotted names
-# (``prof.profiler.kineto_results``, ``op._schema``, ``op._opname``).
-PRIVATE_TORCH_ATTRIBUTES = frozenset({"kineto_results", "_schema", "_opname", "_overloadname"})
+# (``prof.profiler.kineto_results``, ``op._schema``, ``op._opname``, AOTAutograd's ``fn._boxed_call``,
+# ``nn.Module``'s registries), also when spelled as a string (``getattr(op, "_opname")``).
+PRIVATE_TORCH_ATTRIBUTES = frozenset(
+    {"kineto_results", "_schema", "_opname", "_overloadname", "_boxed_call", "_parameters", "_buffers", "_modules"}
+)
 
 
 def _is_private(component: str) -> bool:
@@ -78,6 +81,15 @@ def private_torch_uses(source: str, filename: str = "<string>") -> list[str]:
                     report(node, parts)
                 aliases[alias.asname or alias.name] = parts
     for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in PRIVATE_TORCH_ATTRIBUTES
+        ):
+            report(node, [node.args[1].value])
         if isinstance(node, ast.Attribute):
             if node.attr in PRIVATE_TORCH_ATTRIBUTES:
                 report(node, [node.attr])
@@ -140,6 +152,9 @@ def test_private_torch_apis_live_only_in_torch_internals():
         ("import torch as t\nt._C", ["torch._C"]),
         ("prof.profiler.kineto_results.events()", ["kineto_results"]),
         ("op._schema.is_mutable", ["_schema"]),
+        ('str(getattr(node.target, "_opname", node.target))', ["_opname"]),
+        ("forward._boxed_call = True", ["_boxed_call"]),
+        ("self._parameters = model._parameters", ["_parameters"]),
         ("import torch\ntorch.__version__\ntorch.fx.node.map_arg\nself._cache", []),
         ("from torch.multiprocessing.reductions import StorageWeakRef", []),
     ],
