@@ -74,7 +74,7 @@ def bench(sizes: list[int], shapes: list[str], ilp_time_limit: float, seed: int)
             record: dict[str, Any] = {
                 "nodes": len(problem),
                 "shape": shape,
-                "forward": len(problem._forward_idx),
+                "forward": len(problem.forward_nodes),
                 "budget_bytes": budget,
                 "min_feasible_bytes": lowest,
                 "keep_all_bytes": highest,

@@ -22,7 +22,7 @@ import time
 import torch
 
 import ckptc
-from ckptc.demo import _step, build_gpt2
+from ckptc.demo import build_gpt2, train_step
 
 
 def _timed(fn) -> float:  # noqa: ANN001
@@ -55,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("plan", "second"):
             for verify in (True, False):
                 fast, params = runs[verify]
-                seconds[verify][key].append(_timed(lambda: _step(fast, batch, params)))  # noqa: B023
+                seconds[verify][key].append(_timed(lambda: train_step(fast, batch, params)))  # noqa: B023
         measured.append(runs[True][0].plan.measured_peak_bytes)
         for _ in range(args.steps):
             for verify in (True, False):
                 fast, params = runs[verify]
-                seconds[verify]["ordinary"].append(_timed(lambda: _step(fast, batch, params)))  # noqa: B023
+                seconds[verify]["ordinary"].append(_timed(lambda: train_step(fast, batch, params)))  # noqa: B023
 
     print(
         f"GPT-2 {args.layers} layers, batch {args.batch} x {args.seq}, budget {budget:,} B "

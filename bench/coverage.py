@@ -23,7 +23,7 @@ from tests.zoo import get_case
 
 def coverage(names: list[str]) -> None:
     for name in names:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         case = get_case(name)
         start = time.perf_counter()
         plan = ckptc.plan(case.model, case.example_inputs, case.example_kwargs, strategy="none", loss_fn=case.loss)
@@ -32,7 +32,7 @@ def coverage(names: list[str]) -> None:
 
 
 def lengths(values: list[int]) -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     case = get_case("gpt2", seq_len=max(values))
     fast = ckptc.optimize(case.model, budget_bytes=10**9)
     total = time.perf_counter()
@@ -42,7 +42,7 @@ def lengths(values: list[int]) -> None:
             p.grad = None
         start = time.perf_counter()
         fast(ids, labels=ids.clone()).loss.backward()
-        print(f"length {n:4d}: {time.perf_counter() - start:6.2f} s, plans {len(fast._ckptc_runtime.plans)}")
+        print(f"length {n:4d}: {time.perf_counter() - start:6.2f} s, plans {len(fast.step_runtime.plans)}")
     print(f"{len(values)} lengths in {time.perf_counter() - total:.1f} s")
 
 

@@ -151,7 +151,7 @@ def _worker(rank: int, port: int, options: dict[str, Any], out: str) -> None:
     budgets.append(("ckptc floor", int(0.5 * per_block_peak)))  # below the floor: the error names it
     for name, budget in budgets:
         for attempt in range(3):  # below the floor: the error names a budget that works; take it
-            torch._dynamo.reset()
+            torch.compiler.reset()
             model = _shard(copy.deepcopy(template))
             fast = ckptc.optimize(model, budget_bytes=budget)
             try:
@@ -173,7 +173,7 @@ def _worker(rank: int, port: int, options: dict[str, Any], out: str) -> None:
         row["budget_bytes"] = budget
         plan = fast.plan
         row["predicted_peak_bytes"] = plan.predicted_peak_bytes if plan else None
-        row["graphs"] = len(fast._ckptc_runtime.step_records())
+        row["graphs"] = len(fast.step_runtime.step_records())
         rows.append(row)
         del model, fast
     if rank == 0:

@@ -145,7 +145,7 @@ def error_text(error: BaseException) -> str:
 
 
 def reset_compiler_state() -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
 
 

@@ -23,6 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 __all__ = [
     "aot_backend",
     "boxed",
+    "mark_boxed",
+    "share_registries",
     "split_joint_graph",
     "reset_dynamo",
     "dynamo_explain",
@@ -72,6 +74,12 @@ def op_name(target: Any) -> str:
     if is_op_overload(target):
         return target._opname
     return getattr(target, "__name__", str(target))
+
+
+def short_op_name(target: Any) -> str:
+    """The op's short name where it has one (``"mm"`` for ``aten.mm.default``), else ``str(target)``
+    (``operator.getitem`` is ``"<built-in function getitem>"``: never mistaken for an aten op)."""
+    return str(getattr(target, "_opname", target))
 
 
 def is_view_op(target: Any) -> bool:
@@ -326,6 +334,24 @@ def boxed(gm: fx.GraphModule) -> Callable:
     return make_boxed_func(gm.forward) if not getattr(gm, "_boxed_call", False) else gm
 
 
+def mark_boxed(fn: Any) -> Any:
+    """Tell AOTAutograd that ``fn`` already takes its inputs as one list (the boxed convention); returns ``fn``.
+
+    Set on the object itself (an instance's dict, not its class), so that wrappers copying it
+    (``functools.wraps``) keep the mark.
+    """
+    fn._boxed_call = True
+    return fn
+
+
+def share_registries(module: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Make ``module`` use ``model``'s parameter, buffer and submodule registries (the same dicts),
+    so it has ``model``'s parameters, buffers and state_dict keys without registering ``model`` as a child."""
+    module._parameters = model._parameters
+    module._buffers = model._buffers
+    module._modules = model._modules
+
+
 def split_joint_graph(
     joint: fx.GraphModule,
     saved_values: list[fx.Node],
@@ -356,7 +382,7 @@ def is_primal(node: fx.Node) -> bool:
 
 
 def reset_dynamo() -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def dynamo_explain(fn: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ckptc import _torch_internals as internals
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
@@ -24,7 +25,7 @@ from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, Un
 from ckptc.offline import offline_device, offline_step
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planner import CapturedStep
-from ckptc.plans import ModelPlan, _parameter_sizes
+from ckptc.plans import ModelPlan, _parameter_sizes, applied_plan
 from ckptc.step import ForwardState, StepRuntime
 
 log = logging.getLogger("ckptc.api")
@@ -82,9 +83,7 @@ class OptimizedModule(torch.nn.Module):
         super().__init__()
         # Share the registries instead of registering `model` as a child, so
         # parameter names and state_dict keys stay exactly the model's.
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
+        internals.share_registries(self, model)
         object.__setattr__(self, "_ckptc_model", model)
         object.__setattr__(self, "_ckptc_compiler", compiler)
         object.__setattr__(self, "_ckptc_runtime", StepRuntime(model, compiler, verify=verify, max_plans=max_plans))
@@ -112,6 +111,12 @@ class OptimizedModule(torch.nn.Module):
         options = state.pop("_ckptc_options", {})
         self.__dict__.update(state)
         object.__setattr__(self, "_ckptc_runtime", StepRuntime(self._ckptc_model, self._ckptc_compiler, **options))
+
+    @property
+    def step_runtime(self) -> StepRuntime:
+        """The :class:`~ckptc.step.StepRuntime` that runs this module's training calls (its per-shape
+        plans, the records of the last step)."""
+        return self._ckptc_runtime
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -269,9 +274,8 @@ def _check_model(model: Any) -> None:
         raise ArgumentTypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, OptimizedModule):
         raise ArgumentTypeError("this module is already optimized; pass its original_module instead")
-    from ckptc.inplace import is_applied  # inplace builds on this module
-
-    if is_applied(model):
+    # ckptc.apply's entry in the model's call slot runs an OptimizedModule (ckptc.inplace builds on this module).
+    if isinstance(getattr(internals.module_call_override(model), "optimized", None), OptimizedModule):
         raise ArgumentTypeError(
             f"ckptc.apply was already called on this {type(model).__name__}; train it as it is, "
             "or call ckptc.remove(model) first"
@@ -389,8 +393,6 @@ def plan(
     budget = CheckpointOptions.from_user(budget_gb=budget_gb, budget_bytes=budget_bytes).budget_bytes
     source = None
     if plan is not None:
-        from ckptc.plans import applied_plan
-
         source, budget = applied_plan(plan, budget)
     step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, device=device, **options)
     return step.plan(budget_bytes=budget, plan_source=source, progress=progress)

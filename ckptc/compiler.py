@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,15 +34,14 @@ from ckptc.devices import graph_device, memory_model
 from ckptc.distributed import check_backend_context, local_nbytes
 from ckptc.meter import resident_bytes
 from ckptc.options import CheckpointOptions
-from ckptc.planner import GraphRecord, PlanSource, decide
+from ckptc.planner import decide
+from ckptc.plans import ModelPlan
 from ckptc.policies import policies_from_patterns
 from ckptc.problem import joint_to_problem
+from ckptc.records import GraphRecord, PlanSource, RecordLink
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
-from ckptc.unused_grads import RecordLink, ZeroGradBackward, zeros_buildable
-
-if TYPE_CHECKING:
-    from ckptc.plans import ModelPlan
+from ckptc.unused_grads import ZeroGradBackward, zeros_buildable
 
 log = logging.getLogger("ckptc.compiler")
 
@@ -143,8 +142,6 @@ class CheckpointCompiler:
         """
         if not self.records:
             return None
-        from ckptc.plans import ModelPlan  # plans imports this module
-
         return ModelPlan.from_records(self.records, self.options, self.model)
 
     def reset(self) -> None:
@@ -205,8 +202,7 @@ class CheckpointCompiler:
             self.active.append(record)
             return compiled(args)
 
-        forward._boxed_call = True  # type: ignore[attr-defined]
-        return forward
+        return internals.mark_boxed(forward)
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if self.options.compiler == "inductor":

@@ -30,6 +30,7 @@ from ckptc._torch_internals import (
     is_tangent,
     op_name,
     op_schema_name,
+    outside_fake_mode,
     profiler_events,
     storage_key,
     tree_leaves,
@@ -38,6 +39,7 @@ from ckptc._torch_internals import (
 )
 from ckptc.devices import memory_model
 from ckptc.errors import UntraceableModelError
+from ckptc.meter import quiet_profiler
 
 log = logging.getLogger("ckptc.costs")
 
@@ -307,8 +309,6 @@ def measure_runtimes(joint: fx.GraphModule, repeats: int = 3) -> None:
     An optional estimator: recompute cost becomes measured seconds instead of
     FLOPs (the minimum over ``repeats`` runs).  Needs :func:`annotate_costs` first.
     """
-    from ckptc._torch_internals import outside_fake_mode
-
     with outside_fake_mode():
         _measure_runtimes(joint, repeats)
 
@@ -386,9 +386,6 @@ def measure_scratch(joint: fx.GraphModule) -> int:
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from ckptc._torch_internals import outside_fake_mode
-    from ckptc.meter import quiet_profiler
 
     by_signature: dict[tuple, list[fx.Node]] = {}
     for node in joint.graph.nodes:

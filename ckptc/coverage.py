@@ -37,7 +37,7 @@ from ckptc.errors import UntraceableModelError, warn_once
 from solvers.errors import human_bytes
 
 if TYPE_CHECKING:
-    from ckptc.compiler import GraphRecord
+    from ckptc.records import GraphRecord
 
 log = logging.getLogger("ckptc.coverage")
 
@@ -327,13 +327,11 @@ class Coverage:
 
     @classmethod
     def of(cls, eager: EagerForward, records: Iterable[GraphRecord]) -> "Coverage":
-        from ckptc.planner import unoptimized_result  # the planner imports the solvers; keep this module light
-
         graphs = []
         for r in records:
             problem = r.problem
             flops = sum(r.joint_problem.node_cost(n).flops for n in r.joint_problem.graph_nodes(problem.forward_nodes))
-            saved = unoptimized_result(r.joint_problem).kept_bytes
+            saved = r.unoptimized_kept_bytes
             graphs.append(
                 GraphCoverage(
                     index=r.index,

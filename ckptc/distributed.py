@@ -55,7 +55,7 @@ from ckptc import _torch_internals as internals
 from ckptc.errors import DistributedPlanMismatchError, WrapOrderError
 
 if TYPE_CHECKING:
-    from ckptc.compiler import GraphRecord
+    from ckptc.records import GraphRecord
 
 __all__ = [
     "DistributedPlanMismatchError",

@@ -22,8 +22,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from ckptc._torch_internals import profiler_events, storage_key
-from ckptc.distributed import local_tensor
+from ckptc._torch_internals import local_shard, profiler_events, storage_key
 
 log = logging.getLogger("ckptc.meter")
 
@@ -54,7 +53,7 @@ def resident_bytes(*objects: Any) -> int:
     seen: set[Hashable] = set()
     total = 0
     for tensor in _tensors(objects):
-        tensor = local_tensor(tensor)  # a sharded parameter holds only its shard on this rank
+        tensor = local_shard(tensor)  # a sharded parameter holds only its shard on this rank
         if tensor.is_meta:
             continue
         ref = storage_key(tensor)

@@ -30,17 +30,16 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import solvers
+from ckptc import policies
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes
-from ckptc.policies import PRESETS, keep_everything
+from ckptc.plans import ModelPlan, graph_plan
 from ckptc.problem import JointProblem
-
-if TYPE_CHECKING:
-    from ckptc.plans import ModelPlan
+from ckptc.records import GraphRecord, PlanSource, Progress
+from solvers.simulator import honour_policies
 
 log = logging.getLogger("ckptc.planner")
 
@@ -49,9 +48,6 @@ PLANNING_MARGIN_DIVISOR = 200
 SCRATCH_UNCERTAINTY_DIVISOR = 32
 #: How many times a step of several graphs is planned again with earlier graphs keeping less.
 MAX_STEP_RETRIES = 2
-
-PlanSource = Callable[[int, JointProblem], solvers.Plan]
-Progress = Callable[[float, str], None]
 
 
 def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) -> int:
@@ -84,53 +80,47 @@ def budget_for_planning_floor(floor: int, margin: int) -> int:
     return floor + margin
 
 
-@dataclass
-class GraphRecord:
-    """What ckptc decided for one captured graph.
+def _scored(jp: JointProblem, plan: solvers.Plan, method: str, budget_bytes: int | None) -> solvers.Plan:
+    """A policy's plan as the preset ``method``: adjusted to the nodes' policies (must_save,
+    must_recompute) and scored by the one simulator (its info holds the predicted peak)."""
+    plan = dataclasses.replace(plan, method=method, budget_bytes=budget_bytes)
+    if plan.schedule is None:
+        plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
+    result = solvers.simulate(jp.problem, plan)
+    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
+    return solvers.Plan(
+        kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info
+    )
 
-    ``earlier`` are the graphs that ran before this one in the same step
-    when it was planned: what they keep for backward is part of this graph's
-    baseline (``baseline_bytes``), on top of its own (``own_baseline_bytes``).
-    """
 
-    index: int
-    joint_problem: JointProblem = field(repr=False)
-    plan: solvers.Plan
-    result: solvers.SimResult = field(repr=False)
-    baseline_bytes: int
-    unoptimized_peak_bytes: int
-    min_feasible_bytes: int
-    solve_seconds: float
-    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
-    held_output_bytes: int = 0
-    floor_peak_bytes: int = 0
-    floor_kept_bytes: int = 0
-    margin_bytes: int = 0  # planning_margin of this graph
-    infeasible: bool = False
-    earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
-    break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where
-    # A result whose gradient the plan counted as free (unused by the loss) received one.
-    gradients_unexpected: bool = False
+Preset = Callable[[JointProblem, "int | None"], solvers.Plan]
 
-    @property
-    def step_bytes(self) -> int:
-        """What this graph leaves alive for the rest of the step after its forward:
-        values kept for its backward plus the results the caller holds."""
-        return self.result.kept_bytes + self.held_output_bytes
 
-    @property
-    def slack_bytes(self) -> int:
-        """How much less this graph would leave alive for later graphs under its lowest-peak plan."""
-        return max(0, self.result.kept_bytes - self.floor_kept_bytes)
+def _applied(policy: Callable[[JointProblem], solvers.Plan], method: str) -> Preset:
+    def preset(jp: JointProblem, budget_bytes: int | None = None) -> solvers.Plan:
+        return _scored(jp, policy(jp), method, budget_bytes)
 
-    @property
-    def own_baseline_bytes(self) -> int:
-        """The baseline without what earlier graphs of the step keep."""
-        return self.baseline_bytes - sum(e.step_bytes for e in self.earlier)
+    preset.__name__ = preset.__qualname__ = f"{method}_preset"
+    preset.__doc__ = policy.__doc__
+    return preset
 
-    @property
-    def problem(self) -> solvers.Problem:
-        return self.joint_problem.problem
+
+#: No ckptc: what the model does by itself (:func:`ckptc.policies.everything_saveable`), scored.
+keep_everything = _applied(policies.everything_saveable, "none")
+
+
+def chen_segments(jp: JointProblem, budget_bytes: int | None = None) -> solvers.Plan:
+    """Chen et al.'s sqrt(n) segments (the solver ``chen_sqrt``), without a budget check."""
+    return solvers.solve(jp.problem, budget_bytes if budget_bytes is not None else 2**62, method="chen_sqrt")
+
+
+#: The presets by strategy name; ``"auto"`` (a solver under the budget) is decided in :func:`candidate`.
+PRESETS: dict[str, Preset] = {
+    "none": keep_everything,
+    "layer": _applied(policies.block_inputs_saveable, "layer"),
+    "segment": chen_segments,
+    "selective": _applied(policies.selective, "selective"),
+}
 
 
 def candidate(
@@ -250,6 +240,7 @@ def decide(
         floor_peak_bytes=floor_result.peak_bytes,
         floor_kept_bytes=floor_result.kept_bytes,
         margin_bytes=margin,
+        unoptimized_kept_bytes=keep_all.kept_bytes,
         infeasible=infeasible,
         earlier=tuple(earlier),
     )
@@ -440,7 +431,7 @@ class CapturedStep:
         time_limit: float | None = None,
         plan_source: PlanSource | None = None,
         progress: Progress | None = None,
-    ) -> "ModelPlan":
+    ) -> ModelPlan:
         """The :class:`~ckptc.plans.ModelPlan` of this step under a budget (None: no limit).
 
         ``strategy``, ``solver`` and ``time_limit`` override the capture's options.
@@ -449,8 +440,6 @@ class CapturedStep:
             ValueError: a bad budget, strategy or solver.
             solvers.InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
         """
-        from ckptc.plans import ModelPlan, graph_plan  # plans imports this module's types
-
         records = self.decisions(
             budget_gb,
             budget_bytes=budget_bytes,

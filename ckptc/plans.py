@@ -28,12 +28,12 @@ import solvers
 import solvers.plan
 from ckptc._torch_internals import is_op_overload
 from ckptc.errors import ArgumentTypeError, CorruptPlanError, PlanMismatchError
+from ckptc.options import SOLVER_NAMES, STRATEGY_NAMES, CheckpointOptions
 
 if TYPE_CHECKING:
     from ckptc.coverage import Coverage
-    from ckptc.options import CheckpointOptions
-    from ckptc.planner import GraphRecord
     from ckptc.problem import JointProblem
+    from ckptc.records import GraphRecord
 
 SCHEMA_VERSION = 1
 CKPTC_VERSION = "0.1.0"
@@ -246,7 +246,6 @@ class ModelPlan:
                 f"{source} holds no graphs (field 'graphs' is empty): there are no decisions to "
                 "apply or show. Plan the model again."
             )
-        from ckptc.options import SOLVER_NAMES, STRATEGY_NAMES  # options imports ckptc.errors only
 
         model_plan = cls(
             graphs=[GraphPlan.from_dict(g, source=source, where=f"graphs[{i}]") for i, g in enumerate(graphs)],
@@ -289,8 +288,6 @@ DECISIONS = ("kept", "recomputed", "free")
 
 def known_methods() -> list[str]:
     """Every ``Plan.method`` ckptc writes: the solvers', the presets' and their building blocks'."""
-    from ckptc.options import STRATEGY_NAMES
-
     return sorted({*solvers.METHODS, *STRATEGY_NAMES, "keep_all", "per_block", "manual"})
 
 

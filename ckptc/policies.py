@@ -1,34 +1,33 @@
-"""Presets: small named functions that give a plan without solving, and the user's patterns.
+"""Presets as small named policies, and the user's patterns.
 
-A preset takes a :class:`~ckptc.problem.JointProblem` and a budget in bytes
-(or None, recorded in the plan) and returns a :class:`solvers.Plan`.  The
-presets reproduce what users compare against, planned and measured by the
-same machinery; which one is used, or a solver under the budget, is decided
-in :mod:`ckptc.planner`.  Every plan is scored by the one simulator,
-:func:`solvers.simulate`.
+As JAX's ``checkpoint_policies``, a policy only says what may be kept: each
+takes a :class:`~ckptc.problem.JointProblem` and returns the forward values it
+keeps, as an unscored :class:`solvers.Plan` (a kept set and a method name).
+It neither solves nor simulates.  :mod:`ckptc.planner` is the one place that
+applies them (under which strategy name, at which budget), solves (``"auto"``,
+and ``"segment"``, Chen's solver), and scores every plan with the one
+simulator, :func:`solvers.simulate`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import logging
-from typing import Callable, Iterable
+from typing import Iterable
 
 import solvers
+from ckptc._torch_internals import short_op_name
 from ckptc.errors import InvalidArgumentError
 from ckptc.problem import JointProblem
 from solvers.chen import keep_all_plan
 from solvers.graph import own_checkpoint_mask
 from solvers.hierarchical import per_block_plan
-from solvers.simulator import honour_policies, names_of
+from solvers.simulator import names_of
 
 log = logging.getLogger("ckptc.policies")
 
-Strategy = Callable[..., solvers.Plan]
 
-
-def keep_everything(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
+def everything_saveable(jp: JointProblem) -> solvers.Plan:
     """No ckptc: what the model does by itself.
 
     Keep every forward value that backward reads, as eager autograd does,
@@ -37,21 +36,18 @@ def keep_everything(jp: JointProblem, budget_bytes: int | None = None, **_: obje
     """
     own = own_checkpoint_mask(jp.problem)
     if own is None:
-        plan = keep_all_plan(jp.problem)
-    else:
-        plan = solvers.Plan(kept=names_of(jp.problem, own))
-    return _finish(jp, dataclasses.replace(plan, method="none", budget_bytes=budget_bytes))
+        return keep_all_plan(jp.problem)
+    return solvers.Plan(kept=names_of(jp.problem, own))
 
 
-def keep_module_inputs(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
+def block_inputs_saveable(jp: JointProblem) -> solvers.Plan:
     """Per-block checkpointing, as Hugging Face's ``gradient_checkpointing_enable``.
 
     Blocks are those of :func:`solvers.blocks.find_blocks` (the modules at the
     repeated level of the hierarchy, e.g. ``transformer.h.3``, and the parts
     around them); only the values that cross blocks are kept.
     """
-    plan = per_block_plan(jp.problem)
-    return _finish(jp, dataclasses.replace(plan, method="layer", budget_bytes=budget_bytes))
+    return per_block_plan(jp.problem)
 
 
 _CHEAP_TO_RECOMPUTE = (
@@ -83,27 +79,24 @@ _CHEAP_TO_RECOMPUTE = (
 )
 
 
-def selective(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
+def dots_saveable(op: str) -> bool:
+    """Whether Megatron-style selective recompute keeps the result of ``op`` (a short op name):
+    matrix multiplies of weights (``mm``/``addmm``/convolutions) and anything not cheap to recompute."""
+    return op in ("mm", "addmm", "convolution", "linear", "embedding") or not op.startswith(_CHEAP_TO_RECOMPUTE)
+
+
+def selective(jp: JointProblem) -> solvers.Plan:
     """Megatron-style selective recompute: keep matmul outputs, recompute the rest.
 
-    Matrix multiplies of weights (``mm``/``addmm``/convolutions) are kept;
-    attention internals (batched matmuls, softmax, dropout) and pointwise ops are
+    Matrix multiplies of weights are kept (:func:`dots_saveable`); attention
+    internals (batched matmuls, softmax, dropout) and pointwise ops are
     recomputed from them.
     """
     problem = jp.problem
-    kept = set()
-    for name in jp.graph_nodes(problem.forward_nodes):
-        node = jp.nodes[name]
-        op = str(getattr(node.target, "_opname", node.target))
-        if op in ("mm", "addmm", "convolution", "linear", "embedding") or not op.startswith(_CHEAP_TO_RECOMPUTE):
-            kept.add(name)
-    plan = solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective", budget_bytes=budget_bytes)
-    return _finish(jp, plan)
-
-
-def chen_segments(jp: JointProblem, budget_bytes: int | None = None, **_: object) -> solvers.Plan:
-    """Chen et al.'s sqrt(n) segments (the solver ``chen_sqrt``), without a budget check."""
-    return solvers.solve(jp.problem, budget_bytes if budget_bytes is not None else 2**62, method="chen_sqrt")
+    kept = {
+        name for name in jp.graph_nodes(problem.forward_nodes) if dots_saveable(short_op_name(jp.nodes[name].target))
+    }
+    return solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective")
 
 
 def _backward_read_closure(jp: JointProblem, kept: Iterable[str]) -> set[str]:
@@ -114,25 +107,6 @@ def _backward_read_closure(jp: JointProblem, kept: Iterable[str]) -> set[str]:
         if problem[name].policy == solvers.SAVE:
             kept.add(name)
     return kept
-
-
-def _finish(jp: JointProblem, plan: solvers.Plan) -> solvers.Plan:
-    if plan.schedule is None:
-        plan = dataclasses.replace(plan, kept=honour_policies(jp.problem, plan.kept))
-    result = solvers.simulate(jp.problem, plan)
-    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
-    return solvers.Plan(
-        kept=plan.kept, schedule=plan.schedule, method=plan.method, budget_bytes=plan.budget_bytes, info=info
-    )
-
-
-#: The presets by strategy name; ``"auto"`` (a solver under the budget) is decided in :mod:`ckptc.planner`.
-PRESETS: dict[str, Strategy] = {
-    "none": keep_everything,
-    "layer": keep_module_inputs,
-    "segment": chen_segments,
-    "selective": selective,
-}
 
 
 def policies_from_patterns(

@@ -27,7 +27,10 @@ from typing import Any
 import torch
 
 import solvers
+from ckptc.api import _default_loss, capture, optimize, training_state_restored
 from ckptc.errors import CkptcError, InvalidArgumentError
+from ckptc.meter import measure_peak, resident_bytes
+from ckptc.planner import unoptimized_result
 from ckptc.plans import KeptValue, ModelPlan
 from solvers import format_bytes
 
@@ -299,10 +302,6 @@ def memory_timelines(
     Raises:
         solvers.InfeasibleBudgetError: the budget is below the smallest feasible one.
     """
-    from ckptc.api import _default_loss, optimize, training_state_restored
-    from ckptc.meter import measure_peak, resident_bytes
-    from ckptc.planner import unoptimized_result
-
     example_kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or _default_loss
     parameters = list(model.parameters())
@@ -418,8 +417,6 @@ def pareto_points(
     ``options`` go to :func:`ckptc.capture` (must_save, must_recompute, ...).
     ``progress(fraction, message)`` reports the whole sweep.
     """
-    from ckptc.api import capture
-
     unknown = [s for s in solver_names if s not in solvers.METHODS]
     if unknown:
         raise InvalidArgumentError(f"unknown solver(s) {', '.join(unknown)}; choose from {', '.join(solvers.METHODS)}")

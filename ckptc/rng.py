@@ -14,6 +14,9 @@ from typing import Any, Callable
 
 import torch
 
+from ckptc._torch_internals import is_tangent
+from ckptc.costs import is_random
+
 
 def _generator(device: torch.device) -> torch.Generator:
     if device.type == "cpu":
@@ -60,9 +63,6 @@ def insert_rng_state_nodes(graph: "torch.fx.Graph") -> int:
     Random ops downstream of a tangent (backward) are left alone: they never
     recompute.  Returns the number of nodes inserted.
     """
-    from ckptc._torch_internals import is_tangent
-    from ckptc.costs import is_random
-
     tangent_dependent: set[torch.fx.Node] = set()
     inserted = 0
     for node in list(graph.nodes):

@@ -41,7 +41,8 @@ from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, resident_bytes
-from ckptc.planner import MAX_STEP_RETRIES, GraphRecord, tighter_graph_budgets
+from ckptc.planner import MAX_STEP_RETRIES, tighter_graph_budgets
+from ckptc.records import GraphRecord
 
 log = logging.getLogger("ckptc.step")
 

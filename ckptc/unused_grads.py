@@ -33,16 +33,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.fx as fx
 
-from ckptc._torch_internals import is_tangent, is_view_op
+from ckptc._torch_internals import is_tangent, is_view_op, mark_boxed
 from ckptc.errors import CkptcError, UntraceableModelError
-
-if TYPE_CHECKING:
-    from ckptc.planner import GraphRecord
 
 log = logging.getLogger("ckptc.unused_grads")
 
@@ -203,20 +200,11 @@ def specialize(gm: fx.GraphModule, zero_names: Iterable[str]) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-class RecordLink:
-    """Carries a graph's record to its backward compiler in the module's ``meta``.
+class WatchedGraph(Protocol):
+    """What the backward reads and marks of its graph's record (:class:`ckptc.records.GraphRecord`)."""
 
-    AOTAutograd may deep-copy the backward module; the link is shared, not copied.
-    """
-
-    def __init__(self, record: GraphRecord) -> None:
-        self.record = record
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> RecordLink:
-        return self
-
-    def __repr__(self) -> str:
-        return f"RecordLink(graph {self.record.index})"
+    index: int
+    gradients_unexpected: bool
 
 
 class ZeroGradBackward:
@@ -235,7 +223,7 @@ class ZeroGradBackward:
         compile_graph: Callable[[fx.GraphModule], Callable],
         *,
         free: Iterable[str] = (),
-        record: GraphRecord | None = None,
+        record: WatchedGraph | None = None,
     ) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.tangents = {i: n for i, n in enumerate(placeholders) if is_tangent(n)}
@@ -245,8 +233,7 @@ class ZeroGradBackward:
         self.gm = gm
         self.compile_graph = compile_graph
         self.variants: dict[frozenset[str], Callable] = {frozenset(): compile_graph(gm)}
-        # In the instance dict: wrappers copy it (functools.wraps), not class attributes.
-        self._boxed_call = True
+        mark_boxed(self)  # in the instance dict: wrappers copy it (functools.wraps), not class attributes
 
     def __repr__(self) -> str:
         return (

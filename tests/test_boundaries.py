@@ -7,6 +7,9 @@
   import inside a function is caught too).
 * ``tests/`` never imports ``bench`` (the model zoo lives in ``tests/``; the
   benchmark may import from the tests, not the other way round).
+* The modules of ``ckptc/`` import each other without a circle, counting
+  top-level, in-function and ``TYPE_CHECKING`` imports alike: every module has
+  a floor, and imports only from below it.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
 # Private torch attributes reached through objects rather than dotted names
-# (``prof.profiler.kineto_results``, ``op._schema``, ``op._opname``).
-PRIVATE_TORCH_ATTRIBUTES = frozenset({"kineto_results", "_schema", "_opname", "_overloadname"})
+# (``prof.profiler.kineto_results``, ``op._schema``, ``op._opname``, AOTAutograd's ``fn._boxed_call``,
+# ``nn.Module``'s registries), also when spelled as a string (``getattr(op, "_opname")``).
+PRIVATE_TORCH_ATTRIBUTES = frozenset(
+    {"kineto_results", "_schema", "_opname", "_overloadname", "_boxed_call", "_parameters", "_buffers", "_modules"}
+)
 
 
 def _is_private(component: str) -> bool:
@@ -74,6 +81,15 @@ def private_torch_uses(source: str, filename: str = "<string>") -> list[str]:
                     report(node, parts)
                 aliases[alias.asname or alias.name] = parts
     for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in PRIVATE_TORCH_ATTRIBUTES
+        ):
+            report(node, [node.args[1].value])
         if isinstance(node, ast.Attribute):
             if node.attr in PRIVATE_TORCH_ATTRIBUTES:
                 report(node, [node.attr])
@@ -136,6 +152,9 @@ def test_private_torch_apis_live_only_in_torch_internals():
         ("import torch as t\nt._C", ["torch._C"]),
         ("prof.profiler.kineto_results.events()", ["kineto_results"]),
         ("op._schema.is_mutable", ["_schema"]),
+        ('str(getattr(node.target, "_opname", node.target))', ["_opname"]),
+        ("forward._boxed_call = True", ["_boxed_call"]),
+        ("self._parameters = model._parameters", ["_parameters"]),
         ("import torch\ntorch.__version__\ntorch.fx.node.map_arg\nself._cache", []),
         ("from torch.multiprocessing.reductions import StorageWeakRef", []),
     ],
@@ -166,4 +185,48 @@ def test_tests_never_import_bench():
     assert not offenders, (
         f"tests import the benchmark: {sorted(offenders)}; models the tests need belong in tests/zoo.py "
         "(bench may import from tests, not the other way round)"
+    )
+
+
+def ckptc_imports(source: str, module: str, modules: set[str]) -> set[str]:
+    """The ``ckptc`` modules that ``source`` (the module ``module``) imports, anywhere in it:
+    top level, inside functions and under ``TYPE_CHECKING`` alike."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source, module)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("ckptc.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module == "ckptc":
+                found |= {a.name for a in node.names}  # from ckptc import _torch_internals as internals
+            elif node.level == 0 and node.module and node.module.startswith("ckptc."):
+                found.add(node.module.split(".")[1])
+            elif node.level > 0:  # relative: from .planner import decide, from . import costs
+                found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+    return (found & modules) - {module}
+
+
+def test_ckptc_import_scanner():
+    """The scanner itself: every form of import is an edge, lazy and TYPE_CHECKING ones included."""
+    source = (
+        "import ckptc.costs\nfrom ckptc import _torch_internals as internals\nfrom ckptc.planner import decide\n"
+        "if TYPE_CHECKING:\n    from ckptc.plans import ModelPlan\n"
+        "def f():\n    from .rng import x\n    from . import meter\n    import torch, solvers\n"
+    )
+    names = {"costs", "_torch_internals", "planner", "plans", "rng", "meter", "api"}
+    assert ckptc_imports(source, "api", names) == names - {"api"}
+
+
+def test_ckptc_imports_form_no_circle():
+    """No import circle in ckptc/: each module has a floor and imports only from floors below it."""
+    paths = {path.stem: path for path in sorted((REPO / "ckptc").glob("*.py"))}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(paths)
+    for module, path in paths.items():
+        graph.add_edges_from((module, imported) for imported in ckptc_imports(path.read_text(), module, set(paths)))
+    cycles = [c for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    cycle = [a for a, _ in nx.find_cycle(graph.subgraph(cycles[0]))] if cycles else []
+    assert not cycles, (
+        f"import circles in ckptc/ among {[sorted(c) for c in cycles]}; one of them: "
+        f"{' -> '.join([*cycle, cycle[0]])}. Move what both sides need to "
+        "the lower module (or ckptc/records.py) instead of importing upward, lazily or under TYPE_CHECKING."
     )

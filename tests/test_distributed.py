@@ -250,7 +250,7 @@ def _worker(rank: int, port: int, workdir: str) -> None:
             start = time.perf_counter()
             results[name] = run()
             results["seconds"][name] = round(time.perf_counter() - start, 1)
-            torch._dynamo.reset()
+            torch.compiler.reset()
     except Exception:  # noqa: BLE001 - reported by the tests, with the traceback
         results["error"] = traceback.format_exc()
     torch.save(results, Path(workdir) / f"rank{rank}.pt")

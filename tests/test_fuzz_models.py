@@ -97,7 +97,7 @@ blocks = st.lists(
 @given(blocks=blocks, fraction=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
 @example(blocks=[(False, ["conv"])], fraction=0.0, seed=0)  # found by this test: strided conv input scratch
 def test_random_models_train_like_eager_within_budget(blocks, fraction: float, seed: int) -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.manual_seed(seed)
     model = RandomModel(blocks)
     x = torch.randn(8, TOKENS, WIDTH)

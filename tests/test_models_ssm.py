@@ -58,7 +58,7 @@ def test_aot_eager_fails_without_the_workaround_and_trains_with_it() -> None:
         assert BUG in str(error), error
     else:
         pytest.fail(FIXED.format(torch.__version__))
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
     case = get_case(name, seq_len=8)
     reference = copy.deepcopy(case.model)

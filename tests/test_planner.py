@@ -142,14 +142,16 @@ DECIDING_CALLS = {"solve", "lowest_peak_plan", "min_feasible_budget", "PRESETS",
 
 
 def test_only_the_planner_decides():
-    """No module of ckptc or the bench but the planner (and the presets' own module) calls a solver,
-    a preset or the floor: there is one place where a plan is chosen."""
+    """No module of ckptc or the bench but the planner calls a solver, a preset or the floor: there is
+    one place where a plan is chosen.  The policies (``ckptc/policies.py``) only say what may be kept:
+    they neither solve nor score a plan (the planner simulates it)."""
     offenders = []
     for path in sorted([*(REPO / "ckptc").glob("*.py"), *(REPO / "bench").glob("*.py")]):
-        if path.name in ("planner.py", "policies.py", "bench_solvers.py"):  # bench_solvers times the solvers alone
+        if path.name in ("planner.py", "bench_solvers.py"):  # bench_solvers times the solvers alone
             continue
+        deciding = DECIDING_CALLS | {"simulate"} if path.name == "policies.py" else DECIDING_CALLS
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-            if name in DECIDING_CALLS:
+            if name in deciding:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
     assert offenders == []

@@ -1,0 +1,88 @@
+"""The records every stage shares: what was decided for one graph, and the callbacks that shape it.
+
+:func:`ckptc.planner.decide` makes a :class:`GraphRecord`; the compiler keeps
+it beside the rewritten graphs, the step runtime tracks which ran, and plans,
+coverage and the distributed checks read it.  This module sits below all of
+them (it imports only :mod:`ckptc.problem` and :mod:`solvers`), so none of
+them imports the stage that made the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import solvers
+from ckptc.problem import JointProblem
+
+#: Replaces the strategy (a plan file's decisions): given the graph index and problem, returns its plan.
+PlanSource = Callable[[int, JointProblem], solvers.Plan]
+#: ``(fraction, message)`` callback for long solves.
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class GraphRecord:
+    """What ckptc decided for one captured graph.
+
+    ``earlier`` are the graphs that ran before this one in the same step
+    when it was planned: what they keep for backward is part of this graph's
+    baseline (``baseline_bytes``), on top of its own (``own_baseline_bytes``).
+    """
+
+    index: int
+    joint_problem: JointProblem = field(repr=False)
+    plan: solvers.Plan
+    result: solvers.SimResult = field(repr=False)
+    baseline_bytes: int
+    unoptimized_peak_bytes: int
+    min_feasible_bytes: int
+    solve_seconds: float
+    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    held_output_bytes: int = 0
+    floor_peak_bytes: int = 0
+    floor_kept_bytes: int = 0
+    margin_bytes: int = 0  # planning_margin of this graph
+    # What the graph keeps for backward when it keeps every value backward reads (no ckptc).
+    unoptimized_kept_bytes: int = 0
+    infeasible: bool = False
+    earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
+    break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where
+    # A result whose gradient the plan counted as free (unused by the loss) received one.
+    gradients_unexpected: bool = False
+
+    @property
+    def step_bytes(self) -> int:
+        """What this graph leaves alive for the rest of the step after its forward:
+        values kept for its backward plus the results the caller holds."""
+        return self.result.kept_bytes + self.held_output_bytes
+
+    @property
+    def slack_bytes(self) -> int:
+        """How much less this graph would leave alive for later graphs under its lowest-peak plan."""
+        return max(0, self.result.kept_bytes - self.floor_kept_bytes)
+
+    @property
+    def own_baseline_bytes(self) -> int:
+        """The baseline without what earlier graphs of the step keep."""
+        return self.baseline_bytes - sum(e.step_bytes for e in self.earlier)
+
+    @property
+    def problem(self) -> solvers.Problem:
+        return self.joint_problem.problem
+
+
+class RecordLink:
+    """Carries a graph's record to its backward compiler in the module's ``meta``.
+
+    AOTAutograd may deep-copy the backward module; the link is shared, not copied.
+    """
+
+    def __init__(self, record: GraphRecord) -> None:
+        self.record = record
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RecordLink:
+        return self
+
+    def __repr__(self) -> str:
+        return f"RecordLink(graph {self.record.index})"
