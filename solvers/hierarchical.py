@@ -82,7 +82,12 @@ MEMORY_UNITS = 4096
 EXPENSIVE_COST_PER_BYTE = 4.0
 # Kept-bytes caps of the MILP options, as fractions of the keep-everything bytes.
 MILP_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-MILP_TIME_LIMIT = 2.0
+# The MILP options stop after this much deterministic work (HiGHS checkpoints,
+# one thread), never at a wall-clock limit: the menu, so the plan, must be the
+# same at any machine load.  Most block MILPs are solved to optimality well
+# within it.  The seconds are a safety only: an option cut by them is dropped.
+MILP_WORK_LIMIT = 200
+MILP_SAFETY_SECONDS = 60.0
 _CORRECTION_ROUNDS = 6
 # Blocks with at most this many candidate values get every kept set as an option.
 _ENUMERATE_UP_TO = 5
@@ -118,7 +123,7 @@ class Menu:
 
 
 def block_options(
-    problem: Problem, chain: BlockChain, *, time_limit: float = MILP_TIME_LIMIT, levels: tuple[float, ...] = MILP_LEVELS
+    problem: Problem, chain: BlockChain, *, work_limit: int = MILP_WORK_LIMIT, levels: tuple[float, ...] = MILP_LEVELS
 ) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Candidate kept sets per block class, as positions in the class's node list.
 
@@ -147,12 +152,12 @@ def block_options(
             for bits in range(1 << len(choices)):
                 add(f"subset_{bits}", {v for k, v in enumerate(choices) if bits >> k & 1})
         else:
-            cheap = milp.solve(cheap_only=True, time_limit=time_limit)
+            cheap = milp.solve(cheap_only=True, work_limit=work_limit)
             if cheap is not None:
                 add("cheap_recompute", cheap)
             total = milp.bytes_of(keep_all)
             for level in levels:
-                kept = milp.solve(max_kept_bytes=int(level * total), time_limit=time_limit)
+                kept = milp.solve(max_kept_bytes=int(level * total), work_limit=work_limit)
                 if kept is not None:
                     add(f"milp_{int(level * 100)}", kept)
         menus.append([(name, tuple(sorted(key))) for key, name in found.items()])
@@ -330,7 +335,7 @@ class _BlockMilp:
         return sum(nbytes[r] for r in {self.storage[v] for v in kept if v in self.storage})
 
     def solve(
-        self, *, cheap_only: bool = False, max_kept_bytes: int | None = None, time_limit: float = MILP_TIME_LIMIT
+        self, *, cheap_only: bool = False, max_kept_bytes: int | None = None, work_limit: int = MILP_WORK_LIMIT
     ) -> set[int] | None:
         import pulp
 
@@ -375,8 +380,16 @@ class _BlockMilp:
             model += recompute + 1e-4 * kept_bytes
         if max_kept_bytes is not None:
             model += pulp.lpSum(nbytes[r] * s for r, s in store.items()) <= max_kept_bytes
-        model.solve(make_milp_solver(time_limit, None, 1, 1e-4))
+        started = time.perf_counter()
+        model.solve(make_milp_solver(MILP_SAFETY_SECONDS, None, 1, 1e-4, work_limit))
         if pulp.LpStatus[model.status] != "Optimal" and model.sol_status not in (1, 2):
+            return None
+        if time.perf_counter() - started >= 0.95 * MILP_SAFETY_SECONDS:
+            log.warning(
+                "hierarchical: a block MILP option was still solving after its %g s safety limit "
+                "(a very slow or overloaded machine); it is dropped so that planning stays deterministic",
+                MILP_SAFETY_SECONDS,
+            )
             return None
         return {v for v, x in keep.items() if (x.value() or 0) > 0.5}
 
@@ -447,7 +460,7 @@ def choices_from_tables(tables: DPTables) -> list[int] | None:
 
 
 # ------------------------------------------------------------------ solver
-def build_menu(problem: Problem, *, time_limit: float = MILP_TIME_LIMIT, progress: Progress | None = None) -> Menu:
+def build_menu(problem: Problem, *, progress: Progress | None = None) -> Menu:
     """Blocks, options and prices of ``problem``; cached on it (budget-independent)."""
     cached = problem._cache.get("hierarchical.menu")
     if cached is not None:
@@ -456,7 +469,7 @@ def build_menu(problem: Problem, *, time_limit: float = MILP_TIME_LIMIT, progres
     chain = find_blocks(problem)
     if progress is not None:
         progress(0.1, f"hierarchical: {len(chain.blocks)} blocks in {len(chain.classes)} classes")
-    options = block_options(problem, chain, time_limit=time_limit)
+    options = block_options(problem, chain)
     if progress is not None:
         progress(0.6, "hierarchical: pricing options")
     menu = price_menu(problem, chain, options)
@@ -505,7 +518,9 @@ def hierarchical(
 
     Never worse than keeping everything or per-block checkpointing (both are
     plans of the space and candidates). Raises InfeasibleBudgetError with the
-    lowest peak of the space when nothing fits.
+    lowest peak of the space when nothing fits. ``time_limit`` is accepted for
+    the common signature and does not change the plan: the MILP options stop at
+    deterministic work limits (:data:`MILP_WORK_LIMIT`).
 
     Example:
         >>> from solvers import Problem, simulate
@@ -515,7 +530,7 @@ def hierarchical(
         True
     """
     started = time.perf_counter()
-    menu = build_menu(problem, time_limit=min(MILP_TIME_LIMIT, time_limit), progress=progress)
+    menu = build_menu(problem, progress=progress)
     found = _solve_mask(problem, menu, budget_bytes)
     if progress is not None:
         progress(1.0, "hierarchical: done")
