@@ -31,11 +31,12 @@ Beaumont et al., ACM TOMS 2021):
    returns the cheapest fitting plan among it and the uniform plans (keep all,
    per-block...), which are therefore never beaten.
 
-Every option is a kept set, so every plan is a derived-schedule plan: the
-rewriter recomputes each block just before its backward.  Nested
-recomputation (rotor's multi-level checkpoints) is not in this space; the
-Chen family, which :func:`solvers.auto` also weighs, covers the lowest
-budgets of very deep chains.
+Every option is a kept set, so these plans are derived-schedule plans: the
+rewriter recomputes each block just before its backward.  6. Nested
+recomputation (:mod:`solvers.nested`, rotor's checkpoint-and-continue) also
+drops block inputs and recomputes them from an earlier held one; its explicit
+schedules are candidates judged by the same simulator, in :func:`hierarchical`
+and in the floor's bisection.
 
 Complexity: one MILP per class and cap (small: one block), one simulation
 per option index, and a DP in O(blocks x options x units) numpy operations.
@@ -43,6 +44,7 @@ per option index, and a DP in O(blocks x options x units) numpy operations.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -511,6 +513,50 @@ def _solve_mask(problem: Problem, menu: Menu, budget_bytes: int) -> tuple[bytear
     return best
 
 
+def _nested_tables(problem: Problem, menu: Menu, budget_bytes: int):
+    """The nested DP's tables for budgets up to ``budget_bytes`` (None where it does not apply); cached."""
+    from solvers.nested import MAX_NESTED_BLOCKS, chain_model, nested_dp
+
+    n = len(menu.chain.blocks)
+    if n < 2 or n > MAX_NESTED_BLOCKS:
+        return None
+    cached = problem._cache.get("hierarchical.nested")
+    if cached is not None and cached.capacity * cached.quantum >= budget_bytes >= cached.capacity * cached.quantum // 2:
+        return cached
+    model = chain_model(problem, menu)
+    tables = nested_dp(model, budget_bytes)
+    problem._cache["hierarchical.nested"] = tables
+    return tables
+
+
+def _solve_nested(
+    problem: Problem, menu: Menu, budget_bytes: int, tables=None
+) -> tuple[frozenset[str], tuple, int, float] | None:
+    """The nested (checkpoint-and-continue) DP's plan, simulated, tightened by any excess; None if none fits.
+
+    Only plans that recompute some block input are returned: the others are the plain DP's space.
+    """
+    from solvers.nested import decisions, nested_schedule
+    from solvers.simulator import simulate
+
+    tables = tables if tables is not None else _nested_tables(problem, menu, budget_bytes)
+    if tables is None:
+        return None
+    target = budget_bytes
+    for _ in range(_CORRECTION_ROUNDS):
+        if target <= 0:
+            return None
+        steps = decisions(tables, target)
+        if steps is None or all(h >= 0 for _, _, h in steps):
+            return None
+        kept, schedule = nested_schedule(problem, menu, steps)
+        result = simulate(problem, Plan(kept=kept, schedule=schedule))
+        if result.peak_bytes <= budget_bytes:
+            return kept, schedule, result.peak_bytes, result.recompute_cost
+        target -= result.peak_bytes - budget_bytes + max(tables.quantum, target // 1024)
+    return None
+
+
 def hierarchical(
     problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, progress: Progress | None = None, **_: object
 ) -> Plan:
@@ -532,15 +578,34 @@ def hierarchical(
     started = time.perf_counter()
     menu = build_menu(problem, progress=progress)
     found = _solve_mask(problem, menu, budget_bytes)
+    nested = _solve_nested(problem, menu, budget_bytes)
+    if nested is not None and nested[2] < lowest_peak_plan(problem).info.predicted_peak_bytes:
+        # The floor is one promise (every method's errors and ckptc's reports read it): a plan
+        # below it found by this budget's search is not offered, so the floor stays exact.
+        nested = None
     if progress is not None:
         progress(1.0, "hierarchical: done")
+    if nested is not None and (found is None or nested[3] < found[2]):
+        kept, schedule, peak, cost = nested
+        log.info("hierarchical: nested recomputation, peak %s, recompute cost %.4g", format_bytes(peak), cost)
+        return Plan(
+            kept=kept,
+            schedule=schedule,
+            method="hierarchical",
+            budget_bytes=budget_bytes,
+            info=SolveInfo(
+                predicted_peak_bytes=peak,
+                recompute_cost=cost,
+                candidate="nested",
+                details={"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)},
+            ),
+        )
     if found is None:
         lowest = lowest_peak_plan(problem)
         floor = lowest.info.predicted_peak_bytes
         if floor > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, floor)
-        found = (bytearray(), floor, lowest.info.recompute_cost)
-        kept = lowest.kept
+        return dataclasses.replace(lowest, budget_bytes=budget_bytes)
     else:
         kept = names_of(problem, found[0])
     _, peak, cost = found
@@ -583,10 +648,29 @@ def lowest_peak_plan(problem: Problem) -> Plan:
             hi = min(mid, peak)
         else:
             lo = mid + 1
+    kept, schedule = names_of(problem, best[2]), None
+    # Nested recomputation reaches below: bisect again with its DP, one table for every budget.
+    tables = _nested_tables(problem, menu, best[0])
+    if tables is not None:
+        lo = problem.resident_bytes
+        hi = best[0]
+        for _ in range(24):
+            if hi - lo <= max(1, hi // 2048):
+                break
+            mid = (lo + hi) // 2
+            nested = _solve_nested(problem, menu, mid, tables)
+            if nested is not None:
+                if (nested[2], nested[3]) < best[:2]:
+                    best = (nested[2], nested[3], None)
+                    kept, schedule = nested[0], nested[1]
+                hi = min(mid, nested[2])
+            else:
+                lo = mid + 1
     plan = Plan(
-        kept=names_of(problem, best[2]),
+        kept=kept,
+        schedule=schedule,
         method="hierarchical",
-        info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1]),
+        info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1], candidate="nested" if schedule else None),
     )
     problem._cache["hierarchical.lowest"] = plan
     return plan
