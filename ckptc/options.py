@@ -88,7 +88,9 @@ class CheckpointOptions:
             temporary memory it allocates (the budget counts it).
         hold_outputs: whether forward results other than what backward needs
             stay alive until backward ends (None: decided per graph).
-        time_limit: seconds a solver may spend (None: the solver's default).
+        time_limit: seconds the "ilp" solver may spend (None: its default); "auto" and
+            "hierarchical" stop at deterministic work limits and ignore it, so plans never
+            depend on machine load.
 
     Set by :class:`ckptc.step.StepRuntime` only (not user options):
         extra_baseline_bytes: memory added to every graph's baseline (what a

@@ -31,10 +31,16 @@ log = logging.getLogger("solvers.api")
 Method = Callable[..., Plan]
 
 # auto's size rules: the MILP is exact but its size grows quadratically with
-# the graph, so it is only tried on small graphs and with a short time limit.
+# the graph, so it is only tried on small graphs (about 4 s of HiGHS on one
+# core at the largest) and stopped by a deterministic work limit, never by the
+# clock: plans must not depend on machine load (every rank plans on its own).
 AUTO_ILP_MAX_FORWARD_NODES = 60
 AUTO_ILP_MAX_NODES = 5000
-AUTO_ILP_TIME_LIMIT = 3.0
+AUTO_ILP_MAX_VARIABLES = 12000
+AUTO_ILP_WORK_LIMIT = 30
+# A wall-clock safety only: a MILP still running after this long (a machine
+# hundreds of times slower than expected) is dropped, with a warning.
+AUTO_ILP_SAFETY_SECONDS = 120.0
 
 
 def lowest_peak_plan(problem: Problem) -> Plan:
@@ -98,7 +104,7 @@ def auto(
     time_limit: float = 60.0,
     progress: Progress | None = None,
     ilp_max_forward_nodes: int = AUTO_ILP_MAX_FORWARD_NODES,
-    ilp_time_limit: float = AUTO_ILP_TIME_LIMIT,
+    ilp_work_limit: int = AUTO_ILP_WORK_LIMIT,
 ) -> Plan:
     """The cheapest plan that fits, among the methods suited to the graph.
 
@@ -106,8 +112,13 @@ def auto(
     candidates include keeping everything and per-block checkpointing, so
     the result is never worse than either; stops here if nothing is
     recomputed), chen_greedy, then ilp when the graph is small
-    (<= ``ilp_max_forward_nodes`` forward nodes and <= 5,000 nodes) with
-    ``min(time_limit, ilp_time_limit)`` seconds. Derived-schedule plans then
+    (<= ``ilp_max_forward_nodes`` forward nodes, <= 5,000 nodes and a MILP of
+    about <= 12,000 variables), on one thread and stopped after
+    ``ilp_work_limit`` units of deterministic work. The plan depends on the
+    problem and budget only, never on the machine's load: ``time_limit`` does
+    not cut any of these searches (only ``method="ilp"`` honours it); an ILP
+    still running after :data:`AUTO_ILP_SAFETY_SECONDS` is dropped with a
+    warning. Derived-schedule plans then
     keep more where the budget allows (:func:`solvers.refine.fill_budget`).
     If none fits, the floor plan (:func:`lowest_peak_plan`) is the last
     candidate. Every plan is judged by simulate(); the winner has the least
@@ -121,9 +132,9 @@ def auto(
         If nothing fits; ``min_feasible_bytes`` is :func:`min_feasible_budget`.
     """
     runs: list[tuple[str, dict[str, Any]]] = [("hierarchical", {}), ("chen_greedy", {})]
-    small = len(problem._forward_idx) <= ilp_max_forward_nodes and len(problem) <= AUTO_ILP_MAX_NODES
-    if small:
-        runs.append(("ilp", {"time_limit": min(time_limit, ilp_time_limit)}))
+    if _ilp_is_small(problem, ilp_max_forward_nodes):
+        ilp_options = {"time_limit": AUTO_ILP_SAFETY_SECONDS, "work_limit": ilp_work_limit, "threads": 1}
+        runs.append(("ilp", ilp_options))
 
     fitting: list[tuple[float, int, int, Plan]] = []
     tried: dict[str, Any] = {}
@@ -156,6 +167,16 @@ def auto(
             else:
                 log.error("auto: method %s failed; continuing without it", name, exc_info=True)
             continue
+        if plan.info.status == "time_limit":
+            # Cut by the clock, not by the work limit: another process could get another plan.
+            tried[name] = {"status": "safety_time_limit", "seconds": time.perf_counter() - started}
+            log.warning(
+                "auto: %s was still solving after its %g s safety limit (a very slow or overloaded machine); "
+                "its plan is dropped so that planning stays deterministic",
+                name,
+                AUTO_ILP_SAFETY_SECONDS,
+            )
+            continue
         tried[name] = {
             "peak_bytes": result.peak_bytes,
             "recompute_cost": result.recompute_cost,
@@ -185,6 +206,19 @@ def auto(
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(problem))
     *_, best = min(fitting, key=lambda t: t[:3])
     return dataclasses.replace(best, info=best.info.replace(chosen=best.method, tried=tried))
+
+
+def _ilp_is_small(problem: Problem, max_forward_nodes: int) -> bool:
+    """Whether auto tries the MILP: few forward nodes and nodes, and a small model (estimated before building)."""
+    if len(problem._forward_idx) > max_forward_nodes or len(problem) > AUTO_ILP_MAX_NODES:
+        return False
+    from solvers.milp import MilpModel, stage_graph
+
+    try:
+        MilpModel.estimate_size(stage_graph(problem), AUTO_ILP_MAX_VARIABLES)
+    except SolverError:
+        return False
+    return True
 
 
 METHODS: dict[str, Method] = {
@@ -220,7 +254,8 @@ def solve(
         A key of :data:`METHODS`: "chen_sqrt", "chen_greedy", "hierarchical",
         "ilp" or "auto".
     time_limit : float
-        Seconds the method may spend (honoured by ilp and auto).
+        Seconds the method may spend (honoured by ilp only: auto and hierarchical stop at
+        deterministic work limits, so their plans never depend on machine load).
     progress : callable(fraction, message) or None
         Called now and then by long solves.
     **options :

@@ -31,11 +31,12 @@ Beaumont et al., ACM TOMS 2021):
    returns the cheapest fitting plan among it and the uniform plans (keep all,
    per-block...), which are therefore never beaten.
 
-Every option is a kept set, so every plan is a derived-schedule plan: the
-rewriter recomputes each block just before its backward.  Nested
-recomputation (rotor's multi-level checkpoints) is not in this space; the
-Chen family, which :func:`solvers.auto` also weighs, covers the lowest
-budgets of very deep chains.
+Every option is a kept set, so these plans are derived-schedule plans: the
+rewriter recomputes each block just before its backward.  6. Nested
+recomputation (:mod:`solvers.nested`, rotor's checkpoint-and-continue) also
+drops block inputs and recomputes them from an earlier held one; its explicit
+schedules are candidates judged by the same simulator, in :func:`hierarchical`
+and in the floor's bisection.
 
 Complexity: one MILP per class and cap (small: one block), one simulation
 per option index, and a DP in O(blocks x options x units) numpy operations.
@@ -43,6 +44,7 @@ per option index, and a DP in O(blocks x options x units) numpy operations.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -82,7 +84,12 @@ MEMORY_UNITS = 4096
 EXPENSIVE_COST_PER_BYTE = 4.0
 # Kept-bytes caps of the MILP options, as fractions of the keep-everything bytes.
 MILP_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-MILP_TIME_LIMIT = 2.0
+# The MILP options stop after this much deterministic work (HiGHS checkpoints,
+# one thread), never at a wall-clock limit: the menu, so the plan, must be the
+# same at any machine load.  Most block MILPs are solved to optimality well
+# within it.  The seconds are a safety only: an option cut by them is dropped.
+MILP_WORK_LIMIT = 200
+MILP_SAFETY_SECONDS = 60.0
 _CORRECTION_ROUNDS = 6
 # Blocks with at most this many candidate values get every kept set as an option.
 _ENUMERATE_UP_TO = 5
@@ -118,7 +125,7 @@ class Menu:
 
 
 def block_options(
-    problem: Problem, chain: BlockChain, *, time_limit: float = MILP_TIME_LIMIT, levels: tuple[float, ...] = MILP_LEVELS
+    problem: Problem, chain: BlockChain, *, work_limit: int = MILP_WORK_LIMIT, levels: tuple[float, ...] = MILP_LEVELS
 ) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Candidate kept sets per block class, as positions in the class's node list.
 
@@ -147,12 +154,12 @@ def block_options(
             for bits in range(1 << len(choices)):
                 add(f"subset_{bits}", {v for k, v in enumerate(choices) if bits >> k & 1})
         else:
-            cheap = milp.solve(cheap_only=True, time_limit=time_limit)
+            cheap = milp.solve(cheap_only=True, work_limit=work_limit)
             if cheap is not None:
                 add("cheap_recompute", cheap)
             total = milp.bytes_of(keep_all)
             for level in levels:
-                kept = milp.solve(max_kept_bytes=int(level * total), time_limit=time_limit)
+                kept = milp.solve(max_kept_bytes=int(level * total), work_limit=work_limit)
                 if kept is not None:
                     add(f"milp_{int(level * 100)}", kept)
         menus.append([(name, tuple(sorted(key))) for key, name in found.items()])
@@ -330,7 +337,7 @@ class _BlockMilp:
         return sum(nbytes[r] for r in {self.storage[v] for v in kept if v in self.storage})
 
     def solve(
-        self, *, cheap_only: bool = False, max_kept_bytes: int | None = None, time_limit: float = MILP_TIME_LIMIT
+        self, *, cheap_only: bool = False, max_kept_bytes: int | None = None, work_limit: int = MILP_WORK_LIMIT
     ) -> set[int] | None:
         import pulp
 
@@ -375,8 +382,16 @@ class _BlockMilp:
             model += recompute + 1e-4 * kept_bytes
         if max_kept_bytes is not None:
             model += pulp.lpSum(nbytes[r] * s for r, s in store.items()) <= max_kept_bytes
-        model.solve(make_milp_solver(time_limit, None, 1, 1e-4))
+        started = time.perf_counter()
+        model.solve(make_milp_solver(MILP_SAFETY_SECONDS, None, 1, 1e-4, work_limit))
         if pulp.LpStatus[model.status] != "Optimal" and model.sol_status not in (1, 2):
+            return None
+        if time.perf_counter() - started >= 0.95 * MILP_SAFETY_SECONDS:
+            log.warning(
+                "hierarchical: a block MILP option was still solving after its %g s safety limit "
+                "(a very slow or overloaded machine); it is dropped so that planning stays deterministic",
+                MILP_SAFETY_SECONDS,
+            )
             return None
         return {v for v, x in keep.items() if (x.value() or 0) > 0.5}
 
@@ -447,7 +462,7 @@ def choices_from_tables(tables: DPTables) -> list[int] | None:
 
 
 # ------------------------------------------------------------------ solver
-def build_menu(problem: Problem, *, time_limit: float = MILP_TIME_LIMIT, progress: Progress | None = None) -> Menu:
+def build_menu(problem: Problem, *, progress: Progress | None = None) -> Menu:
     """Blocks, options and prices of ``problem``; cached on it (budget-independent)."""
     cached = problem._cache.get("hierarchical.menu")
     if cached is not None:
@@ -456,7 +471,7 @@ def build_menu(problem: Problem, *, time_limit: float = MILP_TIME_LIMIT, progres
     chain = find_blocks(problem)
     if progress is not None:
         progress(0.1, f"hierarchical: {len(chain.blocks)} blocks in {len(chain.classes)} classes")
-    options = block_options(problem, chain, time_limit=time_limit)
+    options = block_options(problem, chain)
     if progress is not None:
         progress(0.6, "hierarchical: pricing options")
     menu = price_menu(problem, chain, options)
@@ -498,6 +513,50 @@ def _solve_mask(problem: Problem, menu: Menu, budget_bytes: int) -> tuple[bytear
     return best
 
 
+def _nested_tables(problem: Problem, menu: Menu, budget_bytes: int):
+    """The nested DP's tables for budgets up to ``budget_bytes`` (None where it does not apply); cached."""
+    from solvers.nested import MAX_NESTED_BLOCKS, chain_model, nested_dp
+
+    n = len(menu.chain.blocks)
+    if n < 2 or n > MAX_NESTED_BLOCKS:
+        return None
+    cached = problem._cache.get("hierarchical.nested")
+    if cached is not None and cached.capacity * cached.quantum >= budget_bytes >= cached.capacity * cached.quantum // 2:
+        return cached
+    model = chain_model(problem, menu)
+    tables = nested_dp(model, budget_bytes)
+    problem._cache["hierarchical.nested"] = tables
+    return tables
+
+
+def _solve_nested(
+    problem: Problem, menu: Menu, budget_bytes: int, tables=None
+) -> tuple[frozenset[str], tuple, int, float] | None:
+    """The nested (checkpoint-and-continue) DP's plan, simulated, tightened by any excess; None if none fits.
+
+    Only plans that recompute some block input are returned: the others are the plain DP's space.
+    """
+    from solvers.nested import decisions, nested_schedule
+    from solvers.simulator import simulate
+
+    tables = tables if tables is not None else _nested_tables(problem, menu, budget_bytes)
+    if tables is None:
+        return None
+    target = budget_bytes
+    for _ in range(_CORRECTION_ROUNDS):
+        if target <= 0:
+            return None
+        steps = decisions(tables, target)
+        if steps is None or all(h >= 0 for _, _, h in steps):
+            return None
+        kept, schedule = nested_schedule(problem, menu, steps)
+        result = simulate(problem, Plan(kept=kept, schedule=schedule))
+        if result.peak_bytes <= budget_bytes:
+            return kept, schedule, result.peak_bytes, result.recompute_cost
+        target -= result.peak_bytes - budget_bytes + max(tables.quantum, target // 1024)
+    return None
+
+
 def hierarchical(
     problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, progress: Progress | None = None, **_: object
 ) -> Plan:
@@ -505,7 +564,9 @@ def hierarchical(
 
     Never worse than keeping everything or per-block checkpointing (both are
     plans of the space and candidates). Raises InfeasibleBudgetError with the
-    lowest peak of the space when nothing fits.
+    lowest peak of the space when nothing fits. ``time_limit`` is accepted for
+    the common signature and does not change the plan: the MILP options stop at
+    deterministic work limits (:data:`MILP_WORK_LIMIT`).
 
     Example:
         >>> from solvers import Problem, simulate
@@ -515,17 +576,36 @@ def hierarchical(
         True
     """
     started = time.perf_counter()
-    menu = build_menu(problem, time_limit=min(MILP_TIME_LIMIT, time_limit), progress=progress)
+    menu = build_menu(problem, progress=progress)
     found = _solve_mask(problem, menu, budget_bytes)
+    nested = _solve_nested(problem, menu, budget_bytes)
+    if nested is not None and nested[2] < lowest_peak_plan(problem).info.predicted_peak_bytes:
+        # The floor is one promise (every method's errors and ckptc's reports read it): a plan
+        # below it found by this budget's search is not offered, so the floor stays exact.
+        nested = None
     if progress is not None:
         progress(1.0, "hierarchical: done")
+    if nested is not None and (found is None or nested[3] < found[2]):
+        kept, schedule, peak, cost = nested
+        log.info("hierarchical: nested recomputation, peak %s, recompute cost %.4g", format_bytes(peak), cost)
+        return Plan(
+            kept=kept,
+            schedule=schedule,
+            method="hierarchical",
+            budget_bytes=budget_bytes,
+            info=SolveInfo(
+                predicted_peak_bytes=peak,
+                recompute_cost=cost,
+                candidate="nested",
+                details={"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)},
+            ),
+        )
     if found is None:
         lowest = lowest_peak_plan(problem)
         floor = lowest.info.predicted_peak_bytes
         if floor > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, floor)
-        found = (bytearray(), floor, lowest.info.recompute_cost)
-        kept = lowest.kept
+        return dataclasses.replace(lowest, budget_bytes=budget_bytes)
     else:
         kept = names_of(problem, found[0])
     _, peak, cost = found
@@ -568,10 +648,29 @@ def lowest_peak_plan(problem: Problem) -> Plan:
             hi = min(mid, peak)
         else:
             lo = mid + 1
+    kept, schedule = names_of(problem, best[2]), None
+    # Nested recomputation reaches below: bisect again with its DP, one table for every budget.
+    tables = _nested_tables(problem, menu, best[0])
+    if tables is not None:
+        lo = problem.resident_bytes
+        hi = best[0]
+        for _ in range(24):
+            if hi - lo <= max(1, hi // 2048):
+                break
+            mid = (lo + hi) // 2
+            nested = _solve_nested(problem, menu, mid, tables)
+            if nested is not None:
+                if (nested[2], nested[3]) < best[:2]:
+                    best = (nested[2], nested[3], None)
+                    kept, schedule = nested[0], nested[1]
+                hi = min(mid, nested[2])
+            else:
+                lo = mid + 1
     plan = Plan(
-        kept=names_of(problem, best[2]),
+        kept=kept,
+        schedule=schedule,
         method="hierarchical",
-        info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1]),
+        info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1], candidate="nested" if schedule else None),
     )
     problem._cache["hierarchical.lowest"] = plan
     return plan

@@ -72,6 +72,7 @@ from typing import Any, Callable
 
 from solvers.errors import InfeasibleBudgetError, SolverError, format_bytes
 from solvers.milp import (
+    WORK_LIMIT_STATUS,
     MilpModel,
     SolveOutcome,
     StageGraph,
@@ -268,6 +269,7 @@ def ilp(
     threads: int | None = None,
     mip_gap: float = 1e-6,
     warm_start: bool = True,
+    work_limit: int | None = None,
 ) -> Plan:
     """Least-recomputation stage schedule within ``budget_bytes``, by MILP (Checkmate).
 
@@ -291,11 +293,15 @@ def ilp(
         Relative optimality gap at which the solver stops.
     warm_start : bool
         Give the solver the hierarchical plan as a first incumbent when it fits (HiGHS/CBC).
+    work_limit : int or None
+        Stop the MILP after this much deterministic work (see :func:`solvers.milp.make_milp_solver`);
+        with ``threads=1`` the plan is then the same at any machine load (``info.status``
+        "work_limit" when it cut), while ``time_limit`` stays a wall-clock safety.
 
     Returns
     -------
     Plan
-        Explicit schedule; ``info``: status ("optimal" or "time_limit"),
+        Explicit schedule; ``info``: status ("optimal", "work_limit" or "time_limit"),
         gap, bound (lower bound on the recompute cost), solve_seconds,
         build_seconds, variables, constraints, predicted_peak_bytes and
         recompute_cost (from simulate), solver.
@@ -351,10 +357,11 @@ def ilp(
             threads,
             mip_gap,
             progress,
+            work_limit,
         )
         model, outcome = attempt.model, attempt.outcome
         solving_spent += attempt.solving_seconds
-        if outcome.status not in ("optimal", "time_limit", "feasible"):
+        if outcome.status not in ("optimal", "time_limit", "feasible", WORK_LIMIT_STATUS):
             remaining = max(1.0, time_limit - (time.perf_counter() - started))
             plan, info = _without_a_solution(
                 problem,
@@ -418,7 +425,7 @@ class _Attempt:
     def solve_info(self) -> SolveInfo:
         outcome = self.outcome
         return SolveInfo(
-            status="optimal" if outcome.status == "optimal" else "time_limit",
+            status=outcome.status if outcome.status in ("optimal", WORK_LIMIT_STATUS) else "time_limit",
             gap=outcome.gap,
             bound=outcome.bound,
             objective=outcome.objective,
@@ -443,6 +450,7 @@ def _build_and_solve(
     threads: int | None,
     mip_gap: float,
     progress: Progress | None,
+    work_limit: int | None = None,
 ) -> _Attempt:
     """Build the MILP for peak ``target`` and solve it (from ``start_plan`` when given); if the solver's
     solution disagrees with its objective, solve again without the start."""
@@ -454,13 +462,13 @@ def _build_and_solve(
     start = _start_from_plan(problem, model, start_plan) if start_plan is not None else None
     if progress is not None:
         progress(0.2, f"ilp: solving ({model.n_variables:,} variables)")
-    outcome = solve_model(model, time_limit, start, threads, mip_gap)
+    outcome = solve_model(model, time_limit, start, threads, mip_gap, work_limit)
     spent = outcome.seconds
     if outcome.status == "inconsistent":
         log.debug("ilp: the solver's solution disagrees with its objective; re-solving without a start")
         start = None
         model = MilpModel(problem, graph, target, max_variables)
-        outcome = solve_model(model, max(0.5, time_limit - spent), None, threads, mip_gap)
+        outcome = solve_model(model, max(0.5, time_limit - spent), None, threads, mip_gap, work_limit)
         spent += outcome.seconds
     log.debug(
         "ilp: %s in %.2f s (objective %s, bound %s)", outcome.status, outcome.seconds, outcome.objective, outcome.bound
@@ -507,7 +515,11 @@ def _without_a_solution(
         )
         return (
             Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
-            SolveInfo(status="time_limit", candidate="hierarchical", details={"solver_status": outcome.status}),
+            SolveInfo(
+                status=WORK_LIMIT_STATUS if outcome.status.startswith(WORK_LIMIT_STATUS) else "time_limit",
+                candidate="hierarchical",
+                details={"solver_status": outcome.status},
+            ),
         )
     raise SolverError(
         f"ilp: the solver found no integer solution ({outcome.status}) within "

@@ -467,20 +467,37 @@ def highs_available() -> bool:
     return True
 
 
-def make_milp_solver(time_limit: float, start: dict[str, float] | None, threads: int | None, gap: float):
+def make_milp_solver(
+    time_limit: float, start: dict[str, float] | None, threads: int | None, gap: float, work_limit: int | None = None
+):
     """A pulp solver: HiGHS when ``highspy`` is installed, else the CBC binary pulp ships (also used by
-    the hierarchical solver's MILP options)."""
+    the hierarchical solver's MILP options).
+
+    ``work_limit`` stops the search after that many units of work: with HiGHS, the MIP solver's
+    interrupt checkpoints (it reaches them at fixed points of its search: after presolve, after each
+    root cut round and heuristic, at every branch-and-bound node); with CBC, branch-and-bound nodes.
+    Unlike ``time_limit`` it cuts the search at the same point at any machine load, so with one
+    thread the same model gives the same solution (:data:`WORK_LIMIT_STATUS` when it cut).
+    """
     import pulp
 
     if not highs_available():
         return pulp.PULP_CBC_CMD(
-            msg=False, timeLimit=time_limit, gapRel=gap, threads=threads, warmStart=start is not None
+            msg=False,
+            timeLimit=time_limit,
+            gapRel=gap,
+            threads=threads,
+            warmStart=start is not None,
+            maxNodes=work_limit,
         )
 
     class _HiGHS(pulp.HiGHS):
-        """pulp's HiGHS, created quietly and optionally given a starting solution."""
+        """pulp's HiGHS, created quietly, optionally given a starting solution and a work limit."""
+
+        work_done = 0
 
         def createAndConfigureSolver(self, lp):  # noqa: N802 (pulp's name)
+            _use_highs_threads(threads)
             with _quiet_stdout():
                 super().createAndConfigureSolver(lp)
             lp.solverModel.setOptionValue("output_flag", False)
@@ -493,9 +510,37 @@ def make_milp_solver(time_limit: float, start: dict[str, float] | None, threads:
                 solution.col_value = [float(start.get(v.name, 0.0)) for v in lp.variables()]
                 solution.value_valid = True
                 lp.solverModel.setSolution(solution)
+            if work_limit is not None:
+
+                def checkpoint(event, solver=self) -> None:
+                    solver.work_done += 1
+                    if solver.work_done > work_limit:
+                        event.interrupt()
+
+                lp.solverModel.cbMipInterrupt.subscribe(checkpoint)
             super().callSolver(lp)
 
-    return _HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
+    return _HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=int(threads or 0))
+
+
+WORK_LIMIT_STATUS = "work_limit"
+_highs_threads: list[int] = []  # the thread count HiGHS's process-wide scheduler was started with
+
+
+def _use_highs_threads(threads: int | None) -> None:
+    """Restart HiGHS's process-wide thread scheduler when a solve asks for another thread count.
+
+    HiGHS starts one scheduler per process with the first solve's ``threads``; a later solve asking
+    for another count fails without a solution (status kNotset), so which MILPs succeeded would
+    depend on which solve ran first in the process.
+    """
+    import highspy
+
+    wanted = int(threads or 0)  # 0: HiGHS's default
+    if _highs_threads != [wanted]:
+        if _highs_threads:
+            highspy.Highs.resetGlobalScheduler(True)
+        _highs_threads[:] = [wanted]
 
 
 @dataclass
@@ -508,12 +553,17 @@ class SolveOutcome:
 
 
 def solve_model(
-    model: MilpModel, time_limit: float, start: dict[str, float] | None, threads: int | None, gap: float
+    model: MilpModel,
+    time_limit: float,
+    start: dict[str, float] | None,
+    threads: int | None,
+    gap: float,
+    work_limit: int | None = None,
 ) -> SolveOutcome:
     import pulp
 
     lp = model.lp
-    solver = make_milp_solver(time_limit, start, threads, gap)
+    solver = make_milp_solver(time_limit, start, threads, gap, work_limit)
     if start is not None and not isinstance(solver, pulp.HiGHS):
         for v in lp.variables():
             if v.name in start:
@@ -538,6 +588,8 @@ def solve_model(
             status = "infeasible"
         elif model_status == highspy.HighsModelStatus.kTimeLimit:
             status = "time_limit" if has_solution else "time_limit_no_solution"
+        elif model_status in (highspy.HighsModelStatus.kInterrupt, highspy.HighsModelStatus.kSolutionLimit):
+            status = WORK_LIMIT_STATUS if has_solution else f"{WORK_LIMIT_STATUS}_no_solution"
         else:
             status = (
                 "optimal"
@@ -557,8 +609,10 @@ def solve_model(
             status = "infeasible"
         elif lp.status != pulp.LpStatusOptimal or objective is None:
             status = "time_limit_no_solution" if seconds >= time_limit * 0.95 else "not_solved"
-        elif lp.sol_status == pulp.LpSolutionIntegerFeasible or seconds >= time_limit * 0.95:
+        elif seconds >= time_limit * 0.95:
             status = "time_limit"
+        elif lp.sol_status == pulp.LpSolutionIntegerFeasible:
+            status = WORK_LIMIT_STATUS if work_limit is not None else "time_limit"
         if status == "optimal":
             bound, gap_value = objective, 0.0
     if status == "optimal" and gap_value is None:

@@ -32,6 +32,7 @@ from solvers import (
     solve,
 )
 from solvers.chen import chen_greedy, chen_sqrt, cut_points, keep_all_plan
+from solvers.chen import lowest_peak_plan as chen_lowest_peak_plan
 from solvers.simulator import honour_policies
 
 REPO = Path(__file__).resolve().parents[1]
@@ -626,7 +627,7 @@ def test_solve_fills_info_and_checks_arguments():
 
 def test_infeasible_budget_error_message():
     p = Problem.training_chain(16, node_bytes=1 << 28)  # 256 MiB per activation
-    lowest = min_feasible_budget(p)
+    lowest = chen_lowest_peak_plan(p).info.predicted_peak_bytes  # chen_greedy's own floor
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(p, 1 << 30, "chen_greedy")
     err = info.value
@@ -695,7 +696,7 @@ def test_progress_callback():
     p = Problem.training_chain(40)
     solve(
         p,
-        min_feasible_budget(Problem.training_chain(40)) + 2,
+        chen_lowest_peak_plan(Problem.training_chain(40)).info.predicted_peak_bytes + 2,
         "chen_greedy",
         progress=lambda f, m: calls.append((f, m)),
     )
@@ -705,7 +706,8 @@ def test_progress_callback():
 
 def test_chen_greedy_simulation_count_is_bounded():
     p = Problem.training_chain(500, node_bytes=[1 + (i * 7919) % 13 for i in range(500)])
-    for budget in (min_feasible_budget(p), min_feasible_budget(p) + 40, 10**9):
+    lowest = chen_lowest_peak_plan(p).info.predicted_peak_bytes  # chen_greedy's own floor
+    for budget in (lowest, lowest + 40, 10**9):
         assert chen_greedy(p, budget).info.simulations <= 30
 
 
