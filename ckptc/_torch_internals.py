@@ -352,6 +352,11 @@ def share_registries(module: torch.nn.Module, model: torch.nn.Module) -> None:
     module._modules = model._modules
 
 
+def tensor_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``module``'s own parameter and buffer dicts (not its children's), to swap entries in place."""
+    return module._parameters, module._buffers
+
+
 def split_joint_graph(
     joint: fx.GraphModule,
     saved_values: list[fx.Node],

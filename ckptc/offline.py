@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ckptc._torch_internals import fake_tensor_mode, is_fake, tree_map
+from ckptc._torch_internals import fake_tensor_mode, is_fake, tensor_registries, tree_map
 from ckptc.errors import UntraceableModelError
 
 log = logging.getLogger("ckptc.offline")
@@ -96,7 +96,7 @@ def offline_step(
 
         try:
             for module in model.modules():
-                for registry in (module._parameters, module._buffers):
+                for registry in tensor_registries(module):
                     for name, t in list(registry.items()):
                         if t is not None:
                             swapped.append((registry, name, t))
