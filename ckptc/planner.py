@@ -27,6 +27,7 @@ captured once under any number of budgets without capturing again
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from collections import Counter
@@ -35,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import solvers
 from ckptc import policies
 from ckptc.errors import InvalidArgumentError
-from ckptc.options import CheckpointOptions, budget_to_bytes
+from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
 from ckptc.plans import ModelPlan, graph_plan
 from ckptc.problem import JointProblem
 from ckptc.records import GraphRecord, PlanSource, Progress
@@ -431,15 +432,19 @@ class CapturedStep:
         time_limit: float | None = None,
         plan_source: PlanSource | None = None,
         progress: Progress | None = None,
+        **unknown: Any,
     ) -> ModelPlan:
         """The :class:`~ckptc.plans.ModelPlan` of this step under a budget (None: no limit).
 
         ``strategy``, ``solver`` and ``time_limit`` override the capture's options.
 
         Raises:
+            ckptc.UnknownOptionError: a keyword this method does not take (the message lists those it does).
             ValueError: a bad budget, strategy or solver.
             solvers.InfeasibleBudgetError: the budget is below :attr:`floor_bytes`.
         """
+        valid = [name for name in inspect.signature(CapturedStep.plan).parameters if name not in ("self", "unknown")]
+        refuse_unknown("CapturedStep.plan keyword", unknown, valid, noun="keywords")
         records = self.decisions(
             budget_gb,
             budget_bytes=budget_bytes,

@@ -102,6 +102,13 @@ def test_an_unknown_keyword_lists_the_valid_names_and_the_closest_one() -> None:
         ckptc.backend(budget_gb=1, solvr="ilp")
 
 
+def test_captured_step_plan_refuses_an_unknown_keyword_listing_the_valid_ones() -> None:
+    step = ckptc.capture(_tiny(), (torch.randn(4, 8),))
+    with pytest.raises(ckptc.UnknownOptionError, match=r"\['solvr'\].*Did you mean 'solver'") as info:
+        step.plan(budget_bytes=10**9, solvr="ilp")
+    assert "'budget_bytes'" in str(info.value) and "'unknown'" not in str(info.value)
+
+
 def test_numpy_budgets_are_budgets_and_the_solver_list_names_auto_once() -> None:
     np = pytest.importorskip("numpy")
     assert ckptc.optimize(_tiny(), budget_bytes=np.int64(10**9)).compiler.budget_bytes == 10**9
