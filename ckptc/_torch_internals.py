@@ -352,6 +352,18 @@ def share_registries(module: torch.nn.Module, model: torch.nn.Module) -> None:
     module._modules = model._modules
 
 
+def compile_module(model: torch.nn.Module, backend: Any) -> Any:
+    """``torch.compile(model, backend=backend, dynamic=False)`` through the function PyTorch defines.
+
+    Frameworks may wrap ``torch.compile`` when imported (Lightning's wrapper deep-copies
+    every argument, which for ckptc's backend means its model and planned graphs, and fails
+    on fake tensors); ckptc's own compiles are internal and skip such wrappers.
+    """
+    import inspect
+
+    return inspect.unwrap(torch.compile)(model, backend=backend, dynamic=False)
+
+
 def tensor_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """``module``'s own parameter and buffer dicts (not its children's), to swap entries in place."""
     return module._parameters, module._buffers

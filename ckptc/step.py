@@ -302,7 +302,7 @@ class StepRuntime:
         compiler.active = self.active
         compiler.track_steps = True
         shape.compiler = compiler
-        shape.compiled = torch.compile(self.model, backend=compiler, dynamic=False)
+        shape.compiled = internals.compile_module(self.model, compiler)
         shape.needs_replan = False
         shape.verified = False
 

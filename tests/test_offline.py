@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 import re
 import resource
@@ -173,3 +174,14 @@ def test_a_loss_closing_over_meta_tensors_is_refused_with_what_to_do() -> None:
     with pytest.raises(ckptc.UntraceableModelError, match=r"(?s)meta device.*pass what the loss reads as an input"):
         ckptc.capture(meta, (ids,), loss_fn=loss_fn)
     assert all(p.device.type == "meta" for p in meta.parameters())
+
+
+def test_offline_planning_works_after_lightning_wraps_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing Lightning replaces ``torch.compile`` with a wrapper that deep-copies its arguments;
+    ckptc's own compiles skip it (a copy of its backend would copy the fake model and fail)."""
+    wrappers = pytest.importorskip("lightning.fabric.wrappers")
+    monkeypatch.setattr(torch, "compile", wrappers._capture_compile_kwargs(inspect.unwrap(torch.compile)))
+    with torch.device("meta"):
+        model = _llama()
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    assert ckptc.plan(model, (ids,), {"labels": ids}, strategy="none", device="cpu").predicted_peak_bytes > 0
