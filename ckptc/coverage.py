@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import linecache
 import logging
 import os
 import re
@@ -162,10 +163,12 @@ def _innermost_frame(stack_trace: str | None) -> tuple[str, str] | None:
     """``("file.py:123", "code")`` of the last frame of an FX node's ``stack_trace``."""
     if not stack_trace:
         return None
-    found = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n +([^\n]*)', stack_trace)
+    # A frame's code line is missing when linecache had no copy of the file at trace time: read it again.
+    found = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n(?! *File ") +([^\n]*))?', stack_trace)
     if not found:
         return None
     path, line, code = found[-1]
+    code = code or linecache.getline(path, int(line))
     return f"{os.path.basename(path)}:{line}", code.strip()
 
 
