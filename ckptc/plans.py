@@ -257,23 +257,15 @@ class ModelPlan:
             parameter_bytes=r.optional_count(data.get("parameter_bytes"), "parameter_bytes"),
             gradient_bytes=r.optional_count(data.get("gradient_bytes"), "gradient_bytes"),
         )
-        if "predicted_peak_bytes" in data:
-            # Derived from the graphs; a different figure means the file was edited.
-            peak = r.count(data["predicted_peak_bytes"], "predicted_peak_bytes")
-            if peak != model_plan.predicted_peak_bytes:
-                r.fail(
-                    "predicted_peak_bytes",
-                    f"is {peak} but its graphs peak at {model_plan.predicted_peak_bytes} "
-                    f"({_per_graph(model_plan, 'predicted_peak_bytes')})",
-                )
-        if "recompute_flops" in data:
-            flops = r.number(data["recompute_flops"], "recompute_flops")
-            if flops != model_plan.recompute_flops:
-                r.fail(
-                    "recompute_flops",
-                    f"is {flops} but its graphs recompute {model_plan.recompute_flops} "
-                    f"({_per_graph(model_plan, 'recompute_flops')})",
-                )
+        # Derived from the graphs; a different figure means the file was edited.
+        for name, read, verb in (
+            ("predicted_peak_bytes", r.count, "peak at"),
+            ("recompute_flops", r.number, "recompute"),
+        ):
+            if name in data:
+                stored, derived = read(data[name], name), getattr(model_plan, name)
+                if stored != derived:
+                    r.fail(name, f"is {stored} but its graphs {verb} {derived} ({_per_graph(model_plan, name)})")
         return model_plan
 
 
