@@ -585,6 +585,7 @@ def hierarchical(
         nested = None
     if progress is not None:
         progress(1.0, "hierarchical: done")
+    details = {"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)}
     if nested is not None and (found is None or nested[3] < found[2]):
         kept, schedule, peak, cost = nested
         log.info("hierarchical: nested recomputation, peak %s, recompute cost %.4g", format_bytes(peak), cost)
@@ -597,7 +598,7 @@ def hierarchical(
                 predicted_peak_bytes=peak,
                 recompute_cost=cost,
                 candidate="nested",
-                details={"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)},
+                details=details,
             ),
         )
     if found is None:
@@ -606,8 +607,7 @@ def hierarchical(
         if floor > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, floor)
         return dataclasses.replace(lowest, budget_bytes=budget_bytes)
-    else:
-        kept = names_of(problem, found[0])
+    kept = names_of(problem, found[0])
     _, peak, cost = found
     log.info(
         "hierarchical: peak %s within %s, recompute cost %.4g (%.2f s)",
@@ -623,7 +623,7 @@ def hierarchical(
         info=SolveInfo(
             predicted_peak_bytes=peak,
             recompute_cost=cost,
-            details={"blocks": len(menu.chain.blocks), "block_classes": len(menu.chain.classes)},
+            details=details,
         ),
     )
 
