@@ -32,6 +32,7 @@ from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.coverage import refuse_oversized
 from ckptc.devices import graph_device, memory_model
 from ckptc.distributed import check_backend_context, local_nbytes
+from ckptc.lean_backward import drop_unread_batch_norm_statistics, reinplace
 from ckptc.meter import resident_bytes
 from ckptc.options import CheckpointOptions
 from ckptc.planner import decide
@@ -210,7 +211,7 @@ class CheckpointCompiler:
         link = gm.meta.get("ckptc_record")
         record = link.record if link is not None else None
         free = record.joint_problem.free_tangents if record is not None else ()
-        return ZeroGradBackward(gm, internals.boxed, free=free, record=record)
+        return ZeroGradBackward(gm, lambda graph: internals.boxed(reinplace(graph)), free=free, record=record)
 
     def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if self.options.compiler == "inductor":
@@ -251,7 +252,8 @@ class CheckpointCompiler:
             # Inductor cannot lower the Python calls that replay generator state,
             # so under Inductor random ops keep their outputs instead.
             insert_rng_state_nodes(joint.graph)
-            joint.recompile()
+        drop_unread_batch_norm_statistics(joint.graph)
+        joint.recompile()
         annotate_costs(joint)
         if self.options.measure_scratch:
             measure_scratch(joint)
@@ -272,6 +274,7 @@ class CheckpointCompiler:
             policies=policies,
             hold_outputs=self.options.hold_outputs,
             free_unused_grads=self.options.compiler == "eager",
+            in_place_backward=self.options.compiler == "eager",
         )
         record = decide(
             jp,

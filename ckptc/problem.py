@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import solvers
 from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
 from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size
+from ckptc.lean_backward import in_place_targets
 from ckptc.unused_grads import ZERO, Folding, foldable_tangents
 
 log = logging.getLogger("ckptc.problem")
@@ -111,6 +112,7 @@ def joint_to_problem(
     policies: dict[str, str] | None = None,
     hold_outputs: bool | None = False,
     free_unused_grads: bool = False,
+    in_place_backward: bool = False,
 ) -> JointProblem:
     """Build the solver problem of an annotated joint graph.
 
@@ -134,6 +136,10 @@ def joint_to_problem(
             result nobody used (:mod:`ckptc.unused_grads`).  With results released
             (``hold_outputs`` False), such gradients are priced as free, and
             ``add(gradient, g)`` as ``g`` itself.
+        in_place_backward: the backward writes elementwise results into an
+            operand they are the last reader of, as eager's gradient
+            accumulation does (:mod:`ckptc.lean_backward`); such ops are priced
+            as views of that operand.
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
@@ -154,11 +160,18 @@ def joint_to_problem(
             policies[state.name] = "save"
     differentiable = _differentiable_nodes(joint, output_node, num_fwd_outputs)
     free_tangents: dict[str, Folding] = foldable_tangents(joint.graph) if free_unused_grads and not hold_outputs else {}
-    # node name -> (bytes, alias_of) for nodes that vanish when those gradients are absent.
+    # node name -> (bytes, alias_of) for nodes that vanish when those gradients are absent,
+    # or that write into an operand (in_place_backward).
     vanishing: dict[str, tuple[int, str | None]] = {}
     for folding in free_tangents.values():
         for node, value in folding.replaced.items():
             vanishing[node.name] = (0, node.meta["ckptc"].alias_of if value is ZERO else value.name)
+    if in_place_backward:
+        # A folded zero's readers read the value it folds into: leave folded nodes and those values alone.
+        folding = set(vanishing) | {alias for _, alias in vanishing.values()}
+        for node, operand in in_place_targets(joint.graph).items():
+            if node.name not in folding and operand.name not in folding:
+                vanishing[node.name] = (0, operand.name)
     region_outputs = _outputs_read_by_later_regions(joint)
     graph = nx.DiGraph()
     inputs, forward, backward = [], [], []

@@ -1,0 +1,180 @@
+"""A backward that holds no more than eager's: two passes over the joint graph.
+
+**Unread statistics.**  In training mode ``native_batch_norm_backward`` reads
+the batch's saved mean and inverse deviation, never the running statistics;
+the traced backward still passes it the *new* running statistics, which are
+then saved for backward where eager saves nothing new (the buffers
+themselves).  :func:`drop_unread_batch_norm_statistics` passes ``None``
+(which the op accepts) instead.
+
+**Backward arithmetic that writes into an operand it is the last reader of.**
+
+Eager autograd sums the gradients of a value used several times in place: its
+input buffer adds each new contribution into the running sum.  AOTAutograd's
+traced backward spells the same sum as ``add(running, new)``, a fresh tensor,
+so for one op the old sum, the new contribution and the new sum are all alive
+(a ``select`` inside a scan loop: three full-size tensors where eager holds
+two).  The same holds for any elementwise ``add``/``sub``/``mul``/``div`` in
+backward whose operand dies at that op.
+
+:func:`in_place_targets` finds, in graph order, the backward ops that may
+write into such an operand: the operand is a backward value that owns its
+storage, has the op's shape, dtype and strides, is read by nobody after the op
+(nor through a view), is not a graph result, and does not overlap the other
+operand.  The pricing (:func:`ckptc.problem.joint_to_problem`) counts such an
+op as an alias of that operand, and :func:`reinplace` rewrites the final
+backward graph with the in-place variants (``add_``), checking the same
+conditions on that graph, so the memory the simulator predicts is what runs.
+
+Only the eager compiler gets this: Inductor plans its own buffer reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ckptc.costs import BACKWARD
+
+log = logging.getLogger("ckptc.lean_backward")
+
+aten = torch.ops.aten
+
+# op -> (its in-place variant, whether the second operand may be the one written into).
+_IN_PLACE: dict[Any, tuple[Any, bool]] = {
+    aten.add.Tensor: (aten.add_.Tensor, True),
+    aten.mul.Tensor: (aten.mul_.Tensor, True),
+    aten.sub.Tensor: (aten.sub_.Tensor, False),
+    aten.div.Tensor: (aten.div_.Tensor, False),
+}
+
+
+def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """``op -> operand`` for every backward op of ``graph`` that may overwrite that operand.
+
+    Reads ``node.meta["ckptc"]`` (:func:`ckptc.costs.annotate_costs`) for each
+    node's kind and storage.  The ops are taken in graph order and an operand
+    already written into is not chosen twice, so the result is what
+    :func:`reinplace` does to the same graph.  Runs in O(nodes + edges).
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    parent: dict[fx.Node, fx.Node] = {}  # a view -> what it views; an op written in place -> its operand
+
+    def storage(node: fx.Node) -> fx.Node:
+        while node in parent:
+            node = parent[node]
+        return node
+
+    views: set[fx.Node] = set()
+    last_read: dict[fx.Node, int] = {}  # storage -> position of its last reader, through any view
+    for node in graph.nodes:
+        cost = node.meta.get("ckptc")
+        alias_of = cost.alias_of if cost is not None else None
+        if alias_of is not None:
+            views.add(node)  # even when what it views is not in this graph (a saved activation)
+        base = next((n for n in node.all_input_nodes if n.name == alias_of), None) if alias_of else None
+        if base is not None:
+            parent[node] = storage(base)
+        for arg in node.all_input_nodes:  # the output node reads the results: they are never written into
+            last_read[storage(arg)] = order[node]
+
+    chosen: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        entry = _IN_PLACE.get(node.target) if node.op == "call_function" else None
+        if entry is None or not _is_backward(node) or len(node.args) < 2:
+            continue
+        candidates = node.args[:2] if entry[1] else node.args[:1]
+        for i, operand in enumerate(candidates):
+            other = node.args[1 - i]
+            if (
+                isinstance(operand, fx.Node)
+                and operand not in views
+                and _is_backward(storage(operand))
+                and storage(operand).op == "call_function"
+                and last_read.get(storage(operand)) == order[node]
+                and not (isinstance(other, fx.Node) and other is not operand and storage(other) is storage(operand))
+                and _same_layout(operand, node)
+            ):
+                chosen[node] = operand
+                own = storage(operand)
+                last_read[own] = max(order[node], last_read.get(node, order[node]))
+                parent[node] = own
+                break
+    return chosen
+
+
+def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with each op of :func:`in_place_targets` replaced by its in-place variant.
+
+    The written operand becomes the op's first argument (``add``/``mul`` are
+    commutative; ``sub``/``div`` are only ever written into their first).
+    ``gm`` is left unchanged when there is nothing to rewrite; otherwise a new
+    module is returned.
+    """
+    targets = in_place_targets(gm.graph)
+    if not targets:
+        return gm
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    for node, operand in targets.items():
+        new = env[node]
+        in_place, _ = _IN_PLACE[node.target]
+        first, second = node.args[0], node.args[1]
+        args = (operand, second if first is operand else first, *node.args[2:])
+        new.target = in_place
+        new.args = fx.node.map_arg(args, lambda n: env[n])
+    graph.lint()
+    log.debug("backward: %d elementwise ops write into an operand they are the last reader of", len(targets))
+    return fx.GraphModule(gm, graph)
+
+
+def drop_unread_batch_norm_statistics(graph: fx.Graph) -> int:
+    """Pass ``None`` for the running statistics of every training-mode batch-norm backward.
+
+    Returns how many arguments were dropped.  Run it on the joint graph before
+    pricing, so that nothing is saved for them.
+    """
+    dropped = 0
+    for node in graph.find_nodes(op="call_function", target=aten.native_batch_norm_backward.default):
+        args = list(node.args)
+        train = args[7] if len(args) > 7 else node.kwargs.get("train")
+        if train is not True or len(args) < 5:
+            continue
+        dropped += sum(isinstance(a, fx.Node) for a in args[3:5])
+        args[3] = args[4] = None
+        node.args = tuple(args)
+    return dropped
+
+
+def _is_backward(node: fx.Node) -> bool:
+    cost = node.meta.get("ckptc")
+    return cost is not None and cost.kind == BACKWARD and "ckptc_recompute_of" not in node.meta
+
+
+def _same_layout(operand: fx.Node, node: fx.Node) -> bool:
+    """The op's result has exactly the operand's shape, strides and dtype, all static, on one device."""
+    a, b = operand.meta.get("val"), node.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    if a.dtype != b.dtype or a.device != b.device or a.is_sparse or b.is_sparse:
+        return False
+    sizes = (*a.shape, *b.shape, *a.stride(), *b.stride())
+    if not all(isinstance(s, int) for s in sizes):
+        return False
+    return tuple(a.shape) == tuple(b.shape) and tuple(a.stride()) == tuple(b.stride()) and _dense(a)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: an in-place elementwise op then writes every element once."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True

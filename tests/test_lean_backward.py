@@ -1,0 +1,142 @@
+"""A backward that holds no more than eager's (ckptc/lean_backward.py): elementwise results written into an
+operand they are the last reader of, and no running statistics for BatchNorm's training-mode backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import ShapeProp
+
+import ckptc
+from ckptc.costs import BACKWARD, FORWARD, NodeCost
+from ckptc.lean_backward import in_place_targets, reinplace
+from tests.helpers import assert_same_training, get_case, measure, step
+from tests.zoo import ModelCase
+
+aten = torch.ops.aten
+
+
+def _annotate(graph: fx.Graph, kinds: dict[str, str], views: dict[str, str] | None = None) -> None:
+    """Give every node the cost record the pass reads (kind, alias), with fake-free example values."""
+    views = views or {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        kind = kinds.get(node.name, BACKWARD)
+        node.meta["ckptc"] = NodeCost(
+            kind=kind, bytes=0, flops=0, alias_of=views.get(node.name), module="", stable_name=""
+        )
+
+
+def _trace(fn, *shapes: tuple[int, ...]) -> fx.GraphModule:
+    gm = fx.symbolic_trace(fn)
+    args = [torch.randn(s) for s in shapes]
+    ShapeProp(gm).propagate(*args)
+    for node in gm.graph.nodes:
+        meta = node.meta.get("tensor_meta")
+        if node.op != "output" and meta is not None:
+            node.meta["val"] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+    return gm
+
+
+def _accumulate(a, b, c):
+    s1 = aten.add.Tensor(aten.mul.Tensor(a, 2.0), b)  # mul's result dies at s1: written into
+    s2 = aten.add.Tensor(s1, c)  # the running sum: written into again
+    return aten.sub.Tensor(s2, a)  # a is the graph's input: never written into
+
+
+def test_a_running_sum_is_written_into_and_the_results_are_unchanged() -> None:
+    gm = _trace(_accumulate, (4, 8), (4, 8), (4, 8))
+    _annotate(gm.graph, kinds={"a": FORWARD, "b": FORWARD, "c": FORWARD})
+    targets = {n.name: o.name for n, o in in_place_targets(gm.graph).items()}
+    assert targets == {"add_tensor": "mul_tensor", "add_tensor_1": "add_tensor", "sub_tensor": "add_tensor_1"}
+    rewritten = reinplace(gm)
+    assert [n.target for n in rewritten.graph.nodes if n.op == "call_function"] == [
+        aten.mul.Tensor,
+        aten.add_.Tensor,
+        aten.add_.Tensor,
+        aten.sub_.Tensor,
+    ]
+    args = [torch.randn(4, 8) for _ in range(3)]
+    saved = [a.clone() for a in args]
+    torch.testing.assert_close(rewritten(*args), gm(*saved))
+    assert all(torch.equal(a, s) for a, s in zip(args, saved, strict=True))  # inputs untouched
+
+
+def _read_later(a, b):
+    m = aten.mul.Tensor(a, 3.0)
+    s = aten.add.Tensor(m, b)
+    return s, aten.add.Tensor(m, 1.0)  # m is read after s: s must not overwrite it
+
+
+def _viewed_later(a, b):
+    m = aten.mul.Tensor(a, 3.0)
+    v = aten.view.default(m, [32])
+    s = aten.add.Tensor(m, b)
+    return s, aten.mul.Tensor(v, 2.0)  # a view of m is read after s
+
+
+def _broadcast(a, b):
+    m = aten.mul.Tensor(a, 3.0)  # shape (1, 8)
+    return aten.add.Tensor(m, b)  # result (4, 8): m is too small to hold it
+
+
+def _result_operand(a, b):
+    m = aten.mul.Tensor(a, 3.0)
+    return m, aten.add.Tensor(m, b)  # m is a result of the graph
+
+
+@pytest.mark.parametrize(
+    "fn, shapes, views",
+    [
+        (_read_later, [(4, 8), (4, 8)], {}),
+        (_viewed_later, [(4, 8), (4, 8)], {"view_default": "mul_tensor"}),
+        (_broadcast, [(1, 8), (4, 8)], {}),
+        (_result_operand, [(4, 8), (4, 8)], {}),
+    ],
+    ids=["read-later", "viewed-later", "broadcast", "result"],
+)
+def test_an_operand_still_needed_or_too_small_is_never_written_into(fn, shapes, views) -> None:
+    gm = _trace(fn, *shapes)
+    _annotate(gm.graph, kinds={"a": FORWARD, "b": FORWARD}, views=views)
+    assert "add_tensor" not in {n.name for n in in_place_targets(gm.graph)}
+
+
+def test_training_mode_batch_norm_backward_gets_no_running_statistics() -> None:
+    model = torch.nn.Sequential(torch.nn.Conv1d(3, 8, 3), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+    x = torch.randn(4, 3, 16)
+    step = ckptc.capture(model, (x,), loss_fn=lambda out: out.square().mean())
+    joint = step.records[0].joint_problem.joint
+    (backward,) = joint.graph.find_nodes(op="call_function", target=aten.native_batch_norm_backward.default)
+    assert backward.args[3] is None and backward.args[4] is None
+    saved = {name for name, _, _ in step.plan(strategy="none").saved_residuals()}
+    assert not any(name.endswith(("getitem_3", "getitem_4")) for name in saved), saved
+
+
+def test_forward_values_and_recomputations_are_never_written_into() -> None:
+    gm = _trace(_accumulate, (4, 8), (4, 8), (4, 8))
+    _annotate(gm.graph, kinds={"a": FORWARD, "b": FORWARD, "c": FORWARD, "mul_tensor": FORWARD})
+    assert "add_tensor" not in {n.name for n in in_place_targets(gm.graph)}
+    gm = _trace(_accumulate, (4, 8), (4, 8), (4, 8))
+    _annotate(gm.graph, kinds={"a": FORWARD, "b": FORWARD, "c": FORWARD})
+    next(n for n in gm.graph.nodes if n.name == "mul_tensor").meta["ckptc_recompute_of"] = "mul_tensor"
+    assert "add_tensor" not in {n.name for n in in_place_targets(gm.graph)}
+
+
+@pytest.mark.parametrize("name", ["mamba", "convnet"])
+def test_keeping_everything_costs_no_more_than_eager_with_scans_and_batch_norm(name: str) -> None:
+    """A sequential scan's ``select`` backward accumulates a full-size gradient per step: eager adds
+    each into the running sum in place, and so does ckptc's backward.  BatchNorm's backward gets no
+    running statistics, so none are saved for it.  Measured against eager and the prediction."""
+    case = get_case(name)
+    reference = copy.deepcopy(case.model)
+    other = copy.deepcopy(case.model)
+    eager = measure(ModelCase(name, other, case.example_inputs, case.example_kwargs, loss=case.loss), other)
+    optimized = ckptc.optimize(case.model, strategy="none")
+    assert_same_training(case, reference, step(case, optimized), step(case, reference))
+    measured = measure(case, optimized).peak_bytes
+    assert measured <= eager.peak_bytes
+    assert measured <= optimized.plan.predicted_peak_bytes
