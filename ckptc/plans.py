@@ -285,6 +285,15 @@ def known_methods() -> list[str]:
 
 # Solve-info fields that have a value in every plan (the others may be null: not known).
 NOT_NULL_INFO = ("refined", "applied_from_file", "details")
+# What a plan file stores of a SolveInfo: every field but the timings, each checked by the reader
+# method named by its type (``chosen`` names a method).  Derived, so a new field cannot go unchecked.
+_CHECK_OF_TYPE = {"int | None": "count", "float | None": "number", "str | None": "name", "bool": "boolean"}
+_NOT_IN_FILES = ("solve_seconds", "tried")
+SOLVE_INFO_CHECKS: dict[str, str] = {
+    f.name: "method" if f.name == "chosen" else "details" if f.type.startswith("Mapping") else _CHECK_OF_TYPE[f.type]
+    for f in dataclasses.fields(solvers.SolveInfo)
+    if f.name not in _NOT_IN_FILES
+}
 # Details solvers report whose type is known (the rest: any JSON scalar).
 DETAIL_CHECKS = {
     "blocks": "count",
@@ -449,21 +458,7 @@ class _Reader:
     def solve_info(self, value: Any, field: str) -> solvers.SolveInfo:
         """A :class:`solvers.SolveInfo` as plan files store it (no timings): every field checked."""
         data = self.mapping(value, field)
-        checks: dict[str, Callable[[Any, str], Any]] = {
-            "predicted_peak_bytes": self.count,
-            "recompute_cost": self.number,
-            "status": self.name,
-            "gap": self.number,
-            "bound": self.number,
-            "objective": self.number,
-            "candidate": self.name,
-            "threshold_bytes": self.count,
-            "simulations": self.count,
-            "refined": self.boolean,
-            "applied_from_file": self.boolean,
-            "chosen": self.method,
-            "details": self.details,
-        }
+        checks = {name: getattr(self, check) for name, check in SOLVE_INFO_CHECKS.items()}
         for key, item in data.items():
             check = checks.get(key)
             if check is None:
