@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -173,7 +172,8 @@ def joint_to_problem(
             if node.name not in folding and operand.name not in folding:
                 vanishing[node.name] = (0, operand.name)
     region_outputs = _outputs_read_by_later_regions(joint)
-    graph = nx.DiGraph()
+    fields: dict[str, dict] = {}  # node name -> solvers.Node fields but its name and preds
+    reads: dict[str, list[str]] = {}
     inputs, forward, backward = [], [], []
     nodes: dict[str, fx.Node] = {}
     for node in joint.graph.nodes:
@@ -203,8 +203,7 @@ def joint_to_problem(
                 )
             policy = "save"
         nbytes, alias_of = vanishing.get(node.name, (cost.bytes, cost.alias_of))
-        graph.add_node(
-            node.name,
+        fields[node.name] = dict(
             bytes=nbytes,
             cost=cost.cost,
             kind=cost.kind,
@@ -219,8 +218,7 @@ def joint_to_problem(
             differentiable=node in differentiable,
             checkpointed=node.meta.get("recompute") in _RECOMPUTED_BY_THE_MODEL and node not in region_outputs,
         )
-        for p in preds:
-            graph.add_edge(p, node.name)
+        reads[node.name] = preds
         {INPUT: inputs, FORWARD: forward, BACKWARD: backward}[cost.kind].append(node.name)
 
     stable_names = {name: n.meta["ckptc"].stable_name for name, n in nodes.items()}
@@ -230,14 +228,23 @@ def joint_to_problem(
         # end of forward keeps each result alive exactly through the forward phase.
         for result in dict.fromkeys(r for r in forward_results if r.name not in output_names):
             marker = RETURN_PREFIX + result.name
-            graph.add_node(marker, bytes=0, cost=0.0, kind=FORWARD, output=True)
-            graph.add_edge(result.name, marker)
+            fields[marker] = dict(bytes=0, cost=0.0, kind=FORWARD, output=True)
+            reads[marker] = [result.name]
             forward.append(marker)
             stable_names[marker] = RETURN_PREFIX + stable_names[result.name]
 
     # Tangents are backward nodes without predecessors: put them first in backward.
     backward.sort(key=lambda name: nodes[name].op != "placeholder")
-    problem = solvers.Problem.from_networkx(graph, inputs + forward + backward, baseline_bytes=baseline_bytes)
+    order = inputs + forward + backward
+    position = {name: i for i, name in enumerate(order)}
+    problem = solvers.Problem(
+        nodes=tuple(
+            # Preds in execution order, each once: what a plan file's fingerprint was made from.
+            solvers.Node(name=name, preds=tuple(sorted(set(reads[name]), key=position.__getitem__)), **fields[name])
+            for name in order
+        ),
+        baseline_bytes=baseline_bytes,
+    )
     results = {r.name: cost_of(r).bytes for r in forward_results if _numel(r) > 1 and "ckptc" in r.meta}
     return JointProblem(
         problem=problem,
