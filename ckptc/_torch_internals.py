@@ -76,12 +76,6 @@ def op_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def short_op_name(target: Any) -> str:
-    """The op's short name where it has one (``"mm"`` for ``aten.mm.default``), else ``str(target)``
-    (``operator.getitem`` is ``"<built-in function getitem>"``: never mistaken for an aten op)."""
-    return str(getattr(target, "_opname", target))
-
-
 def is_view_op(target: Any) -> bool:
     """True if ``target`` is an op overload whose output views its input (``view``, ``expand``...)."""
     return is_op_overload(target) and bool(target.is_view)

@@ -16,7 +16,6 @@ import logging
 from typing import Iterable
 
 import solvers
-from ckptc._torch_internals import short_op_name
 from ckptc.errors import InvalidArgumentError
 from ckptc.problem import JointProblem
 from solvers.chen import keep_all_plan
@@ -93,9 +92,7 @@ def selective(jp: JointProblem) -> solvers.Plan:
     recomputed from them.
     """
     problem = jp.problem
-    kept = {
-        name for name in jp.graph_nodes(problem.forward_nodes) if dots_saveable(short_op_name(jp.nodes[name].target))
-    }
+    kept = {name for name in jp.graph_nodes(problem.forward_nodes) if dots_saveable(jp.node_cost(name).op)}
     return solvers.Plan(kept=_backward_read_closure(jp, kept), method="selective")
 
 
