@@ -278,8 +278,10 @@ def _refusal(
 
 
 def unoptimized_result(jp: JointProblem) -> solvers.SimResult:
-    """The graph keeping every value backward reads (no ckptc), simulated."""
-    return solvers.simulate(jp.problem, keep_everything(jp))
+    """The graph keeping every value backward reads (no ckptc), simulated (once per graph)."""
+    if "_unoptimized" not in jp.__dict__:
+        jp.__dict__["_unoptimized"] = solvers.simulate(jp.problem, keep_everything(jp))
+    return jp.__dict__["_unoptimized"]
 
 
 def tighter_graph_budgets(
