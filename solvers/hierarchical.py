@@ -526,7 +526,10 @@ def _nested_tables(problem: Problem, menu: Menu, budget_bytes: int):
     if n < 2 or n > MAX_NESTED_BLOCKS:
         return None
     built = problem._cache.setdefault("hierarchical.nested", [])
-    fitting = [t for t in built if t.capacity * t.quantum >= budget_bytes >= t.capacity * t.quantum // 2]
+    # (a budget rounds down to whole units: the one a table was built for reads its last unit)
+    fitting = [
+        t for t in built if t.capacity >= budget_bytes // t.quantum and budget_bytes >= t.capacity * t.quantum // 2
+    ]
     if fitting:
         return min(fitting, key=lambda t: t.quantum)
     model = built[0].model if built else chain_model(problem, menu)
