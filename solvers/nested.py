@@ -92,8 +92,8 @@ class NestedTables:
 def nested_dp(model: ChainModel, budget_bytes: int, units: int = NESTED_UNITS) -> NestedTables:
     """The checkpoint-and-continue DP over the chain, exact for :class:`ChainModel` at ``quantum`` bytes.
 
-    Each segment's candidates (its block's options, then every continue point ``j``) are
-    stacked into one array and reduced at once: O(L^2) numpy calls on O(L^3 x units) entries.
+    Each candidate updates only the prefix of held units it allows, in place (no
+    temporary full-size arrays): O(L^2 (L + options)) numpy calls on ``units`` entries.
     Ties go to the first candidate (options before continue points, then smaller ``j``).
     """
     quantum = max(1, -(-budget_bytes // units))
@@ -101,44 +101,49 @@ def nested_dp(model: ChainModel, budget_bytes: int, units: int = NESTED_UNITS) -
     size = cap + 1
     n = len(model.kept)
     up = lambda x: -(-np.asarray(x, dtype=np.int64) // quantum)  # noqa: E731
-    K = [up(k) for k in model.kept]
-    N = [up(k) for k in model.need]
-    P = up(model.forward_need)
-    X = up(model.crossing)
+    K = [up(k).tolist() for k in model.kept]
+    N = [up(k).tolist() for k in model.need]
+    P = up(model.forward_need).tolist()
+    X = up(model.crossing).tolist()
     F = np.asarray(model.forward_cost, dtype=np.float64)
     prefix_f = np.concatenate([[0.0], np.cumsum(F)])
-    u = np.arange(size)
-    table = np.full((n, n, size), np.inf)  # table[a, b] = opt[(a, b)]
-    how_table = np.full((n, n, size), n + 1, dtype=np.int32)
     zeros = np.zeros(size)
+    opt: dict[tuple[int, int], np.ndarray] = {}
+    how: dict[tuple[int, int], np.ndarray] = {}
+    cand = np.empty(size)
+    better = np.empty(size, dtype=bool)
+
+    def offer(best: np.ndarray, arg: np.ndarray, top: int, code: int) -> None:
+        """Take ``cand[:top + 1]`` where it is strictly better than ``best``."""
+        c, w = cand[: top + 1], better[: top + 1]
+        np.less(c, best[: top + 1], out=w)
+        np.copyto(best[: top + 1], c, where=w)
+        np.copyto(arg[: top + 1], code, where=w)
+
     for length in range(1, n + 1):
         for a in range(0, n - length + 1):
             b = a + length - 1
-            rest = table[a + 1, b] if a < b else zeros
-            # Run block a with option o: u + max(K, N) must fit; then a+1..b with K more held.
-            k = np.minimum(K[a], cap)
-            top = cap - np.maximum(K[a], N[a])
-            rows = F[a] + np.asarray(model.cost[a], dtype=np.float64)[:, None] + rest[np.minimum(u + k[:, None], cap)]
-            rows[u[None, :] > top[:, None]] = np.inf
-            codes = np.arange(len(K[a]), dtype=np.int32)
-            if b > a:
-                # Continue at j = a+1..b: run a..j-1 keeping only what crosses j.
-                j = np.arange(a + 1, b + 1)
-                fwd_peak = np.maximum(0, np.maximum.accumulate(X[a, a:b] + P[a:b]))
-                x = X[a, j]
-                top_j = cap - np.maximum(fwd_peak, x)
-                later = table[j, b][np.arange(len(j))[:, None], np.minimum(u[None, :] + x[:, None], cap)]
-                cont = (prefix_f[j] - prefix_f[a])[:, None] + later + table[a, j - 1]
-                cont[u[None, :] > top_j[:, None]] = np.inf
-                rows = np.concatenate([rows, cont])
-                codes = np.concatenate([codes, (-j).astype(np.int32)])
-            first = np.argmin(rows, axis=0)
-            best = rows[first, u]
-            table[a, b] = best
-            how_table[a, b] = np.where(np.isfinite(best), codes[first], n + 1)
-    # Copies of the segments' rows only (the 3D arrays are half empty).
-    opt = {(a, b): table[a, b].copy() for a in range(n) for b in range(a, n)}
-    how = {(a, b): how_table[a, b].copy() for a in range(n) for b in range(a, n)}
+            best = np.full(size, np.inf)
+            arg = np.full(size, n + 1, dtype=np.int32)
+            rest = opt[(a + 1, b)] if a < b else zeros
+            for o, (k, need) in enumerate(zip(K[a], N[a], strict=True)):
+                top = cap - max(k, need)
+                if top < 0:
+                    continue
+                np.add(F[a] + model.cost[a][o], rest[k : k + top + 1], out=cand[: top + 1])
+                offer(best, arg, top, o)
+            fwd_peak = 0  # max over k in a..j-1 of X[a][k] + P[k]
+            for j in range(a + 1, b + 1):
+                fwd_peak = max(fwd_peak, X[a][j - 1] + P[j - 1])
+                x = X[a][j]
+                top = cap - max(fwd_peak, x)
+                if top < 0:
+                    continue
+                c = cand[: top + 1]
+                np.add(prefix_f[j] - prefix_f[a], opt[(j, b)][x : x + top + 1], out=c)
+                np.add(c, opt[(a, j - 1)][: top + 1], out=c)
+                offer(best, arg, top, -j)
+            opt[(a, b)], how[(a, b)] = best, arg
     return NestedTables(opt, how, quantum, model, cap)
 
 

@@ -61,6 +61,7 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
             break
         held = _held_after(problem, mask, candidates)
         lo, hi = 0, len(candidates)  # the longest fitting prefix is in [lo, hi]
+        fitting: dict[int, tuple[bytearray, float]] = {}  # prefix length -> (mask, cost), to reuse
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if held[mid] > budget_bytes:
@@ -73,15 +74,13 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
             result = evaluate_mask(problem, trial, check=False)
             if result.peak_bytes <= budget_bytes and result.recompute_cost <= best_cost:
                 lo = mid
+                fitting[mid] = (trial, result.recompute_cost)
             else:
                 hi = mid - 1
         if lo == 0:
             candidates = candidates[1:]  # the best single candidate does not fit: skip it
             continue
-        for v in candidates[:lo]:
-            mask[v] = 1
-        mask = honour_policies_mask(problem, mask)
-        best_cost = evaluate_mask(problem, mask).recompute_cost
+        mask, best_cost = fitting[lo]  # simulated already
         candidates = candidates[lo:]
     if best_cost >= core.recompute_cost:
         return plan

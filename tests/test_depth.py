@@ -8,6 +8,7 @@ budget, and fill_budget simulations of prefixes that cannot fit.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 
 import pytest
@@ -105,14 +106,16 @@ def test_a_plan_replays_the_whole_graph_as_often_at_4_layers_as_at_2(monkeypatch
             model, ids = _tiny_llama(layers)
             step = ckptc.capture(model, (ids,), {"labels": ids})
         budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-        step.plan(budget_bytes=budget)  # the first plan of a graph fingerprints it
         replays, tables = Counting(simulator._resolve), Counting(nested.nested_dp)
+        fingerprints = Counting(hashlib.sha256)
         monkeypatch.setattr(simulator, "_resolve", replays)
         monkeypatch.setattr(nested, "nested_dp", tables)
-        plan = step.plan(budget_bytes=budget + 4096)
+        monkeypatch.setattr(hashlib, "sha256", fingerprints)
+        plan = step.plan(budget_bytes=budget)
         monkeypatch.undo()
-        assert plan.graphs[0].predicted_peak_bytes <= budget + 4096
-        counts[layers] = (replays.calls, tables.calls)
+        assert plan.graphs[0].predicted_peak_bytes <= budget
+        counts[layers] = (replays.calls, tables.calls, fingerprints.calls)
     # One replay per method auto tries (hierarchical, chen_greedy); the floor, the unoptimized
-    # plan and the judges after auto read what was simulated before.  No nested table is built.
-    assert counts[2] == counts[4] and counts[4][0] <= 2 and counts[4][1] == 0, counts
+    # plan and the judges after auto read what was simulated before.  The capture built the
+    # nested tables and the fingerprint.
+    assert counts[2] == counts[4] and counts[4][0] <= 2 and counts[4][1:] == (0, 0), counts
