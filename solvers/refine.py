@@ -67,10 +67,11 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
             if held[mid] > budget_bytes:
                 hi = mid - 1  # its kept storages alone exceed the budget
                 continue
+            # No policy to honour again: ``mask`` honours them, no candidate must be recomputed, and
+            # keeping more only shrinks the set of recomputed values (so no "save" value joins it).
             trial = bytearray(mask)
             for v in candidates[:mid]:
                 trial[v] = 1
-            trial = honour_policies_mask(problem, trial)
             result = evaluate_mask(problem, trial, check=False)
             if result.peak_bytes <= budget_bytes and result.recompute_cost <= best_cost:
                 lo = mid
