@@ -37,7 +37,7 @@ import solvers
 from ckptc import policies
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
-from ckptc.plans import ModelPlan, graph_plan
+from ckptc.plans import ModelPlan, fingerprint, graph_plan
 from ckptc.problem import JointProblem
 from ckptc.records import GraphRecord, PlanSource, Progress
 from solvers.simulator import honour_policies
@@ -278,8 +278,10 @@ def _refusal(
 
 
 def unoptimized_result(jp: JointProblem) -> solvers.SimResult:
-    """The graph keeping every value backward reads (no ckptc), simulated."""
-    return solvers.simulate(jp.problem, keep_everything(jp))
+    """The graph keeping every value backward reads (no ckptc), simulated (once per graph)."""
+    if "_unoptimized" not in jp.__dict__:
+        jp.__dict__["_unoptimized"] = solvers.simulate(jp.problem, keep_everything(jp))
+    return jp.__dict__["_unoptimized"]
 
 
 def tighter_graph_budgets(
@@ -365,6 +367,8 @@ class CapturedStep:
         self.model_name = model_name
         self.coverage = coverage  # what the graphs cover of the step (ckptc.coverage), the same for every budget
         self._keep_everything = self._decide_all(options.replace(budget_bytes=None, strategy="none"))
+        for record in self._keep_everything:  # once per graph, not per budget: every plan file carries it
+            fingerprint(record.joint_problem)
 
     @property
     def graphs(self) -> int:

@@ -591,8 +591,12 @@ def fingerprint(jp: "JointProblem") -> str:
     """A hash of the joint graph's structure: ops, shapes, dtypes and edges in order.
 
     It holds nothing that differs between processes (no memory addresses, no
-    timings), so a plan saved by one process is accepted by another.
+    timings), so a plan saved by one process is accepted by another.  Computed
+    once per captured graph (every budget's plan of it carries the same one).
     """
+    cached = jp.__dict__.get("_fingerprint")
+    if cached is not None:
+        return cached
     h = hashlib.sha256()
     for name, node in jp.nodes.items():
         val = node.meta.get("val")
@@ -606,7 +610,8 @@ def fingerprint(jp: "JointProblem") -> str:
                 )
             ).encode()
         )
-    return h.hexdigest()
+    jp.__dict__["_fingerprint"] = h.hexdigest()
+    return jp.__dict__["_fingerprint"]
 
 
 def torch_release(version: str) -> str:

@@ -514,18 +514,27 @@ def _solve_mask(problem: Problem, menu: Menu, budget_bytes: int) -> tuple[bytear
 
 
 def _nested_tables(problem: Problem, menu: Menu, budget_bytes: int):
-    """The nested DP's tables for budgets up to ``budget_bytes`` (None where it does not apply); cached."""
+    """The nested DP's tables for budgets up to ``budget_bytes`` (None where it does not apply); cached.
+
+    One table answers every budget from its own down to half of it (at a quantum at most
+    twice as coarse); the tables built for a problem are kept, so planning it again under
+    another budget in that range builds none.
+    """
     from solvers.nested import MAX_NESTED_BLOCKS, chain_model, nested_dp
 
     n = len(menu.chain.blocks)
     if n < 2 or n > MAX_NESTED_BLOCKS:
         return None
-    cached = problem._cache.get("hierarchical.nested")
-    if cached is not None and cached.capacity * cached.quantum >= budget_bytes >= cached.capacity * cached.quantum // 2:
-        return cached
-    model = chain_model(problem, menu)
+    built = problem._cache.setdefault("hierarchical.nested", [])
+    # (a budget rounds down to whole units: the one a table was built for reads its last unit)
+    fitting = [
+        t for t in built if t.capacity >= budget_bytes // t.quantum and budget_bytes >= t.capacity * t.quantum // 2
+    ]
+    if fitting:
+        return min(fitting, key=lambda t: t.quantum)
+    model = built[0].model if built else chain_model(problem, menu)
     tables = nested_dp(model, budget_bytes)
-    problem._cache["hierarchical.nested"] = tables
+    built.append(tables)
     return tables
 
 
@@ -673,6 +682,11 @@ def lowest_peak_plan(problem: Problem) -> Plan:
         info=SolveInfo(predicted_peak_bytes=best[0], recompute_cost=best[1], candidate="nested" if schedule else None),
     )
     problem._cache["hierarchical.lowest"] = plan
+    # Every budget worth planning lies between the floor and keeping everything: one more table,
+    # built now with the floor's, answers the upper half of that range for every later plan.
+    top = next(peak for name, _, peak, _ in menu.uniform if name == "keep everything")
+    if tables is not None and top > best[0]:
+        _nested_tables(problem, menu, top)
     return plan
 
 

@@ -497,7 +497,7 @@ def make_milp_solver(
         work_done = 0
 
         def createAndConfigureSolver(self, lp):  # noqa: N802 (pulp's name)
-            _use_highs_threads(threads)
+            _restart_highs_scheduler()
             with _quiet_stdout():
                 super().createAndConfigureSolver(lp)
             lp.solverModel.setOptionValue("output_flag", False)
@@ -524,23 +524,20 @@ def make_milp_solver(
 
 
 WORK_LIMIT_STATUS = "work_limit"
-_highs_threads: list[int] = []  # the thread count HiGHS's process-wide scheduler was started with
 
 
-def _use_highs_threads(threads: int | None) -> None:
-    """Restart HiGHS's process-wide thread scheduler when a solve asks for another thread count.
+def _restart_highs_scheduler() -> None:
+    """Restart HiGHS's process-wide thread scheduler before each of ckptc's solves.
 
     HiGHS starts one scheduler per process with the first solve's ``threads``; a later solve asking
     for another count fails without a solution (status kNotset), so which MILPs succeeded would
-    depend on which solve ran first in the process.
+    depend on which solve ran first in the process -- a solve ckptc did not make included (a user's
+    pulp model, another library: remembering ckptc's own last count missed those).  A restart of
+    an idle scheduler costs under a microsecond; the next solve starts it with its own ``threads``.
     """
     import highspy
 
-    wanted = int(threads or 0)  # 0: HiGHS's default
-    if _highs_threads != [wanted]:
-        if _highs_threads:
-            highspy.Highs.resetGlobalScheduler(True)
-        _highs_threads[:] = [wanted]
+    highspy.Highs.resetGlobalScheduler(True)
 
 
 @dataclass

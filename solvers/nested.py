@@ -90,47 +90,59 @@ class NestedTables:
 
 
 def nested_dp(model: ChainModel, budget_bytes: int, units: int = NESTED_UNITS) -> NestedTables:
-    """The checkpoint-and-continue DP over the chain, exact for :class:`ChainModel` at ``quantum`` bytes."""
+    """The checkpoint-and-continue DP over the chain, exact for :class:`ChainModel` at ``quantum`` bytes.
+
+    Each candidate updates only the prefix of held units it allows, in place (no
+    temporary full-size arrays): O(L^2 (L + options)) numpy calls on ``units`` entries.
+    Ties go to the first candidate (options before continue points, then smaller ``j``).
+    """
     quantum = max(1, -(-budget_bytes // units))
     cap = budget_bytes // quantum
     size = cap + 1
     n = len(model.kept)
     up = lambda x: -(-np.asarray(x, dtype=np.int64) // quantum)  # noqa: E731
-    K = [up(k) for k in model.kept]
-    N = [up(k) for k in model.need]
-    P = up(model.forward_need)
-    X = up(model.crossing)
+    K = [up(k).tolist() for k in model.kept]
+    N = [up(k).tolist() for k in model.need]
+    P = up(model.forward_need).tolist()
+    X = up(model.crossing).tolist()
     F = np.asarray(model.forward_cost, dtype=np.float64)
     prefix_f = np.concatenate([[0.0], np.cumsum(F)])
     zeros = np.zeros(size)
     opt: dict[tuple[int, int], np.ndarray] = {}
     how: dict[tuple[int, int], np.ndarray] = {}
+    cand = np.empty(size)
+    better = np.empty(size, dtype=bool)
+
+    def offer(best: np.ndarray, arg: np.ndarray, top: int, code: int) -> None:
+        """Take ``cand[:top + 1]`` where it is strictly better than ``best``."""
+        c, w = cand[: top + 1], better[: top + 1]
+        np.less(c, best[: top + 1], out=w)
+        np.copyto(best[: top + 1], c, where=w)
+        np.copyto(arg[: top + 1], code, where=w)
+
     for length in range(1, n + 1):
         for a in range(0, n - length + 1):
             b = a + length - 1
             best = np.full(size, np.inf)
             arg = np.full(size, n + 1, dtype=np.int32)
             rest = opt[(a + 1, b)] if a < b else zeros
-            for o in range(len(K[a])):
-                k, need = int(K[a][o]), int(N[a][o])
+            for o, (k, need) in enumerate(zip(K[a], N[a], strict=True)):
                 top = cap - max(k, need)
                 if top < 0:
                     continue
-                cand = np.full(size, np.inf)
-                cand[: top + 1] = F[a] + model.cost[a][o] + rest[k : k + top + 1]
-                better = cand < best
-                best[better], arg[better] = cand[better], o
+                np.add(F[a] + model.cost[a][o], rest[k : k + top + 1], out=cand[: top + 1])
+                offer(best, arg, top, o)
             fwd_peak = 0  # max over k in a..j-1 of X[a][k] + P[k]
             for j in range(a + 1, b + 1):
-                fwd_peak = max(fwd_peak, int(X[a][j - 1]) + int(P[j - 1]))
-                x = int(X[a][j])
+                fwd_peak = max(fwd_peak, X[a][j - 1] + P[j - 1])
+                x = X[a][j]
                 top = cap - max(fwd_peak, x)
                 if top < 0:
                     continue
-                cand = np.full(size, np.inf)
-                cand[: top + 1] = prefix_f[j] - prefix_f[a] + opt[(j, b)][x : x + top + 1] + opt[(a, j - 1)][: top + 1]
-                better = cand < best
-                best[better], arg[better] = cand[better], -j
+                c = cand[: top + 1]
+                np.add(prefix_f[j] - prefix_f[a], opt[(j, b)][x : x + top + 1], out=c)
+                np.add(c, opt[(a, j - 1)][: top + 1], out=c)
+                offer(best, arg, top, -j)
             opt[(a, b)], how[(a, b)] = best, arg
     return NestedTables(opt, how, quantum, model, cap)
 

@@ -142,7 +142,9 @@ class Plan:
         if isinstance(self.kept, str):
             raise TypeError("kept must be a collection of node names, not a string")
         object.__setattr__(self, "kept", frozenset(self.kept))
-        if self.schedule is not None:
+        if self.schedule is not None and not (
+            type(self.schedule) is tuple and all(type(s) is Step for s in self.schedule)
+        ):  # a copy (dataclasses.replace) keeps the same tuple: simulate() remembers it by identity
             object.__setattr__(self, "schedule", tuple(Step(*s) for s in self.schedule))
         if not isinstance(self.info, SolveInfo):
             raise TypeError(f"info must be a SolveInfo, not {type(self.info).__name__}")

@@ -8,6 +8,8 @@ recomputation, so the cost can only fall; the simulator decides the peak.
 
 Candidates are ranked once; a binary search finds the longest prefix of the
 ranking that still fits, then the rest are retried in smaller prefixes.
+A prefix whose kept storages alone (all alive at the end of the forward phase)
+exceed the budget is refused without simulating it.
 Time: O(log(n) * rounds) simulations, each O(nodes + edges).
 
 Example:
@@ -57,25 +59,29 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     for _ in range(_ROUNDS):
         if not candidates:
             break
+        held = _held_after(problem, mask, candidates)
         lo, hi = 0, len(candidates)  # the longest fitting prefix is in [lo, hi]
+        fitting: dict[int, tuple[bytearray, float]] = {}  # prefix length -> (mask, cost), to reuse
         while lo < hi:
             mid = (lo + hi + 1) // 2
+            if held[mid] > budget_bytes:
+                hi = mid - 1  # its kept storages alone exceed the budget
+                continue
+            # No policy to honour again: ``mask`` honours them, no candidate must be recomputed, and
+            # keeping more only shrinks the set of recomputed values (so no "save" value joins it).
             trial = bytearray(mask)
             for v in candidates[:mid]:
                 trial[v] = 1
-            trial = honour_policies_mask(problem, trial)
-            result = evaluate_mask(problem, trial)
+            result = evaluate_mask(problem, trial, check=False)
             if result.peak_bytes <= budget_bytes and result.recompute_cost <= best_cost:
                 lo = mid
+                fitting[mid] = (trial, result.recompute_cost)
             else:
                 hi = mid - 1
         if lo == 0:
             candidates = candidates[1:]  # the best single candidate does not fit: skip it
             continue
-        for v in candidates[:lo]:
-            mask[v] = 1
-        mask = honour_policies_mask(problem, mask)
-        best_cost = evaluate_mask(problem, mask).recompute_cost
+        mask, best_cost = fitting[lo]  # simulated already
         candidates = candidates[lo:]
     if best_cost >= core.recompute_cost:
         return plan
@@ -84,6 +90,36 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     log.debug("fill_budget: recompute cost %.4g -> %.4g", core.recompute_cost, result.recompute_cost)
     info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost, refined=True)
     return dataclasses.replace(refined, info=info)
+
+
+def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> list[int]:
+    """A lower bound on the peak of ``mask`` plus each prefix of ``candidates`` (entry k: the first k).
+
+    At the last forward step every kept value's storage is alive, with the
+    resident bytes: their sum bounds the peak from below.  Storages of inputs
+    (resident already) and of multi-output values (their getitems take bytes
+    over) are left out, so the bound never exceeds the simulator's peak.
+    O(nodes + candidates).
+    """
+    root, kind, nbytes = problem._alias_root, problem._kind, problem._bytes
+    shared = problem._cache.get("refine.multi_output")
+    if shared is None:
+        shared = problem._cache["refine.multi_output"] = frozenset(p for p in problem._part_of if p >= 0)
+    seen: set[int] = set()
+
+    def new_bytes(v: int) -> int:
+        r = root[v]
+        if kind[r] != _FORWARD or r in shared or r in seen:
+            return 0
+        seen.add(r)
+        return nbytes[r]
+
+    total = problem.resident_bytes + sum(new_bytes(v) for v in problem._forward_idx if mask[v])
+    held = [total]
+    for v in candidates:
+        total += new_bytes(v)
+        held.append(total)
+    return held
 
 
 def _recomputed(problem: Problem, mask: bytearray) -> list[int]:

@@ -43,6 +43,9 @@ log = logging.getLogger("solvers.simulator")
 
 _INPUT, _FORWARD, _BACKWARD = 0, 1, 2
 _SAVE, _RECOMPUTE = 1, 2
+#: How many results :func:`simulate` remembers per problem (a plan is judged by the solver that made
+#: it, by :func:`solvers.solve` and by the caller; the floor and keep-everything plans on every call).
+RECENT_RESULTS = 8
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,12 @@ def simulate(problem: Problem, plan: Plan) -> SimResult:
     >>> simulate(p, Plan(kept={"f1", "f2"})).peak_bytes
     4
     """
+    recent = problem._cache.setdefault("simulator.recent", {})
+    key = (id(plan.kept), id(plan.schedule))
+    hit = recent.pop(key, None)
+    if hit is not None:
+        recent[key] = hit  # most recently used last
+        return hit[2]
     nodes, n_fwd, kept = _resolve(problem, plan)
     core = _run(problem, nodes, n_fwd, kept)
     log.debug(
@@ -154,7 +163,7 @@ def simulate(problem: Problem, plan: Plan) -> SimResult:
         core.recompute_cost,
     )
     steps = plan.schedule if plan.schedule is not None else _to_steps(problem, nodes, n_fwd)
-    return SimResult(
+    result = SimResult(
         peak_bytes=core.peak_bytes,
         peak_step=core.peak_step,
         recompute_cost=core.recompute_cost,
@@ -165,6 +174,11 @@ def simulate(problem: Problem, plan: Plan) -> SimResult:
         kept_bytes=core.kept_bytes,
         recompute_steps=core.recompute_steps,
     )
+    # The entry holds the kept set and schedule themselves, so their ids cannot be reused while it lives.
+    recent[key] = (plan.kept, plan.schedule, result)
+    while len(recent) > RECENT_RESULTS:
+        del recent[next(iter(recent))]
+    return result
 
 
 def honour_policies(problem: Problem, kept: Iterable[str]) -> frozenset[str]:
@@ -194,6 +208,8 @@ def honour_policies_mask(problem: Problem, mask: bytearray) -> bytearray:
             mask[v] = 0
         elif policy[v] == _SAVE and read_by_backward[v]:
             mask[v] = 1
+    if _SAVE not in policy:
+        return mask  # no value must be kept: no derived schedule to look at
     for _ in range(3):
         nodes, n_fwd = derived_schedule(problem, mask)
         recomputed_saves = [v for v in nodes[n_fwd:] if policy[v] == _SAVE]
@@ -204,15 +220,19 @@ def honour_policies_mask(problem: Problem, mask: bytearray) -> bytearray:
     return mask
 
 
-def evaluate_mask(problem: Problem, mask: bytearray) -> "_Core":
-    """Simulate the derived schedule of a kept mask (bytearray over node positions)."""
-    return evaluate_mask_schedule(problem, mask)[2]
+def evaluate_mask(problem: Problem, mask: bytearray, *, check: bool = True) -> "_Core":
+    """Simulate the derived schedule of a kept mask (bytearray over node positions).
+
+    ``check=False`` skips the structural checks, for a mask already adjusted by
+    :func:`honour_policies_mask` (a derived schedule breaks no other rule).
+    """
+    return evaluate_mask_schedule(problem, mask, check=check)[2]
 
 
-def evaluate_mask_schedule(problem: Problem, mask: bytearray) -> tuple[list[int], int, "_Core"]:
+def evaluate_mask_schedule(problem: Problem, mask: bytearray, *, check: bool = True) -> tuple[list[int], int, "_Core"]:
     """:func:`evaluate_mask` with the derived schedule it simulated: (node indices, forward steps, result)."""
     nodes, n_fwd = derived_schedule(problem, mask)
-    return nodes, n_fwd, _run(problem, nodes, n_fwd, mask)
+    return nodes, n_fwd, _run(problem, nodes, n_fwd, mask, check=check)
 
 
 def mask_of(problem: Problem, kept: Iterable[str]) -> bytearray:
@@ -377,9 +397,10 @@ def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytea
             raise InvalidPlanError(f"output node {names[v].name!r} is not computed in the forward phase")
 
 
-def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray) -> _Core:
-    """Validate and replay a schedule given as node indices; O(steps + edges)."""
-    _check_structure(problem, nodes, n_fwd, kept)
+def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, check: bool = True) -> _Core:
+    """Validate (unless ``check`` is off) and replay a schedule given as node indices; O(steps + edges)."""
+    if check:
+        _check_structure(problem, nodes, n_fwd, kept)
     kind, preds_of, nbytes = problem._kind, problem._preds, problem._bytes
     alias_of, output = problem._alias_of, problem._output
     n_steps = len(nodes)

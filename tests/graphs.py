@@ -81,3 +81,32 @@ def random_training_graph(n_nodes: int, *, shape: str = "skip", seed: int = 0) -
             wp = ([incoming] if incoming else []) + list(fpreds[f])
             nodes.append(Node(f"dw_{f}", sizes[uses_param[f]], 1.0, "backward", tuple(wp), output=True))
     return Problem(nodes=tuple(nodes))
+
+
+def layered_training_graph(layers: int = 3) -> Problem:
+    """x -> embed -> [layers.i: a -> b (views a) -> c] -> head -> loss, with a mask from x (no gradient)."""
+    nodes = [Node("x", 8, 0.0, "input"), Node("w", 4, 0.0, "input")]
+    nodes.append(Node("mask", 16, 1.0, "forward", ("x",), module="", op="ne", differentiable=False))
+    nodes.append(Node("embed", 8, 2.0, "forward", ("x", "w"), module="embed", op="embedding"))
+    previous = "embed"
+    forward = []
+    for i in range(layers):
+        nodes.append(Node(f"a{i}", 32, 100.0, "forward", (previous, "w"), module=f"layers.{i}.attn", op="mm"))
+        nodes.append(
+            Node(f"v{i}", 0, 0.0, "forward", (f"a{i}",), alias_of=f"a{i}", module=f"layers.{i}.attn", op="view")
+        )
+        nodes.append(Node(f"s{i}", 32, 4.0, "forward", (f"v{i}", "mask"), module=f"layers.{i}.attn", op="softmax"))
+        nodes.append(Node(f"c{i}", 32, 1.0, "forward", (f"s{i}",), module=f"layers.{i}", op="clone"))
+        nodes.append(Node(f"o{i}", 8, 50.0, "forward", (f"c{i}", previous), module=f"layers.{i}.mlp", op="mm"))
+        forward.append(i)
+        previous = f"o{i}"
+    nodes.append(Node("loss", 1, 1.0, "forward", (previous,), output=True, op="mean"))
+    grad = "loss"
+    for i in reversed(forward):
+        prev = f"o{i - 1}" if i else "embed"
+        nodes.append(Node(f"do{i}", 8, 1.0, "backward", (grad, f"c{i}", prev)))
+        nodes.append(Node(f"ds{i}", 32, 1.0, "backward", (f"do{i}", f"s{i}", "mask")))
+        nodes.append(Node(f"da{i}", 8, 1.0, "backward", (f"ds{i}", f"v{i}")))
+        grad = f"da{i}"
+    nodes.append(Node("dw", 4, 1.0, "backward", (grad,), output=True))
+    return Problem(nodes=tuple(nodes))

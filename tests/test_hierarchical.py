@@ -21,6 +21,7 @@ from solvers.blocks import block_key, find_blocks
 from solvers.chen import keep_all_plan
 from solvers.graph import keep_all_mask
 from solvers.hierarchical import Menu, build_menu, chain_dp, choices_from_tables, hierarchical, per_block_plan
+from tests.graphs import layered_training_graph
 
 
 def fast(max_examples: int):
@@ -202,35 +203,6 @@ def test_auto_fits_every_budget_from_the_floor_and_reports_the_floor_below(probl
 
 
 # ============================================================ blocks and storages
-def _layered(layers: int = 3) -> Problem:
-    """x -> embed -> [layers.i: a -> b (views a) -> c] -> head -> loss, with a mask from x (no gradient)."""
-    nodes = [Node("x", 8, 0.0, "input"), Node("w", 4, 0.0, "input")]
-    nodes.append(Node("mask", 16, 1.0, "forward", ("x",), module="", op="ne", differentiable=False))
-    nodes.append(Node("embed", 8, 2.0, "forward", ("x", "w"), module="embed", op="embedding"))
-    previous = "embed"
-    forward = []
-    for i in range(layers):
-        nodes.append(Node(f"a{i}", 32, 100.0, "forward", (previous, "w"), module=f"layers.{i}.attn", op="mm"))
-        nodes.append(
-            Node(f"v{i}", 0, 0.0, "forward", (f"a{i}",), alias_of=f"a{i}", module=f"layers.{i}.attn", op="view")
-        )
-        nodes.append(Node(f"s{i}", 32, 4.0, "forward", (f"v{i}", "mask"), module=f"layers.{i}.attn", op="softmax"))
-        nodes.append(Node(f"c{i}", 32, 1.0, "forward", (f"s{i}",), module=f"layers.{i}", op="clone"))
-        nodes.append(Node(f"o{i}", 8, 50.0, "forward", (f"c{i}", previous), module=f"layers.{i}.mlp", op="mm"))
-        forward.append(i)
-        previous = f"o{i}"
-    nodes.append(Node("loss", 1, 1.0, "forward", (previous,), output=True, op="mean"))
-    grad = "loss"
-    for i in reversed(forward):
-        prev = f"o{i - 1}" if i else "embed"
-        nodes.append(Node(f"do{i}", 8, 1.0, "backward", (grad, f"c{i}", prev)))
-        nodes.append(Node(f"ds{i}", 32, 1.0, "backward", (f"do{i}", f"s{i}", "mask")))
-        nodes.append(Node(f"da{i}", 8, 1.0, "backward", (f"ds{i}", f"v{i}")))
-        grad = f"da{i}"
-    nodes.append(Node("dw", 4, 1.0, "backward", (grad,), output=True))
-    return Problem(nodes=tuple(nodes))
-
-
 def test_block_key_is_the_module_path_up_to_the_first_index():
     assert block_key("model.layers.11.self_attn.q_proj") == "model.layers.11"
     assert block_key("down.0.res.1") == "down.0"
@@ -239,7 +211,7 @@ def test_block_key_is_the_module_path_up_to_the_first_index():
 
 
 def test_blocks_follow_the_module_tree_and_identical_layers_share_a_class():
-    problem = _layered(4)
+    problem = layered_training_graph(4)
     chain = find_blocks(problem)
     labels = [b.label for b in chain.blocks]
     # (the loss, a stray node without a module, joins the last layer)
@@ -255,7 +227,7 @@ def test_blocks_follow_the_module_tree_and_identical_layers_share_a_class():
 
 
 def test_keep_everything_decides_per_storage_and_never_keeps_a_copy_of_a_kept_storage():
-    problem = _layered(2)
+    problem = layered_training_graph(2)
     kept = {problem.nodes[v].name for v, flag in enumerate(keep_all_mask(problem)) if flag}
     # backward reads the softmax s, its copy c and a view v of a: c copies s, which is kept anyway
     assert {"s0", "v0", "s1", "v1"} <= kept
@@ -265,7 +237,7 @@ def test_keep_everything_decides_per_storage_and_never_keeps_a_copy_of_a_kept_st
 
 
 def test_a_kept_view_pins_its_base_in_the_block_menu():
-    problem = _layered(2)
+    problem = layered_training_graph(2)
     menu = build_menu(problem)
     layer = 1
     names = menu.names[layer]

@@ -10,10 +10,16 @@ plan.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 import ckptc
 from solvers import simulate, solve
+from solvers.api import lowest_peak_plan
 from solvers.chen import keep_all_plan
 from solvers.hierarchical import hierarchical
 from tests.graphs import random_training_graph
@@ -63,3 +69,28 @@ def test_plan_files_are_identical_under_a_tiny_and_a_normal_time_limit(tmp_path)
         paths.append(tmp_path / f"plan_{time_limit:g}.json")
         step.plan(budget_bytes=budget, time_limit=time_limit).save(paths[-1])
     assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+def test_a_highs_solve_made_elsewhere_in_the_process_first_does_not_change_the_plan():
+    # A user's (or a test's) pulp model solved by HiGHS with its default thread count, before
+    # ckptc's first solve, starts HiGHS's process-wide scheduler; ckptc's one-thread block MILPs
+    # then failed without a solution and the floor lost its nested plan (test_nested.py after
+    # test_hierarchical.py in one process).  A fresh process, so that this solve comes first.
+    script = """
+import pulp
+from solvers.api import lowest_peak_plan
+from tests.graphs import random_training_graph
+model = pulp.LpProblem("elsewhere", pulp.LpMinimize)
+x = model.add_variable("x", cat="Binary")
+model += 1.0 * x
+model.solve(pulp.HiGHS(msg=False))
+plan = lowest_peak_plan(random_training_graph(300, shape="skip", seed=2))
+print(plan.info.candidate, plan.info.predicted_peak_bytes)
+"""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, env=env)
+    assert done.returncode == 0, done.stderr
+    alone = lowest_peak_plan(random_training_graph(300, shape="skip", seed=2))
+    assert done.stdout.splitlines()[-1].split() == [str(alone.info.candidate), str(alone.info.predicted_peak_bytes)]
+    assert alone.info.candidate == "nested"
