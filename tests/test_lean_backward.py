@@ -140,3 +140,22 @@ def test_keeping_everything_costs_no_more_than_eager_with_scans_and_batch_norm(n
     measured = measure(case, optimized).peak_bytes
     assert measured <= eager.peak_bytes
     assert measured <= optimized.plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "hyena"])
+def test_the_measured_floor_is_at_most_per_block_checkpointings_measured_peak(name: str) -> None:
+    """ckptc at its own floor, measured, against ``checkpoint()`` around every repeated block (the bench's
+    per-block alternative), measured the same way; gradients start absent, as after ``zero_grad()``."""
+    from bench.alternatives import wrap_blocks
+
+    case = get_case(name)
+    per_block = copy.deepcopy(case.model)
+    assert wrap_blocks(per_block)[0], "the model has repeated blocks to checkpoint"
+    per_block_peak = measure(
+        ModelCase(name, per_block, case.example_inputs, case.example_kwargs, loss=case.loss), per_block
+    ).peak_bytes
+    floor = ckptc.capture(case.model, case.example_inputs, case.example_kwargs, loss_fn=case.loss).floor_bytes
+    optimized = ckptc.optimize(case.model, budget_bytes=floor)
+    measured = measure(case, optimized).peak_bytes
+    assert measured <= floor
+    assert measured <= per_block_peak
