@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass, field
 
 from solvers.graph import forward_path
-from solvers.problem import Problem
+from solvers.problem import BACKWARD_CODE, Problem
 
 __all__ = ["Block", "BlockChain", "find_blocks", "block_key"]
 
@@ -288,7 +288,7 @@ def _signature(problem: Problem, members: list[int], fixed: set[int]) -> tuple:
     for v in members:
         node = problem.nodes[v]
         preds = tuple(("in", local[u]) if u in local else ("out", nbytes[root[u]]) for u in problem._preds[v])
-        readers = sum(1 for c in problem._consumers[v] if problem._kind[c] == 2)
+        readers = sum(1 for c in problem._consumers[v] if problem._kind[c] == BACKWARD_CODE)
         parts.append(
             (
                 node.op,

@@ -40,7 +40,7 @@ from typing import Callable
 from solvers.errors import InfeasibleBudgetError, format_bytes
 from solvers.graph import forward_path, keep_all_mask
 from solvers.plan import Plan, SolveInfo
-from solvers.problem import Problem
+from solvers.problem import INPUT_CODE, RECOMPUTE_CODE, Problem
 from solvers.simulator import evaluate_mask, honour_policies_mask, names_of
 
 __all__ = ["chen_sqrt", "chen_greedy", "cut_points", "keep_all_plan", "lowest_peak_plan"]
@@ -49,8 +49,6 @@ log = logging.getLogger("solvers.chen")
 
 Progress = Callable[[float, str], None]
 
-_FORWARD = 1
-_RECOMPUTE = 2
 # Threshold grid of chen_greedy's memory search: 0 plus this many geometric points.
 _GRID_POINTS = 11
 _GOLDEN_STEPS = 5
@@ -95,7 +93,7 @@ def _cut_structure(problem: Problem) -> tuple[tuple[int, ...], dict[int, tuple[i
 
     def storage_bytes(v: int) -> int:
         r = root[v]
-        return 0 if kind[r] == 0 else nbytes[r]
+        return 0 if kind[r] == INPUT_CODE else nbytes[r]
 
     crossing: dict[int, int] = {}  # value -> its storage bytes, while it crosses the sweep position
     crossing_bytes = 0
@@ -134,7 +132,7 @@ def _checkpoint(problem: Problem, mask: bytearray, v: int, extras: dict[int, tup
     """Keep cut point v and the values crossing it (outputs and "recompute" nodes excepted)."""
     output, policy = problem._output, problem._policy
     for u in (v, *extras.get(v, ())):
-        if not output[u] and policy[u] != _RECOMPUTE:  # outputs stay alive anyway
+        if not output[u] and policy[u] != RECOMPUTE_CODE:  # outputs stay alive anyway
             mask[u] = 1
 
 
@@ -156,7 +154,7 @@ def _sqrt_mask(problem: Problem) -> bytearray:
     since_last = 0
     for v in path:
         since_last += 1
-        if is_cut[v] and since_last >= segment and policy[v] != _RECOMPUTE:
+        if is_cut[v] and since_last >= segment and policy[v] != RECOMPUTE_CODE:
             _checkpoint(problem, mask, v, extras)
             since_last = 0
     return _honour(problem, mask)
@@ -173,7 +171,7 @@ def _greedy_mask(problem: Problem, threshold: float) -> bytearray:
     running = 0
     for v in forward_path(problem):
         running += nbytes[v]
-        if is_cut[v] and running > threshold and policy[v] != _RECOMPUTE:
+        if is_cut[v] and running > threshold and policy[v] != RECOMPUTE_CODE:
             _checkpoint(problem, mask, v, extras)
             running = 0
     return _honour(problem, mask)

@@ -6,7 +6,7 @@ problem; no solver reaches into another solver's private functions.
 
 from __future__ import annotations
 
-from solvers.problem import Problem
+from solvers.problem import FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
 
 __all__ = ["storage_roots", "forward_path", "keep_all_mask", "own_checkpoint_mask", "COPY_OPS"]
 
@@ -86,7 +86,7 @@ def keep_all_mask(problem: Problem) -> bytearray:
             mask[v] = 1
             kept_storage[root[v]] = 1
     for v in range(len(problem.nodes)):
-        if output[v] or kind[v] == 0:
+        if output[v] or kind[v] == INPUT_CODE:
             kept_storage[root[v]] = 1
     redundant = bytearray(len(problem.nodes))
     for v in problem._forward_idx:
@@ -94,7 +94,7 @@ def keep_all_mask(problem: Problem) -> bytearray:
             source = _copied_kept_value(problem, v, kept_storage)
             if source >= 0:
                 redundant[v] = 1
-                if kind[source] == 1 and not output[source]:
+                if kind[source] == FORWARD_CODE and not output[source]:
                     # Materialise the very value the copy reads (free: its storage is kept),
                     # so recomputing the copy starts from it rather than from further back.
                     mask[source] = 1
@@ -107,10 +107,10 @@ def keep_all_mask(problem: Problem) -> bytearray:
 def _copied_kept_value(problem: Problem, v: int, kept_storage: bytearray) -> int:
     """The value ``v`` copies when ``v`` is a plain copy of a kept storage, else -1."""
     node = problem.nodes[v]
-    if node.op not in COPY_OPS or problem._policy[v] == 1 or problem._output[v] or problem._bytes[v] == 0:
+    if node.op not in COPY_OPS or problem._policy[v] == SAVE_CODE or problem._output[v] or problem._bytes[v] == 0:
         return -1
-    preds = problem._fwd_preds[v] or tuple(u for u in problem._preds[v] if problem._kind[u] == 0)
-    if len(preds) != 1 or problem._policy[preds[0]] == 2:
+    preds = problem._fwd_preds[v] or tuple(u for u in problem._preds[v] if problem._kind[u] == INPUT_CODE)
+    if len(preds) != 1 or problem._policy[preds[0]] == RECOMPUTE_CODE:
         return -1
     source = problem._alias_root[preds[0]]
     if not kept_storage[source] or problem._bytes[source] < problem._bytes[v]:
@@ -139,6 +139,6 @@ def own_checkpoint_mask(problem: Problem) -> bytearray | None:
     for v in problem._forward_idx:
         if inside[v]:
             for u in problem._fwd_preds[v]:
-                if not inside[u] and kind[u] == 1 and not problem._output[u]:
+                if not inside[u] and kind[u] == FORWARD_CODE and not problem._output[u]:
                     mask[u] = 1
     return honour_policies_mask(problem, mask) if any(problem._policy) else mask

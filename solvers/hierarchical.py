@@ -56,7 +56,7 @@ from solvers.blocks import BlockChain, find_blocks
 from solvers.errors import InfeasibleBudgetError, format_bytes
 from solvers.graph import keep_all_mask, own_checkpoint_mask
 from solvers.plan import Plan, SolveInfo
-from solvers.problem import Problem
+from solvers.problem import FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
 from solvers.simulator import evaluate_mask, evaluate_mask_schedule, honour_policies_mask, names_of
 
 __all__ = [
@@ -75,8 +75,6 @@ log = logging.getLogger("solvers.hierarchical")
 
 Progress = Callable[[float, str], None]
 
-_INPUT, _FORWARD, _BACKWARD = 0, 1, 2
-_SAVE, _RECOMPUTE = 1, 2
 MEMORY_UNITS = 4096
 # An op is expensive to recompute when it costs more than this many cost units
 # per byte it writes: matmuls and convolutions cost hundreds, pointwise ops
@@ -148,7 +146,7 @@ def block_options(
         add("input_only", set())
         add("selective", _selective(problem, nodes, chain.fixed))
         milp = _BlockMilp(problem, nodes, chain.fixed)
-        choices = [v for v in milp.nodes if problem._policy[v] != _RECOMPUTE and problem._kind[v] == _FORWARD]
+        choices = [v for v in milp.nodes if problem._policy[v] != RECOMPUTE_CODE and problem._kind[v] == FORWARD_CODE]
         if len(choices) <= _ENUMERATE_UP_TO:
             # A tiny block: every kept set is an option (the exact menu).
             for bits in range(1 << len(choices)):
@@ -245,7 +243,7 @@ def _price(problem: Problem, chain: BlockChain, mask: bytearray) -> tuple[list[t
         if b < 0 or not mask[v]:
             continue
         r = root[v]
-        if kind[r] == _INPUT or r in seen:
+        if kind[r] == INPUT_CODE or r in seen:
             continue
         seen.add(r)
         kept_bytes[b] += nbytes[r]
@@ -265,14 +263,14 @@ def _price(problem: Problem, chain: BlockChain, mask: bytearray) -> tuple[list[t
     fwd_preds, costs = problem._fwd_preds, problem._cost
     for i in range(n_fwd, len(nodes)):
         v = nodes[i]
-        if kind[v] == _FORWARD:
+        if kind[v] == FORWARD_CODE:
             b = block_of[v]
         else:
             b = max((block_of[u] for u in fwd_preds[v]), default=-1)
         if 0 <= b < current:
             current = b
         need[current] = max(need[current], timeline[i] - before[current])
-        if kind[v] == _FORWARD:
+        if kind[v] == FORWARD_CODE:
             cost[current] += costs[v]
     rows = [(kept_bytes[b], need[b] if need[b] > -(1 << 61) else 0, cost[b]) for b in range(n_blocks)]
     return rows, core.peak_bytes, core.recompute_cost
@@ -329,7 +327,13 @@ class _BlockMilp:
         root, nbytes, kind = problem._alias_root, problem._bytes, problem._kind
         for v in self.nodes:
             r = root[v]
-            if policy[v] != _RECOMPUTE and kind[r] != _INPUT and r in inside and r not in self.free and nbytes[r]:
+            if (
+                policy[v] != RECOMPUTE_CODE
+                and kind[r] != INPUT_CODE
+                and r in inside
+                and r not in self.free
+                and nbytes[r]
+            ):
                 self.storage[v] = r
 
     def bytes_of(self, kept: set[int]) -> int:
@@ -354,9 +358,9 @@ class _BlockMilp:
 
         keep, rec = {}, {}
         for v in self.nodes:
-            if policy[v] != _RECOMPUTE:
+            if policy[v] != RECOMPUTE_CODE:
                 keep[v] = binary(f"k{v}")
-            if policy[v] != _SAVE and not (cheap_only and _expensive(p, v)):
+            if policy[v] != SAVE_CODE and not (cheap_only and _expensive(p, v)):
                 rec[v] = binary(f"r{v}")
         store = {r: binary(f"s{r}") for r in set(self.storage.values())}
         for v, r in self.storage.items():

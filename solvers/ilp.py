@@ -81,7 +81,7 @@ from solvers.milp import (
     stage_graph,
 )
 from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, SolveInfo, Step
-from solvers.problem import Problem
+from solvers.problem import BACKWARD_CODE, Problem
 from solvers.simulator import simulate
 
 __all__ = ["ilp", "build_model", "MAX_VARIABLES"]
@@ -90,7 +90,6 @@ log = logging.getLogger("solvers.ilp")
 
 Progress = Callable[[float, str], None]
 
-_BACKWARD = 2
 
 #: Models with more variables than this are refused (pulp builds them too slowly).
 MAX_VARIABLES = 300_000
@@ -178,7 +177,7 @@ def _start_from_plan(problem: Problem, model: MilpModel, plan: Plan) -> dict[str
             if v in g.pos:
                 forward_done.add(g.pos[v])
             continue
-        if problem._kind[v] == _BACKWARD:
+        if problem._kind[v] == BACKWARD_CODE:
             stage = stage_of[v]
             continue
         if v not in g.pos:

@@ -19,12 +19,9 @@ from typing import Any, Iterator
 
 from solvers.errors import SolverError
 from solvers.graph import storage_roots
-from solvers.problem import Problem
+from solvers.problem import BACKWARD_CODE, FORWARD_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
 
 log = logging.getLogger("solvers.ilp")
-
-_FORWARD, _BACKWARD = 1, 2
-_SAVE, _RECOMPUTE = 1, 2
 
 
 # ============================================================== model data
@@ -68,9 +65,11 @@ def stage_graph(problem: Problem) -> StageGraph:
     # forward allocation on. Its other members are then free to keep: they are
     # treated as outputs ("resident"), except "recompute" ones, whose backward
     # copies are real new storages.
-    out_groups = {alias_root[v] for v in problem._forward_idx if output[v] and kind[alias_root[v]] == _FORWARD}
+    out_groups = {alias_root[v] for v in problem._forward_idx if output[v] and kind[alias_root[v]] == FORWARD_CODE}
     resident_value = [
-        bool(output[v]) or (alias_root[v] in out_groups and policy[v] != _RECOMPUTE) if kind[v] == _FORWARD else False
+        bool(output[v]) or (alias_root[v] in out_groups and policy[v] != RECOMPUTE_CODE)
+        if kind[v] == FORWARD_CODE
+        else False
         for v in range(len(problem.nodes))
     ]
 
@@ -91,9 +90,9 @@ def stage_graph(problem: Problem) -> StageGraph:
             forced.update(fwd_preds[v])
     forward = [v for v in problem._forward_idx if v in forced or v in last_stage]
     pos = {v: k for k, v in enumerate(forward)}
-    recomputable = [not resident_value[v] and policy[v] != _SAVE for v in forward]
-    keepable = [not resident_value[v] and policy[v] != _RECOMPUTE for v in forward]
-    fwd_consumers = [[pos[c] for c in consumers[v] if kind[c] == _FORWARD and c in pos] for v in forward]
+    recomputable = [not resident_value[v] and policy[v] != SAVE_CODE for v in forward]
+    keepable = [not resident_value[v] and policy[v] != RECOMPUTE_CODE for v in forward]
+    fwd_consumers = [[pos[c] for c in consumers[v] if kind[c] == FORWARD_CODE and c in pos] for v in forward]
     reads = [[pos[v] for v in dict.fromkeys(fwd_preds[b]) if not resident_value[v] and v in pos] for b in backward]
 
     # Backward storages (fixed by the order): alive at G[q] (node q's allocation)
@@ -103,7 +102,7 @@ def stage_graph(problem: Problem) -> StageGraph:
     seen: set[int] = set()
     for v in problem._forward_idx:
         r = alias_root[v]
-        if output[v] and kind[r] == _FORWARD and r not in seen:
+        if output[v] and kind[r] == FORWARD_CODE and r not in seen:
             seen.add(r)
             out_bytes += nbytes[r]
     birth: dict[int, int] = {}
@@ -113,12 +112,12 @@ def stage_graph(problem: Problem) -> StageGraph:
         if output[b]:
             d = B
         else:
-            d = max([q] + [stage[c] for c in consumers[b] if kind[c] == _BACKWARD])
+            d = max([q] + [stage[c] for c in consumers[b] if kind[c] == BACKWARD_CODE])
         r = alias_root[b]
-        if kind[r] == _FORWARD:
+        if kind[r] == FORWARD_CODE:
             view_holds.setdefault(r, []).append((q, d))
             continue
-        if kind[r] != _BACKWARD or nbytes[r] == 0:
+        if kind[r] != BACKWARD_CODE or nbytes[r] == 0:
             continue
         birth.setdefault(r, stage[r])
         death[r] = max(death.get(r, -1), d)
@@ -144,7 +143,7 @@ def stage_graph(problem: Problem) -> StageGraph:
             # A view or getitem of a resident storage allocates nothing new.
             storage.append(-1)
         else:
-            storage.append(r if kind[r] == _FORWARD and nbytes[r] > 0 and not output[r] else -1)
+            storage.append(r if kind[r] == FORWARD_CODE and nbytes[r] > 0 and not output[r] else -1)
     return StageGraph(
         forward,
         backward,

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Step
+from solvers.problem import FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE
 
 __all__ = ["ChainModel", "nested_dp", "NestedTables", "decisions", "nested_cost", "chain_model", "nested_schedule"]
 
@@ -51,9 +52,6 @@ log = logging.getLogger("solvers.nested")
 NESTED_UNITS = 1024
 # Above this many blocks the O(L^3) table is not built (seconds in numpy).
 MAX_NESTED_BLOCKS = 96
-_FORWARD = 1
-_INPUT = 0
-_SAVE, _RECOMPUTE = 1, 2
 
 
 @dataclass(frozen=True)
@@ -223,12 +221,12 @@ def chain_model(problem, menu) -> ChainModel:
     chain = menu.chain
     n = len(chain.blocks)
     nbytes, root, kind, cost = problem._bytes, problem._alias_root, problem._kind, problem._cost
-    forward_cost = np.array([sum(cost[v] for v in b.nodes if kind[v] == _FORWARD) for b in chain.blocks])
+    forward_cost = np.array([sum(cost[v] for v in b.nodes if kind[v] == FORWARD_CODE) for b in chain.blocks])
     forward_need = np.array([int(np.min(menu.need_bytes[k])) for k in range(n)], dtype=np.int64)
     crossing = np.zeros((n + 1, n + 1), dtype=np.int64)
     for v, p, last in _crossing_spans(problem, chain, backward_blocks(problem, chain)):
         r = root[v]
-        if kind[r] == _INPUT:
+        if kind[r] == INPUT_CODE:
             continue
         # Made in a..j-1 (a <= p < j) and read at or after j (j <= last).
         crossing[: p + 1, p + 1 : last + 1] += nbytes[r]
@@ -263,7 +261,7 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
     policy = problem._policy
     # Always kept: data, crossing values no later block reads, and values whose policy is "save"
     # (random states); values whose policy is "recompute" are never kept, only recomputed.
-    data = {v for v in fixed if v not in spans} | {v for v in problem._forward_idx if policy[v] == _SAVE}
+    data = {v for v in fixed if v not in spans} | {v for v in problem._forward_idx if policy[v] == SAVE_CODE}
     own_fixed = [[] for _ in range(n)]
     for v in fixed:
         if block_of[v] >= 0:
@@ -287,7 +285,7 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
     for s_a, s_b, h in steps:
         if (s_a, s_b) in top:
             kept_idx |= holds_of(s_a, s_b, h)
-    kept_idx = {v for v in kept_idx if policy[v] != _RECOMPUTE}
+    kept_idx = {v for v in kept_idx if policy[v] != RECOMPUTE_CODE}
     mask = bytearray(len(problem.nodes))
     for v in kept_idx:
         mask[v] = 1
@@ -306,7 +304,7 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
         while stack:
             v, k = stack[-1]
             preds = fwd_preds[v]
-            while k < len(preds) and (live[preds[k]] or kind[preds[k]] == _INPUT):
+            while k < len(preds) and (live[preds[k]] or kind[preds[k]] == INPUT_CODE):
                 k += 1
             if k < len(preds):
                 stack[-1] = (v, k + 1)
@@ -337,7 +335,7 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
             run(a + 1, b)
             for v in runs[a]:
                 for p in fwd_preds[v]:
-                    if not live[p] and kind[p] != _INPUT:
+                    if not live[p] and kind[p] != INPUT_CODE:
                         materialize(p)
                 out.append(Step(names[v].name, BACKWARD_PHASE))
             drop(range(a, a + 1), set())
@@ -350,7 +348,7 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
     run(0, n - 1)
     for _, v in loose:  # backward nodes no block claims run last, reading what they need
         for p in fwd_preds[v]:
-            if not live[p] and kind[p] != _INPUT:
+            if not live[p] and kind[p] != INPUT_CODE:
                 materialize(p)
         out.append(Step(names[v].name, BACKWARD_PHASE))
     kept = frozenset(names[v].name for v in kept_idx)

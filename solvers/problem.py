@@ -33,10 +33,12 @@ KINDS = (INPUT, FORWARD, BACKWARD)
 SAVE = "save"
 RECOMPUTE = "recompute"
 POLICIES = (None, SAVE, RECOMPUTE)
-_POLICY_CODE = {None: 0, SAVE: 1, RECOMPUTE: 2}
-
-# Integer codes of kinds, used by the index arrays.
-_KIND_CODE = {INPUT: 0, FORWARD: 1, BACKWARD: 2}
+# The integer codes of kinds and policies in the index arrays solver modules read
+# (``Problem._kind``, ``Problem._policy``): defined here once, imported by name.
+INPUT_CODE, FORWARD_CODE, BACKWARD_CODE = 0, 1, 2
+SAVE_CODE, RECOMPUTE_CODE = 1, 2
+_KIND_CODE = {INPUT: INPUT_CODE, FORWARD: FORWARD_CODE, BACKWARD: BACKWARD_CODE}
+_POLICY_CODE = {None: 0, SAVE: SAVE_CODE, RECOMPUTE: RECOMPUTE_CODE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,11 +246,11 @@ class Problem:
             nbytes[i] = node.bytes
             preds_idx[i] = tuple(p_idx)
             # Forward preds without duplicates: what a recomputation must materialise.
-            fwd_preds[i] = tuple(dict.fromkeys(j for j in p_idx if kind[j] == 1))
+            fwd_preds[i] = tuple(dict.fromkeys(j for j in p_idx if kind[j] == FORWARD_CODE))
             output[i] = 1 if node.output else 0
             # A policy only constrains forward nodes (inputs are never computed,
             # backward nodes never kept); elsewhere it is accepted and ignored.
-            policy[i] = _POLICY_CODE[node.policy] if code == 1 else 0
+            policy[i] = _POLICY_CODE[node.policy] if code == FORWARD_CODE else 0
 
         object.__setattr__(self, "index", index)
         object.__setattr__(self, "_kind", bytes(kind))
@@ -284,15 +286,15 @@ class Problem:
     # ---------------------------------------------------------- derived data
     @cached_property
     def _input_idx(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self._kind) if k == 0)
+        return tuple(i for i, k in enumerate(self._kind) if k == INPUT_CODE)
 
     @cached_property
     def _forward_idx(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self._kind) if k == 1)
+        return tuple(i for i, k in enumerate(self._kind) if k == FORWARD_CODE)
 
     @cached_property
     def _backward_idx(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self._kind) if k == 2)
+        return tuple(i for i, k in enumerate(self._kind) if k == BACKWARD_CODE)
 
     @cached_property
     def input_nodes(self) -> tuple[str, ...]:

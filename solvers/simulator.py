@@ -35,14 +35,12 @@ from typing import Iterable
 
 from solvers.errors import InvalidPlanError
 from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, Step
-from solvers.problem import Problem
+from solvers.problem import BACKWARD_CODE, FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
 
 __all__ = ["SimResult", "schedule", "simulate", "honour_policies"]
 
 log = logging.getLogger("solvers.simulator")
 
-_INPUT, _FORWARD, _BACKWARD = 0, 1, 2
-_SAVE, _RECOMPUTE = 1, 2
 #: How many results :func:`simulate` remembers per problem (a plan is judged by the solver that made
 #: it, by :func:`solvers.solve` and by the caller; the floor and keep-everything plans on every call).
 RECENT_RESULTS = 8
@@ -204,15 +202,15 @@ def honour_policies_mask(problem: Problem, mask: bytearray) -> bytearray:
     mask = bytearray(mask)
     read_by_backward = problem._read_by_backward
     for v in problem._forward_idx:
-        if policy[v] == _RECOMPUTE:
+        if policy[v] == RECOMPUTE_CODE:
             mask[v] = 0
-        elif policy[v] == _SAVE and read_by_backward[v]:
+        elif policy[v] == SAVE_CODE and read_by_backward[v]:
             mask[v] = 1
-    if _SAVE not in policy:
+    if SAVE_CODE not in policy:
         return mask  # no value must be kept: no derived schedule to look at
     for _ in range(3):
         nodes, n_fwd = derived_schedule(problem, mask)
-        recomputed_saves = [v for v in nodes[n_fwd:] if policy[v] == _SAVE]
+        recomputed_saves = [v for v in nodes[n_fwd:] if policy[v] == SAVE_CODE]
         if not recomputed_saves:
             break
         for v in recomputed_saves:
@@ -269,7 +267,7 @@ def _kept_mask(problem: Problem, kept: Iterable[str]) -> bytearray:
         i = index.get(name)
         if i is None:
             raise InvalidPlanError(f"kept names {name!r}, which is not a node of the problem")
-        if kind[i] != _FORWARD:
+        if kind[i] != FORWARD_CODE:
             raise InvalidPlanError(
                 f"kept names {name!r}, a {problem.nodes[i].kind} node; only forward nodes can be kept"
             )
@@ -368,19 +366,19 @@ def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytea
     for i, v in enumerate(nodes):
         k = kind[v]
         problem_text = None
-        if k == _INPUT:
+        if k == INPUT_CODE:
             problem_text = "computes an input node; inputs are resident and never computed"
         elif i < n_fwd:
-            if k == _BACKWARD:
+            if k == BACKWARD_CODE:
                 problem_text = "computes a backward node in the forward phase"
             elif in_forward[v]:
                 problem_text = f"computes {names[v].name!r} a second time in the forward phase"
             in_forward[v] = 1
-        elif k == _BACKWARD:
+        elif k == BACKWARD_CODE:
             if in_backward[v]:
                 problem_text = f"computes backward node {names[v].name!r} a second time"
             in_backward[v] = 1
-        elif policy[v] == _SAVE:
+        elif policy[v] == SAVE_CODE:
             problem_text = f"recomputes {names[v].name!r}, whose policy is 'save': it must be kept, not recomputed"
         if problem_text is not None:
             raise InvalidPlanError(f"{_step_label(problem, nodes, n_fwd, i)} {problem_text}")
@@ -391,7 +389,7 @@ def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytea
         if kept[v]:
             if not in_forward[v]:
                 raise InvalidPlanError(f"kept node {names[v].name!r} is not computed in the forward phase")
-            if policy[v] == _RECOMPUTE:
+            if policy[v] == RECOMPUTE_CODE:
                 raise InvalidPlanError(f"kept node {names[v].name!r} has policy 'recompute': it must not be kept")
         if output[v] and not in_forward[v]:
             raise InvalidPlanError(f"output node {names[v].name!r} is not computed in the forward phase")
@@ -417,7 +415,7 @@ def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, che
     whole_of: dict[int, int] = {}  # getitem instance -> the multi-output instance it took from
     for i, v in enumerate(nodes):
         for p in preds_of[v]:
-            if kind[p] == _INPUT:
+            if kind[p] == INPUT_CODE:
                 continue
             inst = latest[p]
             if inst < 0:
@@ -426,7 +424,7 @@ def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, che
                     "which has not been computed before this step"
                 )
             if i >= n_fwd and inst < n_fwd and not kept[p] and not output[p]:
-                hint = " (its policy is 'save', so it must be kept)" if problem._policy[p] == _SAVE else ""
+                hint = " (its policy is 'save', so it must be kept)" if problem._policy[p] == SAVE_CODE else ""
                 raise InvalidPlanError(
                     f"{_step_label(problem, nodes, n_fwd, i)} reads {problem.nodes[p].name!r}, which has no live "
                     f"value: its forward value is not kept and it was not recomputed before this step{hint}"
@@ -496,7 +494,7 @@ def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, che
     else:
         peak, peak_step = problem.resident_bytes, -1
     cost = problem._cost
-    recomputed = [v for v in nodes[n_fwd:] if kind[v] == _FORWARD]
+    recomputed = [v for v in nodes[n_fwd:] if kind[v] == FORWARD_CODE]
     return _Core(
         peak_bytes=peak,
         peak_step=peak_step,

@@ -34,6 +34,7 @@ from solvers import (
 from solvers.chen import keep_all_plan
 from solvers.hierarchical import hierarchical
 from solvers.ilp import ilp
+from solvers.problem import BACKWARD_CODE
 from tests.strategies import chains, training_problems
 
 EPS = 1e-6
@@ -79,7 +80,7 @@ def brute_force_stage_schedules(problem: Problem, budget: int) -> tuple[float, P
     G = [0] * (B + 1)  # backward bytes alive at node q's allocation
     H = [0] * (B + 1)  # ... before stage q's recomputations
     for q, b in enumerate(backward):
-        d = B if output[b] else max([q] + [stage[c] for c in problem._consumers[b] if kind[c] == 2])
+        d = B if output[b] else max([q] + [stage[c] for c in problem._consumers[b] if kind[c] == BACKWARD_CODE])
         for t in range(q, min(d, B - 1) + 1):
             G[t] += nbytes[b]
             if t > q:
