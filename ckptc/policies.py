@@ -19,9 +19,7 @@ import solvers
 from ckptc.errors import InvalidArgumentError
 from ckptc.problem import JointProblem
 from solvers.chen import keep_all_plan
-from solvers.graph import own_checkpoint_mask
 from solvers.hierarchical import per_block_plan
-from solvers.simulator import names_of
 
 log = logging.getLogger("ckptc.policies")
 
@@ -33,10 +31,7 @@ def everything_saveable(jp: JointProblem) -> solvers.Plan:
     except inside the model's own ``torch.utils.checkpoint`` regions (Hugging
     Face's ``gradient_checkpointing_enable``), which recompute as written.
     """
-    own = own_checkpoint_mask(jp.problem)
-    if own is None:
-        return keep_all_plan(jp.problem)
-    return solvers.Plan(kept=names_of(jp.problem, own))
+    return keep_all_plan(jp.problem, own_checkpoints=True)
 
 
 def block_inputs_saveable(jp: JointProblem) -> solvers.Plan:

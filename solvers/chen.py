@@ -292,13 +292,14 @@ def _to_plan(
 
 
 # ------------------------------------------------------------------------- public
-def keep_all_plan(problem: Problem) -> Plan:
+def keep_all_plan(problem: Problem, *, own_checkpoints: bool = False) -> Plan:
     """The plan that keeps every forward value a backward node reads (:func:`solvers.graph.keep_all_mask`).
 
     This is what eager PyTorch does; its peak is the "keep-all peak", the
-    largest budget worth asking for.
+    largest budget worth asking for.  ``own_checkpoints=True``: except what
+    the model's own ``torch.utils.checkpoint`` regions recompute as written.
     """
-    return Plan(kept=names_of(problem, keep_all_mask(problem)), method="keep_all")
+    return Plan(kept=names_of(problem, keep_all_mask(problem, own_checkpoints=own_checkpoints)), method="keep_all")
 
 
 def lowest_peak_plan(problem: Problem) -> Plan:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from solvers.problem import FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
 
-__all__ = ["storage_roots", "forward_path", "keep_all_mask", "own_checkpoint_mask", "COPY_OPS"]
+__all__ = ["storage_roots", "forward_path", "keep_all_mask", "COPY_OPS"]
 
 
 def storage_roots(problem: Problem) -> list[int]:
@@ -68,15 +68,22 @@ def forward_path(problem: Problem) -> list[int]:
 COPY_OPS = frozenset({"clone", "contiguous", "_to_copy", "copy", "lift_fresh_copy", "alias_copy"})
 
 
-def keep_all_mask(problem: Problem) -> bytearray:
+def keep_all_mask(problem: Problem, *, own_checkpoints: bool = False) -> bytearray:
     """Keep every forward value a backward node reads, as eager autograd does.
 
     Decided per storage (a kept view pins its base): a storage that only
     copies another storage that is kept anyway (or resident) is recomputed
     from it instead, as eager autograd never holds both. Outputs stay alive
     on their own and are not marked. Policies honoured. O(nodes).
+
+    ``own_checkpoints=True`` gives what the model runs by itself: values inside
+    its own ``torch.utils.checkpoint`` regions (``Node.checkpointed``) are
+    recomputed as written, and what those regions read from outside is kept.
     """
     from solvers.simulator import honour_policies_mask
+
+    if own_checkpoints and any(node.checkpointed for node in problem.nodes):
+        return _own_checkpoint_mask(problem)
 
     mask = bytearray(len(problem.nodes))
     read, output, kind, root = problem._read_by_backward, problem._output, problem._kind, problem._alias_root
@@ -118,17 +125,13 @@ def _copied_kept_value(problem: Problem, v: int, kept_storage: bytearray) -> int
     return preds[0]
 
 
-def own_checkpoint_mask(problem: Problem) -> bytearray | None:
-    """The plan the model runs by itself when it checkpoints (``torch.utils.checkpoint``), or None.
-
-    Keep everything backward reads except the values inside checkpointed
-    regions (``Node.checkpointed``) and views of them; the values those
-    regions read from outside are kept, as ``checkpoint()`` saves its inputs.
+def _own_checkpoint_mask(problem: Problem) -> bytearray:
+    """Keep everything backward reads except the values inside checkpointed
+    regions and views of them; the values those regions read from outside are
+    kept, as ``checkpoint()`` saves its inputs.
     """
     from solvers.simulator import honour_policies_mask
 
-    if not any(node.checkpointed for node in problem.nodes):
-        return None
     mask = bytearray(keep_all_mask(problem))
     nodes, root, kind = problem.nodes, problem._alias_root, problem._kind
     inside = bytearray(len(nodes))

@@ -54,7 +54,7 @@ import numpy as np
 
 from solvers.blocks import BlockChain, find_blocks
 from solvers.errors import InfeasibleBudgetError, format_bytes
-from solvers.graph import keep_all_mask, own_checkpoint_mask
+from solvers.graph import keep_all_mask
 from solvers.plan import Plan, SolveInfo
 from solvers.problem import FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
 from solvers.simulator import evaluate_mask, evaluate_mask_schedule, honour_policies_mask, names_of
@@ -141,7 +141,7 @@ def block_options(
         def add(name: str, kept: set[int], local=local, found=found) -> None:
             found.setdefault(frozenset(local[v] for v in kept), name)
 
-        keep_all = _keep_all(problem, nodes, chain.fixed)
+        keep_all = _block_keep_all(problem, nodes, chain.fixed)
         add("keep_all", keep_all)
         add("input_only", set())
         add("selective", _selective(problem, nodes, chain.fixed))
@@ -200,8 +200,8 @@ def price_menu(problem: Problem, chain: BlockChain, options: list[list[tuple[str
     keep_all = keep_all_mask(problem)
     core = evaluate_mask(problem, keep_all)
     uniform.append(("keep everything", keep_all, core.peak_bytes, core.recompute_cost))
-    own = own_checkpoint_mask(problem)
-    if own is not None:  # what the model's own torch.utils.checkpoint does: never do worse
+    own = keep_all_mask(problem, own_checkpoints=True)
+    if own != keep_all:  # what the model's own torch.utils.checkpoint does: never do worse
         core = evaluate_mask(problem, own)
         uniform.append(("the model's own checkpointing", own, core.peak_bytes, core.recompute_cost))
     kept_bytes, need, costs, final_names, final_kept = [], [], [], [], []
@@ -277,7 +277,7 @@ def _price(problem: Problem, chain: BlockChain, mask: bytearray) -> tuple[list[t
 
 
 # ---------------------------------------------------------------- options
-def _keep_all(problem: Problem, nodes: tuple[int, ...], fixed: frozenset[int]) -> set[int]:
+def _block_keep_all(problem: Problem, nodes: tuple[int, ...], fixed: frozenset[int]) -> set[int]:
     mask = keep_all_mask(problem)
     return {v for v in nodes if mask[v] and v not in fixed}
 
@@ -289,7 +289,7 @@ def _expensive(problem: Problem, v: int) -> bool:
 def _selective(problem: Problem, nodes: tuple[int, ...], fixed: frozenset[int]) -> set[int]:
     """Keep expensive ops' outputs that backward or a recomputation reads (Megatron's selective)."""
     inside = set(nodes)
-    needed = _keep_all(problem, nodes, fixed)
+    needed = _block_keep_all(problem, nodes, fixed)
     kept = {v for v in needed if _expensive(problem, v)}
     # Walk back from each cheap value backward needs to the expensive values it is recomputed from.
     stack = [v for v in needed if v not in kept]
