@@ -49,6 +49,7 @@ def _headline_peak(name: str, method: str, seq_len: int, budget: int) -> dict[st
             peak_bytes=step.floor_bytes,
             kind="predicted (ckptc min feasible)",
             unoptimized_predicted=step.unoptimized_peak_bytes,
+            floor_breakdown=floor_breakdown(step),
         )
     else:
         if method == "per_block":
@@ -63,6 +64,21 @@ def _headline_peak(name: str, method: str, seq_len: int, budget: int) -> dict[st
     del case, model
     gc.collect()
     return out
+
+
+def floor_breakdown(step: ckptc.CapturedStep) -> dict[str, int]:
+    """What ckptc's floor is made of, for the graph that sets it: resident bytes (parameters, inputs,
+    what the step holds outside the graph), activations kept for backward, the working set on top of
+    them at the peak (recomputation and backward temporaries), and the planning margin."""
+    record = max(step.records, key=lambda r: r.min_feasible_bytes)
+    resident = record.joint_problem.problem.resident_bytes
+    return {
+        "floor_bytes": record.min_feasible_bytes,
+        "resident_bytes": resident,
+        "kept_bytes": record.floor_kept_bytes,
+        "working_set_bytes": record.floor_peak_bytes - resident - record.floor_kept_bytes,
+        "margin_bytes": record.min_feasible_bytes - record.floor_peak_bytes,
+    }
 
 
 def _verify_ckptc(name: str, seq_len: int, budget: int) -> dict[str, Any]:

@@ -469,6 +469,27 @@ def headline_markdown(result: dict[str, Any], level: int = 1) -> str:
             else v.get("error", "-")
         )
         lines.append(f"| {name} | {' | '.join(cells)} | {vcell} |")
+    breakdowns = []
+    for name, entry in result.get("models", {}).items():
+        e = entry.get("ckptc", {})
+        at = next((t for t in e.get("trials", []) if t.get("seq_len") == e.get("longest_fitting")), {})
+        b = at.get("floor_breakdown")
+        if b:
+            breakdowns.append(
+                f"| {name} | {e['longest_fitting']:,} | {mib(b['floor_bytes'])} | {mib(b['resident_bytes'])} "
+                f"| {mib(b['kept_bytes'])} | {mib(b['working_set_bytes'])} | {mib(b['margin_bytes'])} |"
+            )
+    if breakdowns:
+        lines += [
+            "",
+            "ckptc's floor at its longest length, for the graph that sets it (MiB): resident (parameters, inputs, "
+            "what the step holds outside the graph), activations kept for backward, the working set on top of "
+            "them at the peak (recomputation, backward temporaries), planning margin.",
+            "",
+            "| model | length | floor | resident | kept | working set | margin |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *breakdowns,
+        ]
     if "seconds" in result:
         lines += ["", f"Total time: {result['seconds'] / 60:.1f} min."]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ import ckptc
 from ckptc.costs import BACKWARD, FORWARD, NodeCost
 from ckptc.lean_backward import in_place_targets, reinplace
 from tests.helpers import assert_same_training, get_case, measure, step
+from tests.per_block import wrap_blocks
 from tests.zoo import ModelCase
 
 aten = torch.ops.aten
@@ -146,8 +147,6 @@ def test_keeping_everything_costs_no_more_than_eager_with_scans_and_batch_norm(n
 def test_the_measured_floor_is_at_most_per_block_checkpointings_measured_peak(name: str) -> None:
     """ckptc at its own floor, measured, against ``checkpoint()`` around every repeated block (the bench's
     per-block alternative), measured the same way; gradients start absent, as after ``zero_grad()``."""
-    from bench.alternatives import wrap_blocks
-
     case = get_case(name)
     per_block = copy.deepcopy(case.model)
     assert wrap_blocks(per_block)[0], "the model has repeated blocks to checkpoint"
