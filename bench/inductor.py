@@ -97,7 +97,11 @@ def with_memory_budget(model: torch.nn.Module, fraction: float) -> Callable[...,
     compiled = torch.compile(model)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=fraction):
+        # The compile caches' keys miss the budget: a hit would reuse the plain torch.compile partition.
+        with (
+            torch._functorch.config.patch(activation_memory_budget=fraction, enable_autograd_cache=False),
+            torch._inductor.config.patch(fx_graph_cache=False),
+        ):
             return compiled(*args, **kwargs)
 
     return call

@@ -41,6 +41,7 @@ __all__ = [
     "is_mutable_op",
     "is_random_op",
     "is_pointwise_op",
+    "is_reduction_op",
     "tree_leaves",
     "tree_map",
     "version_counter",
@@ -101,6 +102,11 @@ def is_pointwise_op(target: Any) -> bool:
     """True if ``target`` is an op overload computed element by element (``add``, ``gelu``, ``where``):
     the ops Inductor fuses into the kernels of their consumers."""
     return is_op_overload(target) and torch.Tag.pointwise in target.tags
+
+
+def is_reduction_op(target: Any) -> bool:
+    """True if ``target`` is an op overload that reduces over dimensions (``sum``, ``amax``, ``var_mean``)."""
+    return is_op_overload(target) and torch.Tag.reduction in target.tags
 
 
 def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:

@@ -17,7 +17,9 @@ The prices depend on the compiler that will run the plan (``compiler``):
   chain (the chain's intermediates never reach memory), and keeping a value
   costs its traffic (``keep_cost``: written in forward, read in backward),
   which the planner weighs against recomputing it
-  (:func:`ckptc.planner.for_target_compiler`).
+  (:func:`ckptc.planner.for_target_compiler`); and a pointwise output that
+  only fused ops and reductions of its own phase read never reaches memory
+  (0 bytes, :func:`inlined_in_kernels`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ckptc._torch_internals import (
     is_op_overload,
     is_pointwise_op,
     is_random_op,
+    is_reduction_op,
     is_tangent,
     op_name,
     op_schema_name,
@@ -175,7 +178,34 @@ def annotate_costs(joint: fx.GraphModule, compiler: str = "eager") -> dict[fx.No
         )
         node.meta["ckptc"] = cost
         costs[node] = cost
+    if fusing:
+        for node in inlined_in_kernels(costs):
+            costs[node] = node.meta["ckptc"] = replace(costs[node], bytes=0, keep_cost=0.0)
     return costs
+
+
+def inlined_in_kernels(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
+    """Fused pointwise ops whose outputs a fusing compiler never writes to memory.
+
+    Inductor computes a pointwise op inside the kernel of each consumer that is a
+    pointwise op or a reduction, so an output that only such ops of its own phase
+    read (not backward, not a view, not a graph output) stays in registers.  A
+    forward value that backward reads is written when kept, so it keeps its bytes.
+    Inductor may still materialize a value read by many kernels; the run-time
+    check corrects what this misses (see README, Known limits).
+    """
+
+    def computes_it_inline(user: fx.Node, kind: str) -> bool:
+        cost = costs.get(user)
+        if cost is None or cost.kind != kind:
+            return False
+        return cost.fused or (user.op == "call_function" and is_reduction_op(user.target))
+
+    return [
+        node
+        for node, cost in costs.items()
+        if cost.fused and cost.bytes and node.users and all(computes_it_inline(u, cost.kind) for u in node.users)
+    ]
 
 
 def priced_size(value: Any, what: str = "a size") -> int:
