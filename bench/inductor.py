@@ -176,7 +176,10 @@ def run(layers: int, width: int, batch: int, seq_len: int, vocab: int, reps: int
             print(f"  {label}: budget {budget} below ckptc's floor {captured.floor_bytes}", flush=True)
             continue
         fast = ckptc.optimize(m, budget_bytes=budget, compiler="inductor")
-        points.append(prepare(Point(label, m, fast, matched=matched, budget_bytes=budget), ids, reference))
+        try:
+            points.append(prepare(Point(label, m, fast, matched=matched, budget_bytes=budget), ids, reference))
+        except (ckptc.CkptcError, ckptc.InfeasibleBudgetError) as error:
+            print(f"  {label}: refused: {str(error).splitlines()[0][:200]}", flush=True)
 
     timed = [p for p in points if p.correct]
     for p in timed:  # warm: the first steps compiled and verified

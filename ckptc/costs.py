@@ -18,7 +18,7 @@ The prices depend on the compiler that will run the plan (``compiler``):
   costs its traffic (``keep_cost``: written in forward, read in backward),
   which the planner weighs against recomputing it
   (:func:`ckptc.planner.for_target_compiler`); and a pointwise output that
-  only fused ops and reductions of its own phase read never reaches memory
+  only one fused op or reduction of its own phase reads never reaches memory
   (0 bytes, :func:`inlined_in_kernels`).
 """
 
@@ -187,12 +187,12 @@ def annotate_costs(joint: fx.GraphModule, compiler: str = "eager") -> dict[fx.No
 def inlined_in_kernels(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
     """Fused pointwise ops whose outputs a fusing compiler never writes to memory.
 
-    Inductor computes a pointwise op inside the kernel of each consumer that is a
-    pointwise op or a reduction, so an output that only such ops of its own phase
-    read (not backward, not a view, not a graph output) stays in registers.  A
-    forward value that backward reads is written when kept, so it keeps its bytes.
-    Inductor may still materialize a value read by many kernels; the run-time
-    check corrects what this misses (see README, Known limits).
+    Inductor computes a pointwise op inside the kernel of its consumer when that
+    consumer is a pointwise op or a reduction, so an output that one such op of its
+    own phase reads (not backward, not a view, not a graph output) stays in
+    registers.  A forward value that backward reads is written when kept, so it
+    keeps its bytes; so does a value read by several ops, which Inductor may
+    materialize (counting it keeps the prediction on the safe side).
     """
 
     def computes_it_inline(user: fx.Node, kind: str) -> bool:
@@ -204,7 +204,7 @@ def inlined_in_kernels(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
     return [
         node
         for node, cost in costs.items()
-        if cost.fused and cost.bytes and node.users and all(computes_it_inline(u, cost.kind) for u in node.users)
+        if cost.fused and cost.bytes and len(node.users) == 1 and computes_it_inline(next(iter(node.users)), cost.kind)
     ]
 
 
