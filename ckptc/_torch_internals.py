@@ -40,6 +40,8 @@ __all__ = [
     "op_schema_name",
     "is_mutable_op",
     "is_random_op",
+    "is_pointwise_op",
+    "is_reduction_op",
     "tree_leaves",
     "tree_map",
     "version_counter",
@@ -94,6 +96,17 @@ def is_mutable_op(target: Any) -> bool:
 def is_random_op(target: Any) -> bool:
     """True if ``target`` is an op overload that draws from a random number generator (dropout, rand)."""
     return is_op_overload(target) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def is_pointwise_op(target: Any) -> bool:
+    """True if ``target`` is an op overload computed element by element (``add``, ``gelu``, ``where``):
+    the ops Inductor fuses into the kernels of their consumers."""
+    return is_op_overload(target) and torch.Tag.pointwise in target.tags
+
+
+def is_reduction_op(target: Any) -> bool:
+    """True if ``target`` is an op overload that reduces over dimensions (``sum``, ``amax``, ``var_mean``)."""
+    return is_op_overload(target) and torch.Tag.reduction in target.tags
 
 
 def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
@@ -401,12 +414,33 @@ def dynamo_explain(fn: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """Inductor kernels for one graph; random ops fall back to eager so they match eager."""
+    """Inductor kernels for one graph; random ops fall back to eager so they match eager.
+
+    The FX-graph cache is off here, not only around :func:`aot_backend`'s call:
+    AOTAutograd compiles the backward lazily, at the first backward, outside that
+    call.  Its key pickles the graph module with its ``meta`` (ckptc's record of the
+    plan: fake tensors, cyclic dicts), which the key's pickler cannot do.
+    """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    with config.patch(fallback_random=True):
+    with config.patch(fallback_random=True, fx_graph_cache=False, fx_graph_remote_cache=False):
         return compile_fx_inner(gm, example_inputs)
+
+
+def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
+    """Inductor's own rewrites of a joint graph (pattern replacements such as attention into
+    ``scaled_dot_product_attention``, constant folding, no-op removal), as ``torch.compile``
+    runs them before partitioning: ckptc then plans the graph Inductor compiles."""
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+    devices = {
+        t.device
+        for n in joint.graph.find_nodes(op="placeholder")
+        for t in [n.meta.get("val")]
+        if isinstance(t, torch.Tensor)
+    }
+    return _recursive_joint_graph_passes(joint, input_device=next(iter(devices), None))
 
 
 from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402

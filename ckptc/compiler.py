@@ -189,9 +189,10 @@ class CheckpointCompiler:
         return run
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        compiled = self._compile_graph(gm, example_inputs)
         record = self._just_planned
         self._just_planned = None
+        # A graph planned only to see the whole step runs once and is planned again: no kernels for it.
+        compiled = self._compile_graph(gm, example_inputs, kernels=record is None or not record.infeasible)
         if record is None:  # an inference graph: nothing planned
             return compiled
 
@@ -206,17 +207,21 @@ class CheckpointCompiler:
         return internals.mark_boxed(forward)
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        if self.options.compiler == "inductor":
+        if self._generates_kernels():
             return internals.inductor_compile(gm, example_inputs)
         link = gm.meta.get("ckptc_record")
         record = link.record if link is not None else None
         free = record.joint_problem.free_tangents if record is not None else ()
         return ZeroGradBackward(gm, lambda graph: internals.boxed(reinplace(graph)), free=free, record=record)
 
-    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        if self.options.compiler == "inductor":
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, kernels: bool = True) -> Callable:
+        if kernels and self._generates_kernels():
             return internals.inductor_compile(gm, example_inputs)
         return internals.boxed(gm)
+
+    def _generates_kernels(self) -> bool:
+        """Whether graphs get Inductor kernels (not when captured only to plan: :func:`ckptc.capture`)."""
+        return self.options.compiler == "inductor" and self.options.generate_kernels
 
     def _bytes_outside_graph(self, example_inputs: Sequence[Any]) -> tuple[int, frozenset[int]]:
         """Model state this graph does not take as input, and gradients that exist
@@ -254,7 +259,9 @@ class CheckpointCompiler:
             insert_rng_state_nodes(joint.graph)
         drop_unread_batch_norm_statistics(joint.graph)
         joint.recompile()
-        annotate_costs(joint)
+        if self.options.compiler == "inductor":
+            joint = internals.inductor_joint_passes(joint)
+        annotate_costs(joint, self.options.compiler)
         if self.options.measure_scratch:
             measure_scratch(joint)
         if self.options.measure_time:

@@ -7,6 +7,19 @@ base's storage and are counted once), the FLOPs to recompute it, the source
 module it came from and a stable readable name.  :func:`measure_runtimes` can
 replace FLOPs by measured seconds.  Nothing here allocates real tensors except
 the optional runtime measurement.
+
+The prices depend on the compiler that will run the plan (``compiler``):
+
+* ``"eager"`` runs op by op, so a pointwise op costs the elements it reads
+  and writes;
+* ``"inductor"`` fuses chains of pointwise ops into one kernel, so a
+  recomputed pointwise op costs only the elements it reads from outside its
+  chain (the chain's intermediates never reach memory), and keeping a value
+  costs its traffic (``keep_cost``: written in forward, read in backward),
+  which the planner weighs against recomputing it
+  (:func:`ckptc.planner.for_target_compiler`); and a pointwise output that
+  only one fused op or reduction of its own phase reads never reaches memory
+  (0 bytes, :func:`inlined_in_kernels`).
 """
 
 from __future__ import annotations
@@ -26,7 +39,9 @@ from torch.utils.flop_counter import flop_registry
 from ckptc._torch_internals import (
     is_mutable_op,
     is_op_overload,
+    is_pointwise_op,
     is_random_op,
+    is_reduction_op,
     is_tangent,
     op_name,
     op_schema_name,
@@ -45,6 +60,9 @@ log = logging.getLogger("ckptc.costs")
 
 INPUT, FORWARD, BACKWARD = "input", "forward", "backward"
 
+#: Compilers whose kernels fuse chains of pointwise ops (priced by :func:`fused_flops`).
+FUSING_COMPILERS = ("inductor",)
+
 
 @dataclass(frozen=True)
 class NodeCost:
@@ -57,7 +75,9 @@ class NodeCost:
             even one no gradient flows into, since eager runs it in backward).
         bytes: storage bytes the node allocates; 0 for a view or alias.
         flops: floating-point operations to (re)compute it.  Pointwise ops and
-            reductions are counted by elements touched.
+            reductions are counted by elements touched; under a fusing
+            compiler a pointwise op counts only the elements it reads from
+            outside its fused chain (:func:`fused_flops`).
         alias_of: name of the node whose storage this one views, if any.
         op: the operator's name (``mm``, ``add``, ``getitem``...).
         part_of: for a ``getitem`` of a multi-output op, that op's node: the
@@ -71,6 +91,10 @@ class NodeCost:
         scratch_bytes: memory the op allocates while it runs and frees before
             it returns (im2col buffers, oneDNN reorders), if
             :func:`measure_scratch` ran.
+        fused: a pointwise op that a fusing compiler computes inside the
+            kernel of its consumer (False under the eager compiler).
+        keep_cost: what keeping its output for backward costs, in the units
+            of :attr:`cost`: its elements written once and read once.
     """
 
     kind: str
@@ -84,6 +108,8 @@ class NodeCost:
     random: bool = False
     seconds: float | None = None
     scratch_bytes: int = 0
+    fused: bool = False
+    keep_cost: float = 0.0
 
     @property
     def cost(self) -> float:
@@ -91,12 +117,14 @@ class NodeCost:
         return self.seconds if self.seconds is not None else float(self.flops)
 
 
-def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
+def annotate_costs(joint: fx.GraphModule, compiler: str = "eager") -> dict[fx.Node, NodeCost]:
     """Write a :class:`NodeCost` into ``node.meta["ckptc"]`` for every node.
 
+    ``compiler`` is the one that will run the plan (see the module docstring).
     Requires fake-tensor metadata (``node.meta["val"]``), which AOTAutograd and
     ``make_fx`` graphs carry.  Returns the same mapping for convenience.
     """
+    fusing = compiler in FUSING_COMPILERS
     tangent_dependent: set[fx.Node] = set()
     backward_started = False
     storage_owner: dict[Hashable, str] = {}
@@ -134,20 +162,50 @@ def annotate_costs(joint: fx.GraphModule) -> dict[fx.Node, NodeCost]:
             base = f"input.{node.target}"
         ordinal = name_counts[base]
         name_counts[base] += 1
+        fused = fusing and is_fused(node)
         cost = NodeCost(
             kind=kind,
             bytes=new_bytes,
-            flops=0 if node.op != "call_function" else count_flops(node),
+            flops=0 if node.op != "call_function" else fused_flops(node) if fused else count_flops(node),
             alias_of=alias_of,
             part_of=part_of,
             module=module,
             stable_name=base if ordinal == 0 else f"{base}_{ordinal}",
             op=op_name,
             random=is_random(node),
+            fused=fused,
+            keep_cost=2.0 * _output_elements(node) if new_bytes else 0.0,
         )
         node.meta["ckptc"] = cost
         costs[node] = cost
+    if fusing:
+        for node in inlined_in_kernels(costs):
+            costs[node] = node.meta["ckptc"] = replace(costs[node], bytes=0, keep_cost=0.0)
     return costs
+
+
+def inlined_in_kernels(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
+    """Fused pointwise ops whose outputs a fusing compiler never writes to memory.
+
+    Inductor computes a pointwise op inside the kernel of its consumer when that
+    consumer is a pointwise op or a reduction, so an output that one such op of its
+    own phase reads (not backward, not a view, not a graph output) stays in
+    registers.  A forward value that backward reads is written when kept, so it
+    keeps its bytes; so does a value read by several ops, which Inductor may
+    materialize (counting it keeps the prediction on the safe side).
+    """
+
+    def computes_it_inline(user: fx.Node, kind: str) -> bool:
+        cost = costs.get(user)
+        if cost is None or cost.kind != kind:
+            return False
+        return cost.fused or (user.op == "call_function" and is_reduction_op(user.target))
+
+    return [
+        node
+        for node, cost in costs.items()
+        if cost.fused and cost.bytes and len(node.users) == 1 and computes_it_inline(next(iter(node.users)), cost.kind)
+    ]
 
 
 def priced_size(value: Any, what: str = "a size") -> int:
@@ -174,6 +232,26 @@ def priced_size(value: Any, what: str = "a size") -> int:
 
 def _numel(t: torch.Tensor) -> int:
     return priced_size(t.numel(), "the number of elements of a tensor")
+
+
+def is_fused(node: fx.Node) -> bool:
+    """True for ops a fusing compiler computes inside their consumers' kernels: pointwise ops
+    that draw no random numbers (those run as eager kernels under ckptc, see
+    :func:`ckptc._torch_internals.inductor_compile`)."""
+    return node.op == "call_function" and is_pointwise_op(node.target) and not is_random_op(node.target)
+
+
+def fused_flops(node: fx.Node) -> int:
+    """What recomputing the pointwise ``node`` adds inside a fused kernel: the elements it reads
+    from values outside its fused chain (kept activations, inputs, matmul outputs), one per element.
+    Its output and the values of the chain it reads stay in registers."""
+    return sum(
+        _output_elements(arg) for arg in node.all_input_nodes if not (arg.op == "call_function" and is_fused(arg))
+    )
+
+
+def _output_elements(node: fx.Node) -> int:
+    return sum(_numel(t) for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
 
 
 def is_random(node: fx.Node) -> bool:
@@ -307,21 +385,42 @@ def measure_runtimes(joint: fx.GraphModule, repeats: int = 3) -> None:
     """Time each forward node on real random tensors and store it in the meta.
 
     An optional estimator: recompute cost becomes measured seconds instead of
-    FLOPs (the minimum over ``repeats`` runs).  Needs :func:`annotate_costs` first.
+    FLOPs (the minimum over ``repeats`` runs).  Ops a fusing compiler fuses
+    (``NodeCost.fused``) are not timed alone, which would price a kernel launch
+    and a round trip to memory that the fused kernel does not make: they, and
+    every value's ``keep_cost``, are priced by their element counts times the
+    measured seconds per element of a streaming read.  Timing the compiled
+    fused regions themselves would need one Inductor compile per region, which
+    costs more than planning.  Needs :func:`annotate_costs` first.
     """
     with outside_fake_mode():
-        _measure_runtimes(joint, repeats)
+        _measure_runtimes(joint, repeats, _seconds_per_element(repeats))
 
 
-def _measure_runtimes(joint: fx.GraphModule, repeats: int) -> None:
+def _seconds_per_element(repeats: int, elements: int = 1 << 22) -> float:
+    """Seconds to read one float32 element as a kernel streaming through memory does (sum of 4M floats)."""
+    x = torch.rand(elements)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return best / elements
+
+
+def _measure_runtimes(joint: fx.GraphModule, repeats: int, per_element: float) -> None:
     real: dict[fx.Node, Any] = {}
     materialize = _materialize
     for node in joint.graph.nodes:
         cost: NodeCost | None = node.meta.get("ckptc")
         if cost is None or node.op == "output":
             continue
-        if node.op != "call_function" or cost.kind != FORWARD:
+        if node.op != "call_function" or cost.kind != FORWARD or cost.fused:
             real[node] = tree_map(materialize, node.meta.get("val"))
+            if cost.fused and cost.kind == FORWARD:
+                node.meta["ckptc"] = replace(
+                    cost, seconds=cost.flops * per_element, keep_cost=cost.keep_cost * per_element
+                )
             continue
         args = torch.fx.node.map_arg(node.args, lambda n: real[n])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: real[n])
@@ -332,7 +431,7 @@ def _measure_runtimes(joint: fx.GraphModule, repeats: int) -> None:
             result = node.target(*args, **kwargs)
             best = min(best, time.perf_counter() - start)
         real[node] = result
-        node.meta["ckptc"] = replace(cost, seconds=best)
+        node.meta["ckptc"] = replace(cost, seconds=best, keep_cost=cost.keep_cost * per_element)
 
 
 def _materialize(v: Any) -> Any:

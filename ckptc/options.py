@@ -99,6 +99,9 @@ class CheckpointOptions:
             ``budget_bytes`` (earlier graphs keeping less for later ones).
         defer_infeasible: plan a graph that cannot fit at its lowest peak and
             mark it, so the whole step is seen before deciding.
+        generate_kernels: under ``compiler="inductor"``, compile the graphs with
+            Inductor (False: :func:`ckptc.capture` traces them as Inductor would
+            and runs them op by op, since planning needs no kernels).
     """
 
     budget_bytes: int | None = None
@@ -114,6 +117,7 @@ class CheckpointOptions:
     extra_baseline_bytes: int = field(default=0, metadata=_internal())
     graph_budgets: Mapping[int, int] = field(default_factory=dict, metadata=_internal())
     defer_infeasible: bool = field(default=False, metadata=_internal())
+    generate_kernels: bool = field(default=True, metadata=_internal())
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None:
@@ -126,7 +130,7 @@ class CheckpointOptions:
             if isinstance(value, str) or not all(isinstance(p, str) for p in value):
                 raise InvalidArgumentError(f"{name} must be a list of patterns (strings), got {value!r}")
             object.__setattr__(self, name, tuple(value))
-        for name in ("measure_time", "measure_scratch", "defer_infeasible"):
+        for name in ("measure_time", "measure_scratch", "defer_infeasible", "generate_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.hold_outputs is None or isinstance(self.hold_outputs, bool)):

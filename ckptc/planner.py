@@ -14,6 +14,8 @@ into a decision lives here:
   decisions (``plan_source``);
 * the floor (:func:`solvers.lowest_peak_plan`) and the unoptimized peak, and
   the step-wide floor when graph breaks split a step into several graphs;
+* what the compiler that runs the plan makes cheaper to recompute than to keep
+  (:func:`for_target_compiler`: Inductor's fused pointwise chains);
 * what to do when a graph cannot fit (:func:`decide`), and how a step of
   several graphs is planned again with earlier graphs keeping less
   (:func:`tighter_graph_budgets`).
@@ -35,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import solvers
 from ckptc import policies
+from ckptc.costs import FORWARD, FUSING_COMPILERS
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
 from ckptc.plans import ModelPlan, fingerprint, graph_plan
@@ -156,14 +159,16 @@ def _choose(
     """
     if plan_source is not None:
         return plan_source(index, jp)
+    target = options.compiler if options.strategy == "auto" else "eager"  # presets are taken as they are
     budget = options.budget_bytes
     if budget is None:
-        return candidate(jp, options, None, progress)
+        return for_target_compiler(jp, candidate(jp, options, None, progress), target)
     budget = min(budget, options.graph_budgets.get(index, budget))
     if options.strategy == "auto" and unoptimized.peak_bytes <= budget:
-        return dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
+        everything = dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
+        return for_target_compiler(jp, everything, target)
     try:
-        return candidate(jp, options, planning_budget(budget, margin), progress)
+        return for_target_compiler(jp, candidate(jp, options, planning_budget(budget, margin), progress), target)
     except solvers.InfeasibleBudgetError as error:
         floor = error.min_feasible_bytes
         if floor is not None:
@@ -171,6 +176,72 @@ def _choose(
             if options.strategy == "auto":
                 floor = min(floor, unoptimized.peak_bytes)
         raise solvers.InfeasibleBudgetError(options.budget_bytes, floor) from None
+
+
+def for_target_compiler(jp: JointProblem, plan: solvers.Plan, compiler: str) -> solvers.Plan:
+    """``plan`` with the values its compiler recomputes for less than keeping them costs.
+
+    Under a fusing compiler (Inductor) a kept output of a pointwise op costs a
+    write in forward and a read in backward (``NodeCost.keep_cost``), while
+    recomputing it inside its consumer's fused kernel costs only the reads of
+    its inputs (``NodeCost.cost``, :func:`ckptc.costs.fused_flops`).  So every
+    kept pointwise output that is cheaper to recompute than to keep, and whose
+    inputs backward has anyway (kept values, inputs, views of them), is
+    recomputed instead, as PyTorch's min-cut partitioner does; the solvers
+    cannot weigh this themselves, since their objective prices recomputation
+    only.  All such values are dropped at once if that does not raise the
+    plan's simulated peak, else one by one (largest first) while it does not.
+    Plans for the eager compiler and explicit schedules are returned as they are.
+
+    Complexity: O(n) to find the values, then one simulation, or one per value.
+    """
+    if compiler not in FUSING_COMPILERS or plan.schedule is not None or not plan.kept:
+        return plan
+    problem = jp.problem
+    available: dict[str, bool] = {}
+
+    def in_backward(name: str) -> bool:
+        """Backward has ``name`` without recomputing anything but views of what it has."""
+        if name not in available:
+            node = problem[name]
+            available[name] = (
+                node.kind != FORWARD
+                or name in plan.kept
+                or (node.bytes == 0 and node.name in jp.nodes and all(in_backward(p) for p in node.preds))
+            )
+        return available[name]
+
+    def cheaper_to_recompute(name: str) -> bool:
+        node = problem[name]
+        if name not in jp.nodes or node.policy is not None or node.output or node.checkpointed:
+            return False
+        cost = jp.node_cost(name)
+        return cost.fused and node.differentiable and cost.cost <= cost.keep_cost
+
+    candidates = sorted(
+        (n for n in plan.kept if cheaper_to_recompute(n) and all(in_backward(p) for p in problem[n].preds)),
+        key=lambda n: (-problem[n].bytes, n),
+    )
+    if not candidates:
+        return plan
+    limit = solvers.simulate(problem, plan).peak_bytes
+
+    def scored(kept: frozenset[str]) -> tuple[solvers.Plan, solvers.SimResult]:
+        trial = dataclasses.replace(plan, kept=kept)
+        return trial, solvers.simulate(problem, trial)
+
+    best, result = scored(plan.kept - frozenset(candidates))
+    if result.peak_bytes > limit:
+        best, result = plan, None
+        for name in candidates:
+            trial, trial_result = scored(best.kept - {name})
+            if trial_result.peak_bytes <= limit:
+                best, result = trial, trial_result
+    if result is None:
+        return plan
+    log.debug("%s: %d kept values are recomputed in fused kernels instead", compiler, len(plan.kept - best.kept))
+    info = best.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
+    return dataclasses.replace(best, info=info)
 
 
 def decide(
