@@ -27,8 +27,11 @@ captured once under any number of budgets without capturing again
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import logging
+import sys
+import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
@@ -106,6 +109,36 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+#: Solver backends imported on first use (the MILP's pulp and HiGHS).
+SOLVER_BACKENDS = ("pulp", "highspy")
+
+
+def import_solver_backends() -> None:
+    """Import the solvers' MILP backends on a thread of their own, once.
+
+    pulp keeps exceptions it caught while probing optional backends at import
+    (``copt_api``'s), and an exception keeps its traceback's frames and every
+    frame above them.  Imported lazily inside a planning call, those would be
+    the training call's frames, holding its results (logits) and inputs alive
+    for the rest of the process: memory no step's budget counts.  On a fresh
+    thread the stack above the import is that thread's only.
+    """
+    missing = [name for name in SOLVER_BACKENDS if name not in sys.modules]
+    if not missing:
+        return
+
+    def load() -> None:
+        for name in missing:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # optional: the solvers fall back without it
+                pass
+
+    loader = threading.Thread(target=load, name="ckptc-import-solver-backends", daemon=True)
+    loader.start()
+    loader.join()
+
+
 def candidate(
     jp: JointProblem, options: CheckpointOptions, budget_bytes: int | None, progress: Progress | None = None
 ) -> solvers.Plan:
@@ -138,7 +171,7 @@ def _choose(
     everything: nothing to recompute, and no solver's plan peaks above it.
     """
     if plan_source is not None:
-        return plan_source(index, jp)
+        return _within_budget(jp, plan_source(index, jp), options.budget_bytes, "the plan file's plan")
     budget = options.budget_bytes
     if budget is None:
         return candidate(jp, options, None, progress)
@@ -146,7 +179,7 @@ def _choose(
     if options.strategy == "auto" and unoptimized.peak_bytes <= budget:
         return dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
     try:
-        return candidate(jp, options, planning_budget(budget, margin), progress)
+        plan = candidate(jp, options, planning_budget(budget, margin), progress)
     except solvers.InfeasibleBudgetError as error:
         floor = error.min_feasible_bytes
         if floor is not None:
@@ -154,6 +187,30 @@ def _choose(
             if options.strategy == "auto":
                 floor = min(floor, unoptimized.peak_bytes)
         raise solvers.InfeasibleBudgetError(options.budget_bytes, floor) from None
+    if options.strategy != "auto":
+        return _within_budget(jp, plan, budget, f"strategy {options.strategy!r}")
+    return plan
+
+
+class _FixedPlanOverBudget(solvers.InfeasibleBudgetError):
+    """A preset's or a plan file's plan peaks above the budget: nothing to plan again, refused as is."""
+
+
+def _within_budget(jp: JointProblem, plan: solvers.Plan, budget: int | None, what: str) -> solvers.Plan:
+    """``plan`` if its predicted peak (the one simulator's) is within ``budget``; a preset or a plan file
+    is applied as it is, so one that does not fit is refused naming its peak, never run over budget."""
+    if budget is None:
+        return plan
+    peak = solvers.simulate(jp.problem, plan).peak_bytes
+    if peak <= budget:
+        return plan
+    raise _FixedPlanOverBudget(
+        budget,
+        peak,
+        f"{what} peaks at {solvers.format_bytes(peak)} ({peak} bytes), above the budget "
+        f"{solvers.format_bytes(budget)} ({budget} bytes). What to do: give a budget of at least {peak} bytes, "
+        "or plan under this budget with strategy='auto' (ckptc's solvers)",
+    )
 
 
 def decide(
@@ -179,6 +236,7 @@ def decide(
     gives the step's floor.
     """
     start = time.perf_counter() if started is None else started
+    import_solver_backends()
     floor_plan = solvers.lowest_peak_plan(jp.problem)
     floor_result = solvers.simulate(jp.problem, floor_plan)
     keep_all = unoptimized_result(jp)
@@ -195,6 +253,9 @@ def decide(
     try:
         plan = _choose(jp, options, index, plan_source, progress, keep_all, margin, account.graph_budgets)
     except solvers.InfeasibleBudgetError as error:
+        if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
+            # Applied as they are: a preset or a plan file has no other plan to fall back to.
+            raise solvers.InfeasibleBudgetError(error.budget_bytes, error.min_feasible_bytes, str(error)) from None
         fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0, margin)
         if (
             plan_source is None
