@@ -503,6 +503,13 @@ def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None
     return register_multi_grad_hook(list(tensors), hook, mode="any")
 
 
+def active_dispatch_modes() -> list[str]:
+    """Names of the ``TorchDispatchMode``s active on this thread (``FlopCounterMode``, ``DebugMode``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()]
+
+
 def profiler_active() -> bool:
     """Whether a ``torch.profiler`` session is running (one cannot be nested in another)."""
     return bool(torch._C._autograd._profiler_enabled())

@@ -100,6 +100,7 @@ class StepRuntime:
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
+        self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -127,6 +128,7 @@ class StepRuntime:
         if self._pending is not None:
             error, self._pending = self._pending, None
             raise error
+        self._refuse_dispatch_modes()
         if self._step_open and self._outputs and all(ref() is None for ref in self._outputs):
             self._end_step(measured=False)  # the last step's results died without a backward
         opened = not self._step_open
@@ -186,6 +188,19 @@ class StepRuntime:
         self._handles.append(internals.on_backward_end(tensors, self._backward_ended))
         self._check_output_assumption(output, shape, self.active[before:])
         return output
+
+    def _refuse_dispatch_modes(self) -> None:
+        """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
+        Dynamo sees the call (it would skip the frame and fall back to eager without a plan)."""
+        modes = [m for m in internals.active_dispatch_modes() if m != "FakeTensorMode"]  # offline capture's
+        if modes:
+            raise UntraceableModelError(
+                f"ckptc could not run the training step of {type(self.model).__name__} under a plan: it "
+                f"was called under {', '.join(modes)} (a torch dispatch mode), and torch.compile runs "
+                "no compiled graph under a dispatch mode, so nothing would be checkpointed and the "
+                "budget would not hold.\nWhat to do: count FLOPs on the model without ckptc (a copy, "
+                "or model.original_module), or use torch.profiler(with_flops=True) around ckptc's step."
+            )
 
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
         """Run the call; on a call that plans, make the plans of its graphs fit together.
@@ -352,8 +367,8 @@ class StepRuntime:
         running, the step therefore ends on the first Python event after the
         engine returns (a one-shot ``sys.setprofile`` hook).
         """
-        if not self._step_open:
-            return
+        if not self._step_open or self._end_scheduled:
+            return  # a second call's outputs reach the same backward: one end per step
         if self._meter is None or self._meter.device.type != "cpu":
             self._end_step(measured=True)
             return
@@ -368,10 +383,12 @@ class StepRuntime:
                 if self._step_open:
                     self._end_step(measured=True)
 
+        self._end_scheduled = True
         sys.setprofile(after_backward)
 
     def _end_step(self, *, measured: bool) -> None:
         self._step_open = False
+        self._end_scheduled = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
