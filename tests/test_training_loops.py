@@ -315,3 +315,12 @@ def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("done")
     assert "Requested callback is not found" not in run.stderr
+
+
+def test_planning_the_same_model_class_more_than_dynamos_recompile_limit_works() -> None:
+    """ckptc's own compiles do not count against Dynamo's recompile limit (8 by default)."""
+    torch.manual_seed(0)
+    for _ in range(9):
+        fast = ckptc.optimize(_Net(), budget_gb=1, measure_scratch=False)
+        plain(fast, _batches(0))
+        assert fast.plan is not None
