@@ -147,14 +147,25 @@ def profiler_events(prof: Any) -> Iterable[Any]:
     return prof.profiler.kineto_results.events()
 
 
+def _unbounded(top: Any) -> bool:
+    """Whether a symbolic range's top is infinite: sympy's ``oo``, or torch's ``int_oo`` (whose
+    ``is_finite`` says True)."""
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+
+    return top == int_oo or top == sympy.oo or not top.is_finite
+
+
 def upper_bound(value: Any) -> int | None:
     """The largest value an int-like can take: itself if concrete, else the top of its symbolic range.
 
     Sizes in a captured graph are symbolic when they depend on data (the
     number of tokens routed to an expert, from ``nonzero``: "unbacked", ranging
     up to the input's size) or on an input dimension marked dynamic (ranging
-    up to the ``max`` it was marked with).  ``None`` when the range has no
-    finite top.  Never adds a guard.
+    up to the ``max`` it was marked with).  A dynamic dimension without a top
+    (``torch.compile(dynamic=True)``) is priced at its hint, the size it was
+    captured with.  ``None`` when a data-dependent range has no finite top.
+    Never adds a guard.
     """
     if isinstance(value, bool):
         return int(value)
@@ -166,8 +177,11 @@ def upper_bound(value: Any) -> int | None:
         if constant is not None:
             return constant
         top = node.shape_env.bound_sympy(node.expr).upper
-        if not top.is_finite:
-            return None
+        if _unbounded(top):
+            # A dimension made dynamic without a max (torch.compile(dynamic=True)) is priced at the
+            # size it was captured with (its hint); one that depends on data has no price.
+            hint = node.hint if node.has_hint() else None
+            return None if hint is None else (int(hint) if isinstance(value, torch.SymInt) else int(float(hint)) + 1)
         return int(top) if isinstance(value, torch.SymInt) else int(float(top)) + 1
     try:
         return int(value)  # sympy numbers, numpy integers
@@ -515,6 +529,13 @@ def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     return register_multi_grad_hook(list(tensors), hook, mode="any")
+
+
+def active_dispatch_modes() -> list[str]:
+    """Names of the ``TorchDispatchMode``s active on this thread (``FlopCounterMode``, ``DebugMode``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()]
 
 
 def profiler_active() -> bool:

@@ -335,7 +335,7 @@ def capture(
         checked = checked.replace(measure_scratch=False)  # would run every op at full size
     # Captured keeping everything; CapturedStep.plan decides for each budget afterwards.
     # Traced as the target compiler traces (the plan's node names are its graph's), run without kernels.
-    compiler = CheckpointCompiler(checked.replace(strategy="none", generate_kernels=False), model=model)
+    compiler = CheckpointCompiler(checked.replace(strategy="none"), model=model, generate_kernels=False)
     optimized = OptimizedModule(model, compiler, verify=False)
     with contextlib.ExitStack() as stack:
         inputs, kwargs = tuple(example_inputs), dict(example_kwargs or {})

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from ckptc.compiler import CheckpointCompiler
+from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions
 from ckptc.plans import ModelPlan, applied_plan
 
@@ -63,11 +64,34 @@ def backend(
     return CheckpointCompiler(checked, model=model, plan_source=source, progress=progress)
 
 
-def ckptc_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable:
-    """The ``backend="ckptc"`` entry point: plans each graph under ``options``."""
+def ckptc_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None, **compile_args: Any
+) -> Callable:
+    """The ``backend="ckptc"`` entry point: plans each graph under ``options``.
+
+    ``torch.compile`` hands string backends its ``mode`` too; ckptc has no modes (``mode=None`` or
+    ``"default"`` is accepted), and anything else is refused saying what to pass instead.
+    """
+    refuse_compile_args(compile_args)
     options = options or {}
     entry = _compilers.get(id(options))
     if entry is None or entry[0] is not options:
         entry = (options, backend(**options))
         _compilers[id(options)] = entry
     return entry[1](gm, example_inputs)
+
+
+def refuse_compile_args(compile_args: dict[str, Any]) -> None:
+    """Refuse ``torch.compile`` arguments that ckptc's backend cannot honour, naming what to pass instead."""
+    mode = compile_args.pop("mode", None)
+    if mode not in (None, "default"):
+        raise InvalidArgumentError(
+            f"torch.compile(..., backend='ckptc', mode={mode!r}): ckptc has no compile modes; they configure "
+            "Inductor. Pass options={'compiler': 'inductor', 'budget_gb': ...} to run ckptc's rewritten graphs "
+            "under Inductor, or drop mode="
+        )
+    if compile_args:
+        raise InvalidArgumentError(
+            f"torch.compile passed {sorted(compile_args)} to backend='ckptc', which takes only options={{...}} "
+            f"(valid names: {list(CheckpointOptions.user_names())})"
+        )

@@ -10,11 +10,11 @@ plan's schedule (:mod:`ckptc.rewriter`).  AOTAutograd's runtime then runs
 them inside an ``autograd.Function``, handling input mutations (BatchNorm
 statistics are updated once per step) and aliasing.
 
-One budget covers the whole step: graphs captured later see the memory that
-earlier graphs keep for their backward (and the results they hold) as part of
-their baseline, including graphs of earlier calls of the model in the same step
-(a siamese model; :mod:`ckptc.step` tracks steps); and a correction measured
-at run time can be added to every graph's baseline.
+One budget covers the whole step: each graph's baseline (what the step holds
+besides the graph's own activations) is the :class:`~ckptc.account.StepAccount`'s,
+passed to the compiler as an argument; graphs captured later see what earlier
+graphs keep for their backward, including graphs of earlier calls of the model
+in the same step (a siamese model; :mod:`ckptc.step` tracks steps).
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import torch.fx as fx
 
 import solvers
 from ckptc import _torch_internals as internals
+from ckptc.account import StepAccount
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.coverage import refuse_oversized
-from ckptc.devices import graph_device, memory_model
-from ckptc.distributed import check_backend_context, local_nbytes
+from ckptc.distributed import check_backend_context
 from ckptc.lean_backward import drop_unread_batch_norm_statistics, reinplace
-from ckptc.meter import resident_bytes
 from ckptc.options import CheckpointOptions
 from ckptc.planner import decide
 from ckptc.plans import ModelPlan
@@ -45,11 +44,6 @@ from ckptc.rng import insert_rng_state_nodes
 from ckptc.unused_grads import ZeroGradBackward, zeros_buildable
 
 log = logging.getLogger("ckptc.compiler")
-
-# After a graph break, later graphs return results that the caller holds while
-# earlier graphs run backward (the loss, a few scalars); those graphs are not
-# known yet when earlier graphs are planned, so every graph reserves this much.
-HELD_RESULTS_RESERVE_BYTES = 1024
 
 
 class CheckpointCompiler:
@@ -64,6 +58,11 @@ class CheckpointCompiler:
         plan_source: replaces the strategy; given the graph index and problem,
             returns a plan (used to apply plan files).
         progress: ``(fraction, message)`` callback for long solves.
+        account: what the step holds besides each graph's activations
+            (:class:`~ckptc.account.StepAccount`; default: a step from ``None`` gradients).
+        generate_kernels: under ``compiler="inductor"``, compile the graphs with
+            Inductor (False: :func:`ckptc.capture` traces them as Inductor would
+            and runs them op by op, since planning needs no kernels).
 
     Each graph's decision is :func:`ckptc.planner.decide`'s.
     """
@@ -75,6 +74,8 @@ class CheckpointCompiler:
         model: torch.nn.Module | None = None,
         plan_source: PlanSource | None = None,
         progress: Callable[[float, str], None] | None = None,
+        account: StepAccount | None = None,
+        generate_kernels: bool = True,
         **option_values: Any,
     ) -> None:
         if not isinstance(options, CheckpointOptions):
@@ -85,6 +86,8 @@ class CheckpointCompiler:
         self.model = model
         self.plan_source = plan_source
         self.progress = progress
+        self.account = account if account is not None else StepAccount(hold_outputs=options.hold_outputs)
+        self.generate_kernels = generate_kernels
         # Set by ckptc.step.StepRuntime, which ends steps when backward ends;
         # without it a graph running again means a new step began.
         self.track_steps = False
@@ -106,10 +109,15 @@ class CheckpointCompiler:
     def solver(self) -> str:
         return self.options.solver
 
-    def spawn(self, **changes: Any) -> "CheckpointCompiler":
-        """A fresh compiler with this one's options (and ``changes`` to them), no graphs planned."""
+    def for_account(self, account: StepAccount) -> "CheckpointCompiler":
+        """A fresh compiler with this one's options and ``account``, no graphs planned."""
         return CheckpointCompiler(
-            self.options.replace(**changes), model=self.model, plan_source=self.plan_source, progress=self.progress
+            self.options,
+            model=self.model,
+            plan_source=self.plan_source,
+            progress=self.progress,
+            account=account,
+            generate_kernels=self.generate_kernels,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -119,6 +127,8 @@ class CheckpointCompiler:
             "model": self.model,
             "plan_source": self.plan_source,
             "progress": self.progress,
+            "account": self.account,
+            "generate_kernels": self.generate_kernels,
             "track_steps": self.track_steps,
         }
 
@@ -159,8 +169,9 @@ class CheckpointCompiler:
         planned: list[GraphRecord] = []
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
-            outside, input_ids = self._bytes_outside_graph(example_inputs)
-            parts = self.partition(joint, outside=outside, input_ids=input_ids, **kw)
+            placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+            baseline, input_ids = self.account.graph_baseline(self.model, example_inputs, placeholders, self.active)
+            parts = self.partition(joint, baseline_bytes=baseline, input_ids=input_ids, **kw)
             if self._just_planned is not None:
                 self._just_planned.break_after = internals.graph_break_after(gm)
                 planned.append(self._just_planned)
@@ -221,37 +232,20 @@ class CheckpointCompiler:
 
     def _generates_kernels(self) -> bool:
         """Whether graphs get Inductor kernels (not when captured only to plan: :func:`ckptc.capture`)."""
-        return self.options.compiler == "inductor" and self.options.generate_kernels
-
-    def _bytes_outside_graph(self, example_inputs: Sequence[Any]) -> tuple[int, frozenset[int]]:
-        """Model state this graph does not take as input, and gradients that exist
-        while its backward runs: those of trainable parameters that no graph run
-        so far in this step (this one included) uses, since graphs run backward in
-        reverse order.  Also returns the ids of this graph's trainable parameters.
-        """
-        graph_tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-        graph_ids = frozenset(id(t) for t in graph_tensors)
-        if self.model is None:
-            return 0, graph_ids
-        params = {id(p): p for p in self.model.parameters()}
-        state_ids = set(params) | {id(b) for b in self.model.buffers()}
-        state = resident_bytes(*params.values(), *self.model.buffers())
-        in_graph = resident_bytes(*[t for t in graph_tensors if id(t) in state_ids])
-        seen = set(graph_ids).union(*(r.input_ids for r in self.active))
-        later_grads = sum(local_nbytes(p) for i, p in params.items() if p.requires_grad and i not in seen)
-        return max(0, state - in_graph) + later_grads, graph_ids
+        return self.options.compiler == "inductor" and self.generate_kernels
 
     # -- the partitioner --------------------------------------------------
     def partition(
         self,
         joint: fx.GraphModule,
         *,
-        outside: int = 0,
+        baseline_bytes: int = 0,
         input_ids: frozenset[int] = frozenset(),
         num_fwd_outputs: int,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """AOTAutograd ``partition_fn``: plan this joint graph and rewrite it."""
+        """AOTAutograd ``partition_fn``: plan this joint graph (``baseline_bytes`` held outside it,
+        from the step account) and rewrite it."""
         start = time.perf_counter()
         if self.options.compiler == "eager":
             # Inductor cannot lower the Python calls that replay generator state,
@@ -266,26 +260,22 @@ class CheckpointCompiler:
             measure_scratch(joint)
         if self.options.measure_time:
             measure_runtimes(joint)
-        earlier = sum(r.step_bytes for r in self.active)
         policies = policies_from_patterns(
             {n.name: n for n in joint.graph.nodes}, self.options.must_save, self.options.must_recompute
         )
-        # Held by the device for the whole step outside the graph's tensors (cuBLAS workspaces on CUDA).
-        device = graph_device([n.meta["val"] for n in joint.graph.find_nodes(op="placeholder") if _is_tensor(n)])
-        overhead = memory_model(device).step_overhead_bytes
-        baseline = outside + earlier + HELD_RESULTS_RESERVE_BYTES + self.options.extra_baseline_bytes + overhead
         jp = joint_to_problem(
             joint,
             num_fwd_outputs,
-            baseline_bytes=baseline,
+            baseline_bytes=baseline_bytes,
             policies=policies,
-            hold_outputs=self.options.hold_outputs,
+            hold_outputs=self.account.hold_outputs,
             free_unused_grads=self.options.compiler == "eager",
             in_place_backward=self.options.compiler == "eager",
         )
         record = decide(
             jp,
             self.options,
+            self.account,
             index=len(self.records),
             earlier=self.active,
             plan_source=self.plan_source,
@@ -299,7 +289,3 @@ class CheckpointCompiler:
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
         backward.meta["ckptc_record"] = RecordLink(record)
         return forward, backward
-
-
-def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)

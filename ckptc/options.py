@@ -5,7 +5,8 @@
 backend="ckptc", options={...})``, :func:`ckptc.capture` and the CLI all build
 it with :meth:`CheckpointOptions.from_user`, which refuses an unknown name
 (naming the valid ones) and a bad value (quoting it) before anything runs.
-The compiler and the planner read the validated fields and nothing else.
+The compiler and the planner read the validated fields and nothing else; what a
+step holds besides its activations is :class:`ckptc.account.StepAccount`'s, not an option.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import difflib
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import solvers
@@ -66,10 +67,6 @@ def budget_to_bytes(budget_gb: float | None, budget_bytes: int | None) -> int | 
     return nbytes
 
 
-def _internal() -> dict[str, Any]:
-    return {"internal": True}
-
-
 @dataclass(frozen=True)
 class CheckpointOptions:
     """What to plan for and how.
@@ -91,17 +88,6 @@ class CheckpointOptions:
         time_limit: seconds the "ilp" solver may spend (None: its default); "auto" and
             "hierarchical" stop at deterministic work limits and ignore it, so plans never
             depend on machine load.
-
-    Set by :class:`ckptc.step.StepRuntime` only (not user options):
-        extra_baseline_bytes: memory added to every graph's baseline (what a
-            measured step showed the prediction missed).
-        graph_budgets: budgets of single graphs by index, lower than
-            ``budget_bytes`` (earlier graphs keeping less for later ones).
-        defer_infeasible: plan a graph that cannot fit at its lowest peak and
-            mark it, so the whole step is seen before deciding.
-        generate_kernels: under ``compiler="inductor"``, compile the graphs with
-            Inductor (False: :func:`ckptc.capture` traces them as Inductor would
-            and runs them op by op, since planning needs no kernels).
     """
 
     budget_bytes: int | None = None
@@ -114,10 +100,6 @@ class CheckpointOptions:
     measure_scratch: bool = True
     hold_outputs: bool | None = None
     time_limit: float | None = None
-    extra_baseline_bytes: int = field(default=0, metadata=_internal())
-    graph_budgets: Mapping[int, int] = field(default_factory=dict, metadata=_internal())
-    defer_infeasible: bool = field(default=False, metadata=_internal())
-    generate_kernels: bool = field(default=True, metadata=_internal())
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None:
@@ -130,7 +112,7 @@ class CheckpointOptions:
             if isinstance(value, str) or not all(isinstance(p, str) for p in value):
                 raise InvalidArgumentError(f"{name} must be a list of patterns (strings), got {value!r}")
             object.__setattr__(self, name, tuple(value))
-        for name in ("measure_time", "measure_scratch", "defer_infeasible", "generate_kernels"):
+        for name in ("measure_time", "measure_scratch"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.hold_outputs is None or isinstance(self.hold_outputs, bool)):
@@ -143,21 +125,11 @@ class CheckpointOptions:
             raise InvalidArgumentError(
                 f"time_limit must be a positive number of seconds or None, got {self.time_limit!r}"
             )
-        if (
-            isinstance(self.extra_baseline_bytes, bool)
-            or not isinstance(self.extra_baseline_bytes, int)
-            or self.extra_baseline_bytes < 0
-        ):
-            raise InvalidArgumentError(
-                f"extra_baseline_bytes must be a non-negative int, got {self.extra_baseline_bytes!r}"
-            )
-        object.__setattr__(self, "graph_budgets", dict(self.graph_budgets))
 
     @classmethod
     def user_names(cls) -> tuple[str, ...]:
         """Every name a user may give (``optimize``, ``backend``, ``options={...}``), sorted."""
-        fields = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
-        return tuple(sorted({*fields, *EXTRA_USER_NAMES}))
+        return tuple(sorted({*(f.name for f in dataclasses.fields(cls)), *EXTRA_USER_NAMES}))
 
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | None = None, /, **more: Any) -> "CheckpointOptions":

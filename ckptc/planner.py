@@ -3,7 +3,7 @@
 Everything that turns a captured graph and :class:`~ckptc.options.CheckpointOptions`
 into a decision lives here:
 
-* the planning margin (:func:`planning_margin`, :func:`planning_budget`,
+* the planning margin (:func:`ckptc.account.planning_margin`, :func:`planning_budget`,
   :func:`budget_for_planning_floor`): solvers plan a little below the user's
   budget, by an amount sized from what the plan controls (the activations kept
   for backward) and the model's own uncertainty (kernels' measured scratch),
@@ -29,14 +29,18 @@ captured once under any number of budgets without capturing again
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import logging
+import sys
+import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 import solvers
 from ckptc import policies
+from ckptc.account import StepAccount, planning_margin
 from ckptc.costs import FORWARD, FUSING_COMPILERS
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
@@ -47,31 +51,12 @@ from solvers.simulator import honour_policies
 
 log = logging.getLogger("ckptc.planner")
 
-#: The margin is 1/200 of the activations kept for backward and 1/32 of the largest scratch (see planning_margin).
-PLANNING_MARGIN_DIVISOR = 200
-SCRATCH_UNCERTAINTY_DIVISOR = 32
 #: How many times a step of several graphs is planned again with earlier graphs keeping less.
 MAX_STEP_RETRIES = 2
 
 
-def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) -> int:
-    """How far below the user's budget the solvers plan for this graph.
-
-    What can differ between the prediction and a run is what the plan moves
-    (activations kept for backward, whose kernels' scratch memory is measured
-    once per op on random data and varies a little between runs), not the
-    weights and gradients, which are exact.  So the margin is a share of the
-    unoptimized plan's kept bytes plus a share of the largest scratch: a
-    billion-parameter model whose weights dwarf its activations keeps its
-    whole useful range (floor to unoptimized peak) plannable, which a share
-    of the whole budget would swallow.
-    """
-    scratch = max((n.scratch for n in problem.nodes), default=0)
-    return unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
-
-
 def planning_budget(budget_bytes: int, margin: int) -> int:
-    """The budget solvers plan for: ``margin`` (:func:`planning_margin`) below the user's.
+    """The budget solvers plan for: ``margin`` (:func:`ckptc.account.planning_margin`) below the user's.
 
     Plans that fill the budget exactly would sometimes exceed it by a few
     kilobytes (kernels' scratch memory varies a little between runs).
@@ -127,6 +112,36 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+#: Solver backends imported on first use (the MILP's pulp and HiGHS).
+SOLVER_BACKENDS = ("pulp", "highspy")
+
+
+def import_solver_backends() -> None:
+    """Import the solvers' MILP backends on a thread of their own, once.
+
+    pulp keeps exceptions it caught while probing optional backends at import
+    (``copt_api``'s), and an exception keeps its traceback's frames and every
+    frame above them.  Imported lazily inside a planning call, those would be
+    the training call's frames, holding its results (logits) and inputs alive
+    for the rest of the process: memory no step's budget counts.  On a fresh
+    thread the stack above the import is that thread's only.
+    """
+    missing = [name for name in SOLVER_BACKENDS if name not in sys.modules]
+    if not missing:
+        return
+
+    def load() -> None:
+        for name in missing:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # optional: the solvers fall back without it
+                pass
+
+    loader = threading.Thread(target=load, name="ckptc-import-solver-backends", daemon=True)
+    loader.start()
+    loader.join()
+
+
 def candidate(
     jp: JointProblem, options: CheckpointOptions, budget_bytes: int | None, progress: Progress | None = None
 ) -> solvers.Plan:
@@ -151,6 +166,7 @@ def _choose(
     progress: Progress | None,
     unoptimized: solvers.SimResult,
     margin: int,
+    graph_budgets: Mapping[int, int],
 ) -> solvers.Plan:
     """The plan for graph ``index``; an infeasible budget is reported in the user's units.
 
@@ -158,17 +174,17 @@ def _choose(
     everything: nothing to recompute, and no solver's plan peaks above it.
     """
     if plan_source is not None:
-        return plan_source(index, jp)
+        return _within_budget(jp, plan_source(index, jp), options.budget_bytes, "the plan file's plan")
     target = options.compiler if options.strategy == "auto" else "eager"  # presets are taken as they are
     budget = options.budget_bytes
     if budget is None:
         return for_target_compiler(jp, candidate(jp, options, None, progress), target)
-    budget = min(budget, options.graph_budgets.get(index, budget))
+    budget = min(budget, graph_budgets.get(index, budget))
     if options.strategy == "auto" and unoptimized.peak_bytes <= budget:
         everything = dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
         return for_target_compiler(jp, everything, target)
     try:
-        return for_target_compiler(jp, candidate(jp, options, planning_budget(budget, margin), progress), target)
+        plan = for_target_compiler(jp, candidate(jp, options, planning_budget(budget, margin), progress), target)
     except solvers.InfeasibleBudgetError as error:
         floor = error.min_feasible_bytes
         if floor is not None:
@@ -176,6 +192,30 @@ def _choose(
             if options.strategy == "auto":
                 floor = min(floor, unoptimized.peak_bytes)
         raise solvers.InfeasibleBudgetError(options.budget_bytes, floor) from None
+    if options.strategy != "auto":
+        return _within_budget(jp, plan, budget, f"strategy {options.strategy!r}")
+    return plan
+
+
+class _FixedPlanOverBudget(solvers.InfeasibleBudgetError):
+    """A preset's or a plan file's plan peaks above the budget: nothing to plan again, refused as is."""
+
+
+def _within_budget(jp: JointProblem, plan: solvers.Plan, budget: int | None, what: str) -> solvers.Plan:
+    """``plan`` if its predicted peak (the one simulator's) is within ``budget``; a preset or a plan file
+    is applied as it is, so one that does not fit is refused naming its peak, never run over budget."""
+    if budget is None:
+        return plan
+    peak = solvers.simulate(jp.problem, plan).peak_bytes
+    if peak <= budget:
+        return plan
+    raise _FixedPlanOverBudget(
+        budget,
+        peak,
+        f"{what} peaks at {solvers.format_bytes(peak)} ({peak} bytes), above the budget "
+        f"{solvers.format_bytes(budget)} ({budget} bytes). What to do: give a budget of at least {peak} bytes, "
+        "or plan under this budget with strategy='auto' (ckptc's solvers)",
+    )
 
 
 def for_target_compiler(jp: JointProblem, plan: solvers.Plan, compiler: str) -> solvers.Plan:
@@ -247,6 +287,7 @@ def for_target_compiler(jp: JointProblem, plan: solvers.Plan, compiler: str) -> 
 def decide(
     jp: JointProblem,
     options: CheckpointOptions,
+    account: StepAccount,
     *,
     index: int,
     earlier: Sequence[GraphRecord] = (),
@@ -261,11 +302,12 @@ def decide(
     their own lowest-peak plans would leave their ``slack_bytes`` fewer bytes alive.
     A graph that cannot fit is planned at its lowest peak when it has a graph
     budget of its own and fits the step's budget alone (earlier graphs asked it
-    to keep less), or when ``options.defer_infeasible`` asks to see the whole
+    to keep less), or when ``account.defer_infeasible`` asks to see the whole
     step first (marked ``infeasible``); otherwise :class:`solvers.InfeasibleBudgetError`
     gives the step's floor.
     """
     start = time.perf_counter() if started is None else started
+    import_solver_backends()
     floor_plan = solvers.lowest_peak_plan(jp.problem)
     floor_result = solvers.simulate(jp.problem, floor_plan)
     keep_all = unoptimized_result(jp)
@@ -280,18 +322,21 @@ def decide(
     step_floor = max([own_floor] + [r.min_feasible_bytes for r in earlier])
     infeasible = False
     try:
-        plan = _choose(jp, options, index, plan_source, progress, keep_all, margin)
+        plan = _choose(jp, options, index, plan_source, progress, keep_all, margin, account.graph_budgets)
     except solvers.InfeasibleBudgetError as error:
+        if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
+            # Applied as they are: a preset or a plan file has no other plan to fall back to.
+            raise solvers.InfeasibleBudgetError(error.budget_bytes, error.min_feasible_bytes, str(error)) from None
         fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0, margin)
         if (
             plan_source is None
             and options.budget_bytes is not None
-            and keep_all.peak_bytes <= min(options.budget_bytes, options.graph_budgets.get(index, options.budget_bytes))
+            and keep_all.peak_bytes <= min(options.budget_bytes, account.graph_budgets.get(index, options.budget_bytes))
         ):
             plan = keep_everything(jp)  # within the budget, only not within the planning margin
-        elif index in options.graph_budgets and fits_alone:
+        elif index in account.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
-        elif options.defer_infeasible and plan_source is None and index > 0:
+        elif account.defer_infeasible and plan_source is None and index > 0:
             infeasible = True  # earlier graphs of the step may keep less: seen by the caller
             plan = floor_plan
         else:
@@ -437,7 +482,9 @@ class CapturedStep:
         self.gradient_bytes = gradient_bytes
         self.model_name = model_name
         self.coverage = coverage  # what the graphs cover of the step (ckptc.coverage), the same for every budget
-        self._keep_everything = self._decide_all(options.replace(budget_bytes=None, strategy="none"))
+        self._keep_everything = self._decide_all(
+            options.replace(budget_bytes=None, strategy="none"), StepAccount(hold_outputs=options.hold_outputs)
+        )
         for record in self._keep_everything:  # once per graph, not per budget: every plan file carries it
             fingerprint(record.joint_problem)
 
@@ -478,23 +525,22 @@ class CapturedStep:
         for name, value in (("strategy", strategy), ("solver", solver), ("time_limit", time_limit)):
             if value is not None:
                 changes[name] = value
-        options = self.options.replace(
-            **changes, defer_infeasible=changes["budget_bytes"] is not None, graph_budgets={}
-        )
+        options = self.options.replace(**changes)
+        account = StepAccount(hold_outputs=options.hold_outputs, defer_infeasible=options.budget_bytes is not None)
         budget = options.budget_bytes
         for attempt in range(MAX_STEP_RETRIES + 1):
-            records = self._decide_all(options, plan_source, progress)
+            records = self._decide_all(options, account, plan_source, progress)
             if not any(r.infeasible for r in records):
                 return records
             assert budget is not None  # only a budget makes graphs infeasible
-            budgets = tighter_graph_budgets(records, budget, attempt, options.graph_budgets)
+            budgets = tighter_graph_budgets(records, budget, attempt, account.graph_budgets)
             log.info(
                 "%s: a later graph did not fit after earlier graphs' plans; planning again with earlier "
                 "graphs keeping less (budgets %s)",
                 self.model_name,
                 budgets,
             )
-            options = options.replace(graph_budgets=budgets)
+            account = account.replace(graph_budgets=budgets)
         raise AssertionError("unreachable")
 
     def plan(
@@ -540,7 +586,11 @@ class CapturedStep:
         )
 
     def _decide_all(
-        self, options: CheckpointOptions, plan_source: PlanSource | None = None, progress: Progress | None = None
+        self,
+        options: CheckpointOptions,
+        account: StepAccount,
+        plan_source: PlanSource | None = None,
+        progress: Progress | None = None,
     ) -> list[GraphRecord]:
         decided: dict[int, GraphRecord] = {}
         out = []
@@ -551,6 +601,7 @@ class CapturedStep:
             record = decide(
                 jp,
                 options,
+                account,
                 index=position,
                 earlier=earlier,
                 plan_source=plan_source,

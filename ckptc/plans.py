@@ -768,17 +768,19 @@ def applied_plan(
 
     Raises:
         CorruptPlanError: the file is unusable.
-        PlanMismatchError: the plan predicts a peak over the budget given with it.
+        solvers.InfeasibleBudgetError: the plan predicts a peak over the budget given with it (naming the peak).
     """
     # load_plan refuses anything but a path: an int would be read as a file descriptor.
     model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
     if budget_bytes is not None and model_plan.predicted_peak_bytes > budget_bytes:
         # A plan does not adapt to a budget: it would silently break the promise.
-        raise PlanMismatchError(
+        raise solvers.InfeasibleBudgetError(
+            budget_bytes,
+            model_plan.predicted_peak_bytes,
             f"the plan predicts a peak of {solvers.format_bytes(model_plan.predicted_peak_bytes)} "
             f"({model_plan.predicted_peak_bytes} bytes), over the budget given with it, "
             f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes). Plan again for this budget, or "
-            "apply the plan without a budget."
+            "apply the plan without a budget.",
         )
     # An explicit budget is also checked against each graph as applied (the
     # peak is simulated again on the captured graph).
@@ -851,11 +853,13 @@ def plan_source_for(
             ) from None
         _check_against_graph(expected, jp, plan, result, index)
         if budget_bytes is not None and result.peak_bytes > budget_bytes:
-            raise PlanMismatchError(
+            raise solvers.InfeasibleBudgetError(
+                budget_bytes,
+                result.peak_bytes,
                 f"graph #{index + 1}: the plan peaks at {solvers.format_bytes(result.peak_bytes)} "
                 f"({result.peak_bytes} bytes), over the budget given with it, "
                 f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes). Plan again for this "
-                "budget, or apply the plan without a budget."
+                "budget, or apply the plan without a budget.",
             )
         return plan
 

@@ -37,6 +37,7 @@ import torch
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc import coverage, distributed, policies
+from ckptc.account import StepAccount, gradients_resident
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
@@ -57,14 +58,13 @@ class ShapePlan:
     key: tuple
     compiler: CheckpointCompiler
     compiled: Any = dataclasses.field(repr=False)
-    correction_bytes: int = 0
-    hold_outputs: bool | None = None
+    account: StepAccount = dataclasses.field(default_factory=StepAccount)
     replans: int = 0
-    verified: bool = False
+    # The step states measured within the budget: False (from None gradients), True (gradients resident).
+    verified_states: set[bool] = dataclasses.field(default_factory=set)
     needs_replan: bool = False
     measured_peak_bytes: int | None = None
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
-    graph_budgets: dict[int, int] = dataclasses.field(default_factory=dict)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
 
 
@@ -99,7 +99,8 @@ class StepRuntime:
         self._handles: list[Any] = []
         self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
-        self._grads_at_start: list[tuple[weakref.ref, weakref.ref]] = []
+        self._step_state = False  # whether the current step began with gradients resident
+        self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -127,6 +128,7 @@ class StepRuntime:
         if self._pending is not None:
             error, self._pending = self._pending, None
             raise error
+        self._refuse_dispatch_modes()
         if self._step_open and self._outputs and all(ref() is None for ref in self._outputs):
             self._end_step(measured=False)  # the last step's results died without a backward
         opened = not self._step_open
@@ -139,7 +141,7 @@ class StepRuntime:
         signature = self.lengths.key(args, kwargs, _signature(args, kwargs))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
-        shape = self._plan_for(key)
+        shape = self._plan_for(key, gradients=opened and gradients_resident(self.model))
         if opened:
             self._begin_step(args, kwargs, shape)
         elif self._meter is not None:
@@ -153,7 +155,7 @@ class StepRuntime:
             try:
                 output = self._run(shape, args, kwargs)
             except solvers.InfeasibleBudgetError as error:
-                if not shape.correction_bytes or error.min_feasible_bytes is None:
+                if not shape.account.correction_bytes or error.min_feasible_bytes is None:
                     raise
                 # Planning again with the measured excess counted no longer fits.
                 self.plans.pop(shape.key, None)
@@ -186,6 +188,19 @@ class StepRuntime:
         self._handles.append(internals.on_backward_end(tensors, self._backward_ended))
         self._check_output_assumption(output, shape, self.active[before:])
         return output
+
+    def _refuse_dispatch_modes(self) -> None:
+        """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
+        Dynamo sees the call (it would skip the frame and fall back to eager without a plan)."""
+        modes = [m for m in internals.active_dispatch_modes() if m != "FakeTensorMode"]  # offline capture's
+        if modes:
+            raise UntraceableModelError(
+                f"ckptc could not run the training step of {type(self.model).__name__} under a plan: it "
+                f"was called under {', '.join(modes)} (a torch dispatch mode), and torch.compile runs "
+                "no compiled graph under a dispatch mode, so nothing would be checkpointed and the "
+                "budget would not hold.\nWhat to do: count FLOPs on the model without ckptc (a copy, "
+                "or model.original_module), or use torch.profiler(with_flops=True) around ckptc's step."
+            )
 
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
         """Run the call; on a call that plans, make the plans of its graphs fit together.
@@ -229,17 +244,18 @@ class StepRuntime:
             budget = self.template.budget_bytes
             assert budget is not None
             try:
-                shape.graph_budgets = tighter_graph_budgets(ran, budget, attempt, shape.graph_budgets)
+                budgets = tighter_graph_budgets(ran, budget, attempt, shape.account.graph_budgets)
             except solvers.InfeasibleBudgetError:
                 self.plans.pop(shape.key, None)
                 raise
+            shape.account = shape.account.replace(graph_budgets=budgets)
             last = max(r.index for r in short)
             log.info(
                 "graph %d of %s did not fit after earlier graphs' plans; planning the step again with "
                 "earlier graphs keeping less (budgets %s)",
                 last,
                 type(self.model).__name__,
-                shape.graph_budgets,
+                budgets,
             )
             self._compile(shape)
         raise AssertionError("unreachable")
@@ -262,7 +278,9 @@ class StepRuntime:
                 raise UntraceableModelError.from_exception(self.model, error) from error
 
     # -- plans -----------------------------------------------------------------
-    def _plan_for(self, key: tuple) -> ShapePlan:
+    def _plan_for(self, key: tuple, *, gradients: bool) -> ShapePlan:
+        """The plan of ``key``, planned again once if this step starts with gradients resident
+        and the plan counted none (a plan counting them also serves steps from None gradients)."""
         shape = self.plans.get(key)
         if shape is None:
             digest = hash(key)
@@ -275,9 +293,7 @@ class StepRuntime:
                     "up to a multiple of 64)."
                 )
             self.signatures_seen.add(digest)
-            shape = ShapePlan(
-                key=key, compiler=self.template, compiled=None, hold_outputs=self.template.options.hold_outputs
-            )
+            shape = ShapePlan(key=key, compiler=self.template, compiled=None, account=self._account(gradients))
             self._compile(shape)
             self.plans[key] = shape
             while len(self.plans) > self.max_plans:
@@ -285,6 +301,10 @@ class StepRuntime:
                 log.info("forgetting the plan of input signature %s (max_plans=%d)", evicted_key, self.max_plans)
         else:
             self.plans.move_to_end(key)
+            if gradients and not shape.account.gradients_at_start:
+                log.info("step starts with gradients resident (accumulation): planning again counting them")
+                shape.account = shape.account.replace(gradients_at_start=True, graph_budgets={})
+                shape.needs_replan = True
         if shape.needs_replan:
             self._compile(shape)
         return shape
@@ -293,22 +313,25 @@ class StepRuntime:
         """Give ``shape`` a fresh compiler and ``torch.compile`` of the model (plans on its next call)."""
         # Checked where a capture is prepared, not on every call: it walks every module.
         coverage.refuse_before_capture(self.model)
-        compiler = self.template.spawn(
-            extra_baseline_bytes=shape.correction_bytes + (self.ranks.baseline_bytes if self.ranks else 0),
-            hold_outputs=shape.hold_outputs,
-            graph_budgets=shape.graph_budgets,
-            defer_infeasible=self.template.budget_bytes is not None,
-        )
+        compiler = self.template.for_account(shape.account)
         compiler.active = self.active
         compiler.track_steps = True
         shape.compiler = compiler
         shape.compiled = internals.compile_module(self.model, compiler)
         shape.needs_replan = False
-        shape.verified = False
+        shape.verified_states = set()
+
+    def _account(self, gradients: bool) -> StepAccount:
+        """A new plan's step account: the template's options, this rank's extras, the gradients' state."""
+        return StepAccount(
+            gradients_at_start=gradients,
+            rank_bytes=self.ranks.baseline_bytes if self.ranks else 0,
+            hold_outputs=self.template.options.hold_outputs,
+            defer_infeasible=self.template.budget_bytes is not None,
+        )
 
     # -- steps -----------------------------------------------------------------
     def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan) -> None:
-        self._grads_at_start = []
         self._step_open = True
         self.active.clear()
         self._step_plans = []
@@ -316,19 +339,15 @@ class StepRuntime:
         self._meter = None
         self._step_compiled = False
         budget = self.template.budget_bytes
-        if self.verify and budget is not None and not shape.verified and shape.compiler.records:
+        self._step_state = gradients_resident(self.model)
+        unverified = self._step_state not in shape.verified_states
+        if self.verify and budget is not None and unverified and shape.compiler.records:
             if internals.profiler_active() and _device_of(self.model).type == "cpu":
                 self._warn_once(
                     "profiler",
                     "ckptc cannot verify this step's peak memory while torch.profiler runs (profilers do not "
                     "nest); the step runs on the predicted plan. Verification resumes on a later step.",
                 )
-                return
-            if any(p.grad is not None for p in self.model.parameters()):
-                # Gradient accumulation: the budget counts a step from None gradients
-                # (README, "What the budget counts"); measure a step that starts there.
-                log.info("step starts with gradients present (accumulation): not measured")
-                self._grads_at_start = _gradient_refs(self.model)
                 return
             baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
             self._meter = StepMeter(_device_of(self.model), baseline).start()
@@ -348,8 +367,8 @@ class StepRuntime:
         running, the step therefore ends on the first Python event after the
         engine returns (a one-shot ``sys.setprofile`` hook).
         """
-        if not self._step_open:
-            return
+        if not self._step_open or self._end_scheduled:
+            return  # a second call's outputs reach the same backward: one end per step
         if self._meter is None or self._meter.device.type != "cpu":
             self._end_step(measured=True)
             return
@@ -364,10 +383,12 @@ class StepRuntime:
                 if self._step_open:
                     self._end_step(measured=True)
 
+        self._end_scheduled = True
         sys.setprofile(after_backward)
 
     def _end_step(self, *, measured: bool) -> None:
         self._step_open = False
+        self._end_scheduled = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -391,8 +412,6 @@ class StepRuntime:
             mine = {id(r) for r in shape.compiler.records}
             shape.last_records = [r for r in self.active if id(r) in mine]
         self._check_gradient_assumption()
-        if measured:
-            self._check_gradients_zeroed_after_forward()
         if measurement is None:
             return
         budget = self.template.budget_bytes
@@ -401,7 +420,7 @@ class StepRuntime:
             shape.measured_peak_bytes = peak
         if budget is None or peak <= budget:
             for shape in self._step_plans:
-                shape.verified = True
+                shape.verified_states.add(self._step_state)
             log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
             return
         excess = peak - budget
@@ -414,7 +433,7 @@ class StepRuntime:
             if shape.needs_replan:
                 continue  # planned again anyway (its outputs turned out to be held)
             shape.replans += 1
-            shape.correction_bytes += unseen
+            shape.account = shape.account.replace(correction_bytes=shape.account.correction_bytes + unseen)
             shape.needs_replan = True
             if shape.replans > MAX_REPLANS:
                 floors = [r.min_feasible_bytes for r in shape.last_records] or [budget]
@@ -431,7 +450,7 @@ class StepRuntime:
         """With ``hold_outputs`` decided from the graph: the graph returned a scalar it took for the
         model's loss and let the other results die after forward; if the output carries no loss, the
         caller holds those results through backward, so plan again holding them."""
-        if shape.hold_outputs is not None or _carries_loss(output):
+        if shape.account.hold_outputs is not None or _carries_loss(output):
             return
         released = [r for r in ran if not r.joint_problem.holds_outputs and r.joint_problem.released_output_bytes]
         if not released:
@@ -450,35 +469,17 @@ class StepRuntime:
         if not any(r.gradients_unexpected for r in self.active):
             return
         self._plan_again_holding_outputs(
-            [s for s in self._step_plans if s.hold_outputs is not True],
+            [s for s in self._step_plans if s.account.hold_outputs is not True],
             "unused-grads",
             f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` (logits); "
             "the plan had counted them as dropped after forward, so the next call plans again with them held "
             "until backward ends. Pass hold_outputs=True to ckptc.optimize to decide upfront.",
         )
 
-    def _check_gradients_zeroed_after_forward(self) -> None:
-        """A step that began with gradients present is accumulation if backward added to them.
-        If they were dropped between forward and backward instead (Lightning zeroes gradients
-        after ``training_step``), the last step's gradients were alive through this forward:
-        memory the budget does not count, on a step ckptc cannot verify.  Say so, once."""
-        refs, self._grads_at_start = self._grads_at_start, []
-        if not any(param() is not None and param().grad is not grad() for param, grad in refs):
-            return
-        self._warn_once(
-            "zeroed-after-forward",
-            f"ckptc: the gradients present when this training step of {type(self.model).__name__} began were "
-            "dropped before its backward (zero_grad after forward, as Lightning's training loop does), so they "
-            "were alive through the forward: the budget counts a step from None gradients, and such steps are "
-            "not verified, so the peak can exceed the budget by their size. Zero gradients with "
-            "set_to_none=True before the forward (in a LightningModule: self.zero_grad(set_to_none=True) at "
-            "the end of optimizer_step).",
-        )
-
     def _plan_again_holding_outputs(self, shapes: list[ShapePlan], key: str, message: str) -> None:
         """The caller holds these plans' results through backward after all: plan again counting them."""
         for shape in shapes:
-            shape.hold_outputs = True
+            shape.account = shape.account.replace(hold_outputs=True)
             shape.needs_replan = True
         self._warn_once(key, message)
 
@@ -540,11 +541,6 @@ def _detached_copy(leaf: Any) -> Any:
     if not isinstance(leaf, torch.Tensor):
         return leaf
     return leaf.detach().clone().requires_grad_(leaf.requires_grad)
-
-
-def _gradient_refs(model: torch.nn.Module) -> list[tuple[weakref.ref, weakref.ref]]:
-    """Weak references to the parameters and their present gradients (holding them would keep the memory)."""
-    return [(weakref.ref(p), weakref.ref(p.grad)) for p in model.parameters() if p.grad is not None]
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

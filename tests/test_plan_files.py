@@ -114,9 +114,10 @@ def test_plan_with_an_explicit_budget_it_does_not_fit_is_refused_with_both_figur
     path.write_text(json.dumps(data))
     peak = data["predicted_peak_bytes"]
     model, inputs = mlp_dropout()
-    with pytest.raises(ckptc.PlanMismatchError) as info:
+    with pytest.raises(ckptc.InfeasibleBudgetError) as info:  # naming the plan's peak
         ckptc.optimize(model, budget_bytes=peak - 1, plan=path)
     assert str(peak) in str(info.value) and str(peak - 1) in str(info.value)
+    assert info.value.min_feasible_bytes == peak
     assert isinstance(info.value, ValueError)
     # a budget the plan fits is accepted and trains like eager
     reference = copy.deepcopy(model)
@@ -253,7 +254,7 @@ def test_any_damaged_plan_is_refused_with_a_corrupt_plan_error_or_applies(planne
         report.plan_table(loaded)
         for index in range(len(loaded.graphs)):
             plan_source_for(loaded, loaded.budget_bytes)(index, jp)
-    except (ckptc.CorruptPlanError, ckptc.PlanMismatchError) as error:
+    except (ckptc.CorruptPlanError, ckptc.PlanMismatchError, ckptc.InfeasibleBudgetError) as error:
         assert "plan" in str(error)
 
 

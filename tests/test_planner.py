@@ -58,6 +58,11 @@ def test_one_capture_plans_many_budgets_without_running_the_model_again():
         step.plan(budget_bytes=floor - 1)
     assert info.value.min_feasible_bytes == floor
     assert step.plan(budget_bytes=budgets[1], strategy="layer").strategy == "layer"
+    # A preset is applied as it is: under a budget it cannot meet it is refused, naming its peak.
+    none_peak = step.plan(strategy="none").predicted_peak_bytes
+    with pytest.raises(ckptc.InfeasibleBudgetError, match="strategy 'none' peaks at") as refused:
+        step.plan(budget_bytes=none_peak - 1, strategy="none")
+    assert refused.value.min_feasible_bytes == none_peak
     # A budget ckptc can plan but the chosen solver cannot: the error says which and what to do.
     with pytest.raises(ckptc.InfeasibleBudgetError, match="solver 'chen_sqrt' found no plan.*solver='auto' plans"):
         step.plan(budget_bytes=floor, solver="chen_sqrt")

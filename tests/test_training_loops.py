@@ -1,0 +1,336 @@
+"""The budget holds in the training loops people write, from the first verified step on.
+
+Each loop runs the same steps on an eager copy of the model and on ``ckptc.optimize(model)``
+(and, where it applies, ``torch.compile(model, backend="ckptc")``) and checks, after every step:
+
+* gradients equal eager's;
+* after ckptc's own check has verified the plan (``plan.measured_peak_bytes`` set, at most the
+  budget), the peak of the same loop measured independently of ckptc's check
+  (:func:`ckptc.meter.measure_peak`: allocator events plus the tensors resident at the start) is
+  at most the budget;
+* nothing is left enabled: no profiler session runs after a step.
+
+Models are tiny (a 4-layer MLP) so the module runs in well under a minute on one core.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import ckptc
+from ckptc import _torch_internals as internals
+from ckptc.meter import measure_peak, resident_bytes
+
+WIDTH, BATCH = 128, 256
+
+
+class _Net(nn.Module):
+    """A 4-layer MLP; ``loss_inside`` computes its own loss, ``graph_break`` breaks between layers."""
+
+    def __init__(self, *, loss_inside: bool = False, graph_break: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.head = nn.Linear(WIDTH, 1)
+        self.loss_inside = loss_inside
+        self.graph_break = graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:2]:
+            x = torch.tanh(layer(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()  # between layers, outside the layer loop
+        for layer in self.layers[2:]:
+            x = torch.tanh(layer(x))
+        out = self.head(x)
+        return out.square().mean() if self.loss_inside else out
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out if out.dim() == 0 else out.square().mean()
+
+
+# -- the loops: each runs one optimizer-free step of `model` on `batches` -------------------------------
+def plain(model: Any, batches: list[torch.Tensor]) -> None:
+    _zero(model)
+    _loss(model(batches[0])).backward()
+
+
+def two_calls(model: Any, batches: list[torch.Tensor]) -> None:
+    _zero(model)
+    (_loss(model(batches[0])) + _loss(model(batches[1]))).backward()
+
+
+def accumulate_set_to_none(model: Any, batches: list[torch.Tensor]) -> None:
+    _zero(model)
+    for x in batches:
+        _loss(model(x)).backward()
+
+
+def accumulate_zeroed_in_place(model: Any, batches: list[torch.Tensor]) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    for x in batches:
+        _loss(model(x)).backward()
+
+
+def retain_graph_two_backwards(model: Any, batches: list[torch.Tensor]) -> None:
+    _zero(model)
+    loss = _loss(model(batches[0]))
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def autograd_grad(model: Any, batches: list[torch.Tensor]) -> None:
+    _zero(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(_loss(model(batches[0])), params)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+
+
+def _zero(model: Any) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+LOOPS: dict[str, Callable[[Any, list[torch.Tensor]], None]] = {
+    "plain": plain,
+    "two calls before one backward": two_calls,
+    "accumulation, zero_grad(set_to_none=True)": accumulate_set_to_none,
+    "accumulation, zero_grad(set_to_none=False)": accumulate_zeroed_in_place,
+    "retain_graph and two backwards": retain_graph_two_backwards,
+    "autograd.grad": autograd_grad,
+}
+
+
+def _batches(step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return [torch.randn(BATCH, WIDTH, generator=generator) for _ in range(2)]
+
+
+def _peak(loop: Callable, model: Any, params: nn.Module, batches: list[torch.Tensor]) -> int:
+    """The loop's peak, measured independently of ckptc's check: allocator events plus what was resident
+    (the parameters, their gradients and the step's inputs; an accumulation step is one micro-batch, and
+    the budget does not count micro-batches the caller holds for later ones)."""
+    if loop not in (accumulate_set_to_none, accumulate_zeroed_in_place):
+        used = batches if loop is two_calls else batches[:1]
+        baseline = resident_bytes(params, used)
+        return measure_peak(lambda: loop(model, used), baseline_bytes=baseline)[1].peak_bytes
+    peaks = []
+    for i, x in enumerate(batches):
+        if i == 0:  # the loop's own zeroing before its first micro-batch
+            loop(model, [])
+        baseline = resident_bytes(params, [x])
+        peaks.append(measure_peak(lambda x=x: _loss(model(x)).backward(), baseline_bytes=baseline)[1].peak_bytes)
+    return max(peaks)
+
+
+def _budget(loop: Callable, reference: nn.Module) -> int:
+    """Well inside ckptc's range for this loop: 0.9x the eager peak of a later step (gradients resident
+    where the loop accumulates), which is above ckptc's floor and below keeping everything."""
+    model = copy.deepcopy(reference)
+    loop(model, _batches(0))
+    return int(0.9 * _peak(loop, model, model, _batches(1)))
+
+
+def _assert_same_gradients(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+_SECOND_BACKWARD = pytest.mark.xfail(
+    reason="a second backward of the same step runs with the first one's gradients resident, which the plan "
+    "does not count (README, Known limits); measured up to 1.8% over the budget",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize("loss_inside", [False, True], ids=["loss outside", "loss inside"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=_SECOND_BACKWARD) if n == "retain_graph and two backwards" else n for n in LOOPS],
+)
+def test_the_budget_holds_from_the_first_verified_step(name: str, loss_inside: bool) -> None:
+    loop = LOOPS[name]
+    torch.manual_seed(0)
+    reference = _Net(loss_inside=loss_inside)
+    budget = _budget(loop, reference)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    verified_at = None
+    for step in range(4):
+        batches = _batches(step)
+        loop(eager, batches)
+        if verified_at is None:
+            loop(fast, batches)
+            measured = fast.plan.measured_peak_bytes
+            if measured is not None:
+                verified_at = step
+                assert measured <= budget, (name, measured, budget)
+        else:
+            peak = _peak(loop, fast, model, batches)
+            assert peak <= budget, (name, step, peak, budget, fast.plan.predicted_peak_bytes)
+        _assert_same_gradients(model, eager)
+        assert not internals.profiler_active(), f"{name}: a profiler was left enabled after step {step}"
+    assert verified_at is not None and verified_at <= 2, f"{name}: ckptc never verified its plan"
+
+
+@pytest.mark.xfail(
+    reason="a plan made under a user's profiler measures no kernel scratch and later steps measure a few "
+    "percent over the budget (README, Known limits)",
+    strict=False,
+)
+def test_a_users_profiler_around_planning_and_later_steps_sees_the_steps() -> None:
+    """A user's torch.profiler is neither disturbed nor left empty; ckptc verifies on a later step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    reference = _Net()
+    budget = _budget(plain, reference)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for step in range(2):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            plain(fast, _batches(step))
+        plain(eager, _batches(step))
+        _assert_same_gradients(model, eager)
+        if step > 0:  # the planning call's ops run under ckptc's capture (Known limits, README)
+            assert any("addmm" in e.key for e in prof.key_averages()), f"step {step}: the user's profiler saw no op"
+        assert not internals.profiler_active()
+    for step in range(2, 4):  # outside the user's profiler: ckptc verifies
+        plain(fast, _batches(step))
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+    assert _peak(plain, fast, model, _batches(9)) <= budget
+
+
+def test_a_step_under_flop_counter_mode_runs_the_plan_or_says_why() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    reference = _Net()
+    budget = _budget(plain, reference)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    plain(fast, _batches(0))  # plans
+    plain(fast, _batches(1))  # verifies
+    counter = FlopCounterMode(display=False)
+    # torch.compile runs no compiled graph under a dispatch mode: refused naming the real cause.
+    with counter, pytest.raises(ckptc.UntraceableModelError, match="called under _?FlopCounterMode"):
+        plain(fast, _batches(2))
+    assert not internals.profiler_active()
+    plain(fast, _batches(3))  # training goes on under the plan afterwards
+    plain(eager, _batches(3))
+    _assert_same_gradients(model, eager)
+
+
+def test_a_graph_break_between_layers_trains_like_eager_within_the_budget() -> None:
+    torch.manual_seed(0)
+    reference = _Net(graph_break=True)
+    # Halfway between the floor ckptc reports for the whole step (both graphs) and keeping everything.
+    captured = ckptc.capture(copy.deepcopy(reference), (_batches(0)[0],), loss_fn=_loss)
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for step in range(3):
+        plain(fast, _batches(step))
+        plain(eager, _batches(step))
+        _assert_same_gradients(model, eager)
+    assert len({id(r) for r in fast.step_runtime.step_records()}) >= 2, "the graph break must split the step"
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+    assert _peak(plain, fast, model, _batches(7)) <= budget
+
+
+def test_accumulation_is_planned_again_once_and_both_micro_batches_are_verified() -> None:
+    torch.manual_seed(0)
+    reference = _Net()
+    budget = _budget(accumulate_set_to_none, reference)
+    model = copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for step in range(3):
+        accumulate_set_to_none(fast, _batches(step))
+    (shape,) = fast.step_runtime.plans.values()
+    assert shape.account.gradients_at_start  # planned again once, counting the resident gradients
+    assert shape.verified_states == {False, True}  # first micro-batch (None gradients) and the next
+
+
+def test_presets_under_a_budget_they_cannot_meet_are_refused_naming_their_peak() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    keep_all = ckptc.plan(copy.deepcopy(model), (_batches(0)[0],), strategy="none", loss_fn=_loss)
+    fast = ckptc.optimize(model, budget_bytes=keep_all.predicted_peak_bytes - 1, strategy="none")
+    with pytest.raises(ckptc.InfeasibleBudgetError, match="strategy 'none' peaks at") as refused:
+        plain(fast, _batches(0))
+    assert refused.value.min_feasible_bytes >= keep_all.predicted_peak_bytes - 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic=True"])
+def test_torch_compile_backend_trains_like_eager_on_two_shapes(dynamic: bool) -> None:
+    torch.manual_seed(0)
+    reference = _Net()
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    compiled = torch.compile(model, backend="ckptc", dynamic=dynamic, options={"budget_gb": 1})
+    for rows in (BATCH, BATCH // 2):
+        x = torch.randn(rows, WIDTH)
+        plain(compiled, [x])
+        plain(eager, [x])
+        _assert_same_gradients(model, eager)
+    with pytest.raises(Exception, match="ckptc has no compile modes"):
+        torch.compile(copy.deepcopy(reference), backend="ckptc", mode="max-autotune")(torch.randn(4, WIDTH))
+
+
+def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
+    """Steps of every loop, a user's profiler and double backward's refusal, then a normal exit (no crash,
+    no profiler callback left behind)."""
+    script = tmp_path / "loops.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import copy, torch, ckptc
+            from tests.test_training_loops import LOOPS, _Net, _batches
+            from torch.profiler import profile
+
+            torch.manual_seed(0)
+            for name, loop in LOOPS.items():
+                fast = ckptc.optimize(_Net(), budget_gb=1)
+                for step in range(2):
+                    loop(fast, _batches(step))
+            fast = ckptc.optimize(_Net(), budget_gb=1)
+            with profile():
+                LOOPS["plain"](fast, _batches(0))
+            params = list(fast.parameters())
+            grads = torch.autograd.grad(fast(_batches(1)[0]).square().mean(), params, create_graph=True)
+            try:
+                sum(g.square().sum() for g in grads).backward()
+            except RuntimeError:
+                pass  # double backward through a compiled graph: PyTorch's own refusal
+            print("done")
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("done")
+    assert "Requested callback is not found" not in run.stderr
+
+
+def test_planning_the_same_model_class_more_than_dynamos_recompile_limit_works() -> None:
+    """ckptc's own compiles do not count against Dynamo's recompile limit (8 by default)."""
+    torch.manual_seed(0)
+    for _ in range(9):
+        fast = ckptc.optimize(_Net(), budget_gb=1, measure_scratch=False)
+        plain(fast, _batches(0))
+        assert fast.plan is not None
