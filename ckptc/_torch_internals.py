@@ -531,11 +531,16 @@ def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None
     return register_multi_grad_hook(list(tensors), hook, mode="any")
 
 
-def active_dispatch_modes() -> list[str]:
-    """Names of the ``TorchDispatchMode``s active on this thread (``FlopCounterMode``, ``DebugMode``)."""
+def dispatch_modes_disabling_compile() -> list[str]:
+    """Names of the ``TorchDispatchMode``s active on this thread under which ``torch.compile`` runs no
+    compiled graph (``FlopCounterMode``, ``DebugMode``): those that do not ignore compile internals."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()]
+    return [
+        type(mode).__name__
+        for mode in _get_current_dispatch_mode_stack()
+        if not getattr(type(mode), "ignore_compile_internals", lambda: False)()
+    ]
 
 
 def profiler_active() -> bool:
