@@ -352,8 +352,15 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
 
 
 def _to_steps(problem: Problem, nodes: list[int], n_fwd: int) -> tuple[Step, ...]:
-    names = problem.nodes
-    return tuple(Step(names[v].name, FORWARD_PHASE if i < n_fwd else BACKWARD_PHASE) for i, v in enumerate(nodes))
+    steps = problem._cache.get("simulator.steps")
+    if steps is None:  # one Step per node and phase, shared by every schedule of the problem
+        names = [node.name for node in problem.nodes]
+        steps = problem._cache["simulator.steps"] = (
+            [Step(name, FORWARD_PHASE) for name in names],
+            [Step(name, BACKWARD_PHASE) for name in names],
+        )
+    forward, backward = steps
+    return tuple(map(forward.__getitem__, nodes[:n_fwd])) + tuple(map(backward.__getitem__, nodes[n_fwd:]))
 
 
 def _step_label(problem: Problem, nodes: list[int], n_fwd: int, i: int) -> str:
@@ -363,6 +370,9 @@ def _step_label(problem: Problem, nodes: list[int], n_fwd: int, i: int) -> str:
 
 def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray) -> None:
     """The rules that do not depend on liveness: who may run where, and how often."""
+    if _structure_holds(problem, nodes, n_fwd, kept):
+        return
+    # Something is broken: walk the steps to name the first broken rule.
     kind, policy, output = problem._kind, problem._policy, problem._output
     names = problem.nodes
     in_forward = bytearray(len(names))
@@ -399,6 +409,30 @@ def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytea
             raise InvalidPlanError(f"output node {names[v].name!r} is not computed in the forward phase")
 
 
+def _structure_holds(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray) -> bool:
+    """:func:`_check_structure`'s rules in array passes: True when none is broken."""
+    import numpy as np
+
+    a = _arrays(problem)
+    node = np.array(nodes, dtype=np.int64)
+    kind = a["kind"][node]
+    forward, backward = node[:n_fwd], node[n_fwd:]
+    in_backward = backward[kind[n_fwd:] == _BACKWARD]
+    recomputed = backward[kind[n_fwd:] == _FORWARD]
+    if (kind == _INPUT).any() or (kind[:n_fwd] == _BACKWARD).any() or a["save"][recomputed].any():
+        return False
+    if len(np.unique(forward)) != n_fwd or len(np.unique(in_backward)) != len(in_backward):
+        return False
+    if len(in_backward) != len(problem._backward_idx):
+        return False  # with no backward node twice, one is missing
+    in_forward = np.zeros(len(problem.nodes), dtype=bool)
+    in_forward[forward] = True
+    is_forward = a["kind"] == _FORWARD
+    kept_forward = np.frombuffer(bytes(kept), dtype=np.uint8).astype(bool) & is_forward
+    must_run = kept_forward | (a["output"] & is_forward)
+    return not (must_run & ~in_forward).any() and not (kept_forward & a["recompute"]).any()
+
+
 def _arrays(problem: Problem) -> dict:
     """The problem's per-node fields as numpy arrays, and its non-input preds in CSR form (built once)."""
     arrays = problem._cache.get("simulator.arrays")
@@ -421,6 +455,7 @@ def _arrays(problem: Problem) -> dict:
         "part_of": np.array(problem._part_of, dtype=np.int64),
         "output": np.frombuffer(problem._output, dtype=np.uint8).astype(bool),
         "save": np.frombuffer(bytes(problem._policy), dtype=np.uint8) == _SAVE,
+        "recompute": np.frombuffer(bytes(problem._policy), dtype=np.uint8) == _RECOMPUTE,
         "scratch": np.array(problem._scratch, dtype=np.int64),
     }
     return arrays
