@@ -313,32 +313,50 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
     output, fwd_preds = problem._output, problem._fwd_preds
     forward_idx = problem._forward_idx
 
-    # Forward phase: ancestors-or-self of kept and output forward nodes. Preds
-    # come earlier in the order, so one reverse sweep propagates the marks.  The
-    # ancestors of the outputs are needed by every plan: swept once per problem, and
-    # again only for a plan keeping a value outside them.
+    # Forward phase: ancestors-or-self of kept and output forward nodes. The ancestors
+    # of the outputs are needed by every plan: swept once per problem (preds come
+    # earlier in the order, so one reverse sweep propagates the marks); a plan adds the
+    # ancestors of the kept values outside them (values only backward reads), depth first.
     always = problem._cache.get("simulator.output_ancestors")
     if always is None:
-        needed = _ancestors(problem, bytearray(len(problem.nodes)))
+        needed = bytearray(len(problem.nodes))
         forward_outputs = bytearray(len(problem.nodes))
-        for v in forward_idx:
+        for v in reversed(forward_idx):
             forward_outputs[v] = output[v]
+            if needed[v] or output[v]:
+                needed[v] = 1
+                for q in fwd_preds[v]:
+                    needed[q] = 1
         always = problem._cache["simulator.output_ancestors"] = (
             int.from_bytes(needed, "little"),
+            needed,
             [v for v in forward_idx if needed[v]],
             int.from_bytes(forward_outputs, "little"),
         )
     kept_bits = int.from_bytes(kept, "little")
-    if kept_bits & ~always[0]:
-        needed = _ancestors(problem, kept)
-        nodes = [v for v in forward_idx if needed[v]]
-    else:
-        nodes = list(always[1])
+    outside = kept_bits & ~always[0]
+    nodes = list(always[2])
+    if outside:
+        needed, kind = bytearray(always[1]), problem._kind
+        stack = []
+        while outside:  # the positions of the set bits (bytes of kept) outside the ancestors
+            low = outside & -outside
+            v = (low.bit_length() - 1) // 8
+            outside &= ~(0xFF << (8 * v))
+            if kind[v] == _FORWARD:
+                stack.append(v)
+        while stack:
+            v = stack.pop()
+            if not needed[v]:
+                needed[v] = 1
+                nodes.append(v)
+                stack.extend(fwd_preds[v])
+        nodes.sort()
     n_fwd = len(nodes)
 
     # Backward phase: materialise missing forward preds depth first. Iterative,
     # because a chain with nothing kept recurses as deep as the chain is long.
-    materialised = bytearray((kept_bits | always[2]).to_bytes(len(problem.nodes), "little"))  # kept or output
+    materialised = bytearray((kept_bits | always[3]).to_bytes(len(problem.nodes), "little"))  # kept or output
     for b in problem._backward_idx:
         for p in fwd_preds[b]:
             if materialised[p]:
@@ -358,18 +376,6 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
                     nodes.append(v)
         nodes.append(b)
     return nodes, n_fwd
-
-
-def _ancestors(problem: Problem, kept: bytearray) -> bytearray:
-    """Forward nodes that are ancestors-or-self, through forward nodes, of a kept or output forward node."""
-    output, fwd_preds = problem._output, problem._fwd_preds
-    needed = bytearray(len(problem.nodes))
-    for v in reversed(problem._forward_idx):
-        if needed[v] or kept[v] or output[v]:
-            needed[v] = 1
-            for q in fwd_preds[v]:
-                needed[q] = 1
-    return needed
 
 
 def _to_steps(problem: Problem, nodes: list[int], n_fwd: int) -> tuple[Step, ...]:
