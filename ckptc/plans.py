@@ -739,8 +739,13 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
             details={k: v for k, v in plan.info.details.items() if not k.endswith("seconds")},
         ),
     )
-    forward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.forward_nodes))
-    backward_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(problem.backward_nodes))
+    phase_flops = jp.__dict__.get("_phase_flops")  # the graph's, whatever the plan: summed once
+    if phase_flops is None:
+        phase_flops = jp.__dict__["_phase_flops"] = tuple(
+            sum(jp.node_cost(n).flops for n in jp.graph_nodes(names))
+            for names in (problem.forward_nodes, problem.backward_nodes)
+        )
+    forward_flops, backward_flops = phase_flops
     recomputed_steps = [
         s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"
     ]

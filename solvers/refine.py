@@ -7,10 +7,12 @@ as the simulated peak stays within the budget.  Keeping a value never adds a
 recomputation, so the cost can only fall; the simulator decides the peak.
 
 Candidates are ranked once; a binary search finds the longest prefix of the
-ranking that still fits, then the rest are retried in smaller prefixes.
+ranking that still fits, then the rest are retried in smaller prefixes, by an
+exponential search from the short end (after the first round most of them no
+longer fit, and finding that out costs one simulation instead of log2(n)).
 A prefix whose kept storages alone (all alive at the end of the forward phase)
 exceed the budget is refused without simulating it.
-Time: O(log(n) * rounds) simulations, each O(nodes + edges).
+Time: O(log(n) * rounds) simulations, each O((nodes + edges) log nodes).
 
 Example:
     >>> from solvers import Problem, Plan, simulate
@@ -24,7 +26,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from typing import Callable
 
 from solvers.plan import Plan
 from solvers.problem import Problem
@@ -56,28 +60,13 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     # Best saving per byte first; free values (views) first of all.
     candidates.sort(key=lambda v: (-(cost[v] / nbytes[v]) if nbytes[v] else float("-inf"), v))
     best_cost = core.recompute_cost
-    for _ in range(_ROUNDS):
+    for round_ in range(_ROUNDS):
         if not candidates:
             break
         held = _held_after(problem, mask, candidates)
-        lo, hi = 0, len(candidates)  # the longest fitting prefix is in [lo, hi]
         fitting: dict[int, tuple[bytearray, float]] = {}  # prefix length -> (mask, cost), to reuse
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if held[mid] > budget_bytes:
-                hi = mid - 1  # its kept storages alone exceed the budget
-                continue
-            # No policy to honour again: ``mask`` honours them, no candidate must be recomputed, and
-            # keeping more only shrinks the set of recomputed values (so no "save" value joins it).
-            trial = bytearray(mask)
-            for v in candidates[:mid]:
-                trial[v] = 1
-            result = evaluate_mask(problem, trial, check=False)
-            if result.peak_bytes <= budget_bytes and result.recompute_cost <= best_cost:
-                lo = mid
-                fitting[mid] = (trial, result.recompute_cost)
-            else:
-                hi = mid - 1
+        fits = functools.partial(_prefix_fits, problem, mask, candidates, held, budget_bytes, best_cost, fitting)
+        lo = _longest_prefix(fits, len(candidates), gallop=round_ > 0)
         if lo == 0:
             candidates = candidates[1:]  # the best single candidate does not fit: skip it
             continue
@@ -90,6 +79,54 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     log.debug("fill_budget: recompute cost %.4g -> %.4g", core.recompute_cost, result.recompute_cost)
     info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost, refined=True)
     return dataclasses.replace(refined, info=info)
+
+
+def _prefix_fits(
+    problem: Problem,
+    mask: bytearray,
+    candidates: list[int],
+    held: list[int],
+    budget_bytes: int,
+    best_cost: float,
+    fitting: dict[int, tuple[bytearray, float]],
+    k: int,
+) -> bool:
+    """Whether ``mask`` plus the first ``k`` candidates fits; a fitting trial is recorded in ``fitting``."""
+    if held[k] > budget_bytes:
+        return False  # its kept storages alone exceed the budget
+    # No policy to honour again: ``mask`` honours them, no candidate must be recomputed, and
+    # keeping more only shrinks the set of recomputed values (so no "save" value joins it).
+    trial = bytearray(mask)
+    for v in candidates[:k]:
+        trial[v] = 1
+    result = evaluate_mask(problem, trial, check=False)
+    if result.peak_bytes <= budget_bytes and result.recompute_cost <= best_cost:
+        fitting[k] = (trial, result.recompute_cost)
+        return True
+    return False
+
+
+def _longest_prefix(fits: Callable[[int], bool], n: int, *, gallop: bool) -> int:
+    """The longest k in [0, n] with ``fits(k)``, for a predicate that holds up to some k and then fails.
+
+    Binary search (log2(n) calls), or with ``gallop`` an exponential search
+    from the short end (1, 2, 4, ... then binary search below the first
+    failure: about 2*log2(k) calls), cheaper when the answer k is small, as
+    in the rounds after the first, where most remaining candidates no longer fit.
+    """
+    lo, hi = 0, n  # the answer is in [lo, hi]
+    if gallop:
+        step = 1
+        while step <= n and fits(step):
+            lo, step = step, step * 2
+        hi = min(step - 1, n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> list[int]:

@@ -24,7 +24,9 @@ Memory model (see the package contract for the full text)
   what is left when it dies, the getitem's storage lives at least as long.
 * A node's ``scratch`` bytes count at its own step only.
 
-Both functions run in O(len(schedule) + edges) time.
+Both functions run in O((len(schedule) + edges) log len(schedule)) time: the
+replay is a few array passes (numpy, imported on first use, so ``import
+solvers`` stays light), the same rules as above, one vectorized step each.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def schedule(problem: Problem, plan: Plan) -> tuple[Step, ...]:
 def simulate(problem: Problem, plan: Plan) -> SimResult:
     """Replay ``schedule(problem, plan)`` and measure its memory and compute.
 
-    Complexity: O(len(schedule) + edges) time and memory.
+    Complexity: O((len(schedule) + edges) log len(schedule)) time, O(len(schedule) + edges) memory.
 
     Raises
     ------
@@ -309,23 +311,50 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
     output, fwd_preds = problem._output, problem._fwd_preds
     forward_idx = problem._forward_idx
 
-    # Forward phase: ancestors-or-self of kept and output forward nodes. Preds
-    # come earlier in the order, so one reverse sweep propagates the marks.
-    needed = bytearray(len(problem.nodes))
-    for v in reversed(forward_idx):
-        if needed[v] or kept[v] or output[v]:
-            needed[v] = 1
-            for q in fwd_preds[v]:
-                needed[q] = 1
-    nodes = [v for v in forward_idx if needed[v]]
+    # Forward phase: ancestors-or-self of kept and output forward nodes. The ancestors
+    # of the outputs are needed by every plan: swept once per problem (preds come
+    # earlier in the order, so one reverse sweep propagates the marks); a plan adds the
+    # ancestors of the kept values outside them (values only backward reads), depth first.
+    always = problem._cache.get("simulator.output_ancestors")
+    if always is None:
+        needed = bytearray(len(problem.nodes))
+        forward_outputs = bytearray(len(problem.nodes))
+        for v in reversed(forward_idx):
+            forward_outputs[v] = output[v]
+            if needed[v] or output[v]:
+                needed[v] = 1
+                for q in fwd_preds[v]:
+                    needed[q] = 1
+        always = problem._cache["simulator.output_ancestors"] = (
+            int.from_bytes(needed, "little"),
+            needed,
+            [v for v in forward_idx if needed[v]],
+            int.from_bytes(forward_outputs, "little"),
+        )
+    kept_bits = int.from_bytes(kept, "little")
+    outside = kept_bits & ~always[0]
+    nodes = list(always[2])
+    if outside:
+        needed, kind = bytearray(always[1]), problem._kind
+        stack = []
+        while outside:  # the positions of the set bits (bytes of kept) outside the ancestors
+            low = outside & -outside
+            v = (low.bit_length() - 1) // 8
+            outside &= ~(0xFF << (8 * v))
+            if kind[v] == FORWARD_CODE:
+                stack.append(v)
+        while stack:
+            v = stack.pop()
+            if not needed[v]:
+                needed[v] = 1
+                nodes.append(v)
+                stack.extend(fwd_preds[v])
+        nodes.sort()
     n_fwd = len(nodes)
 
     # Backward phase: materialise missing forward preds depth first. Iterative,
     # because a chain with nothing kept recurses as deep as the chain is long.
-    materialised = bytearray(len(problem.nodes))
-    for v in forward_idx:
-        if kept[v] or output[v]:
-            materialised[v] = 1
+    materialised = bytearray((kept_bits | always[3]).to_bytes(len(problem.nodes), "little"))  # kept or output
     for b in problem._backward_idx:
         for p in fwd_preds[b]:
             if materialised[p]:
@@ -348,8 +377,15 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
 
 
 def _to_steps(problem: Problem, nodes: list[int], n_fwd: int) -> tuple[Step, ...]:
-    names = problem.nodes
-    return tuple(Step(names[v].name, FORWARD_PHASE if i < n_fwd else BACKWARD_PHASE) for i, v in enumerate(nodes))
+    steps = problem._cache.get("simulator.steps")
+    if steps is None:  # one Step per node and phase, shared by every schedule of the problem
+        names = [node.name for node in problem.nodes]
+        steps = problem._cache["simulator.steps"] = (
+            [Step(name, FORWARD_PHASE) for name in names],
+            [Step(name, BACKWARD_PHASE) for name in names],
+        )
+    forward, backward = steps
+    return tuple(map(forward.__getitem__, nodes[:n_fwd])) + tuple(map(backward.__getitem__, nodes[n_fwd:]))
 
 
 def _step_label(problem: Problem, nodes: list[int], n_fwd: int, i: int) -> str:
@@ -359,6 +395,9 @@ def _step_label(problem: Problem, nodes: list[int], n_fwd: int, i: int) -> str:
 
 def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray) -> None:
     """The rules that do not depend on liveness: who may run where, and how often."""
+    if _structure_holds(problem, nodes, n_fwd, kept):
+        return
+    # Something is broken: walk the steps to name the first broken rule.
     kind, policy, output = problem._kind, problem._policy, problem._output
     names = problem.nodes
     in_forward = bytearray(len(names))
@@ -395,113 +434,192 @@ def _check_structure(problem: Problem, nodes: list[int], n_fwd: int, kept: bytea
             raise InvalidPlanError(f"output node {names[v].name!r} is not computed in the forward phase")
 
 
+def _structure_holds(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray) -> bool:
+    """:func:`_check_structure`'s rules in array passes: True when none is broken."""
+    import numpy as np
+
+    a = _arrays(problem)
+    node = np.array(nodes, dtype=np.int64)
+    kind = a["kind"][node]
+    forward, backward = node[:n_fwd], node[n_fwd:]
+    in_backward = backward[kind[n_fwd:] == BACKWARD_CODE]
+    recomputed = backward[kind[n_fwd:] == FORWARD_CODE]
+    if (kind == INPUT_CODE).any() or (kind[:n_fwd] == BACKWARD_CODE).any() or a["save"][recomputed].any():
+        return False
+    if len(np.unique(forward)) != n_fwd or len(np.unique(in_backward)) != len(in_backward):
+        return False
+    if len(in_backward) != len(problem._backward_idx):
+        return False  # with no backward node twice, one is missing
+    in_forward = np.zeros(len(problem.nodes), dtype=bool)
+    in_forward[forward] = True
+    is_forward = a["kind"] == FORWARD_CODE
+    kept_forward = np.frombuffer(bytes(kept), dtype=np.uint8).astype(bool) & is_forward
+    must_run = kept_forward | (a["output"] & is_forward)
+    return not (must_run & ~in_forward).any() and not (kept_forward & a["recompute"]).any()
+
+
+def _arrays(problem: Problem) -> dict:
+    """The problem's per-node fields as numpy arrays, and its non-input preds in CSR form (built once)."""
+    arrays = problem._cache.get("simulator.arrays")
+    if arrays is not None:
+        return arrays
+    import numpy as np
+
+    kind = problem._kind
+    indptr = [0]
+    indices: list[int] = []
+    for preds in problem._preds:
+        indices.extend(p for p in preds if kind[p] != INPUT_CODE)
+        indptr.append(len(indices))
+    arrays = problem._cache["simulator.arrays"] = {
+        "indptr": np.array(indptr, dtype=np.int64),
+        "indices": np.array(indices, dtype=np.int64),
+        "kind": np.frombuffer(kind, dtype=np.uint8),
+        "bytes": np.array(problem._bytes, dtype=np.int64),
+        "alias_of": np.array(problem._alias_of, dtype=np.int64),
+        "part_of": np.array(problem._part_of, dtype=np.int64),
+        "output": np.frombuffer(problem._output, dtype=np.uint8).astype(bool),
+        "save": np.frombuffer(bytes(problem._policy), dtype=np.uint8) == SAVE_CODE,
+        "recompute": np.frombuffer(bytes(problem._policy), dtype=np.uint8) == RECOMPUTE_CODE,
+        "scratch": np.array(problem._scratch, dtype=np.int64),
+    }
+    return arrays
+
+
 def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, check: bool = True) -> _Core:
-    """Validate (unless ``check`` is off) and replay a schedule given as node indices; O(steps + edges)."""
+    """Validate (unless ``check`` is off) and replay a schedule given as node indices.
+
+    Array passes over the schedule's steps and reads (numpy): O((steps + edges) log steps).
+    """
+    import numpy as np
+
     if check:
         _check_structure(problem, nodes, n_fwd, kept)
-    kind, preds_of, nbytes = problem._kind, problem._preds, problem._bytes
-    alias_of, output = problem._alias_of, problem._output
+    a = _arrays(problem)
+    nbytes = a["bytes"]
     n_steps = len(nodes)
+    if n_steps == 0:
+        r = problem.resident_bytes
+        return _Core(r, -1, 0.0, 0.0, [], r, 0, 0)
+    node = np.array(nodes, dtype=np.int64)
+    step = np.arange(n_steps, dtype=np.int64)
+    kept_arr = np.frombuffer(bytes(kept), dtype=np.uint8).astype(bool)
 
-    # Pass 1: which instance each read resolves to; remember each instance's
-    # last reader and the storage (root instance) it pins.
-    latest = [-1] * len(problem.nodes)  # node -> step index of its most recent instance
-    last_read = [-1] * n_steps
-    storage = [-1] * n_steps  # instance -> step index of the storage it pins, -1 if none
-    part_of = problem._part_of
-    taken = [0] * n_steps  # multi-output instance -> bytes its getitems took over
-    takes: list[tuple[int, int]] = []  # (step, bytes) moved from a multi-output storage
-    taken_by: dict[tuple[int, int], int] = {}  # (multi-output instance, getitem node) -> instance
-    whole_of: dict[int, int] = {}  # getitem instance -> the multi-output instance it took from
-    for i, v in enumerate(nodes):
-        for p in preds_of[v]:
-            if kind[p] == INPUT_CODE:
-                continue
-            inst = latest[p]
-            if inst < 0:
-                raise InvalidPlanError(
-                    f"{_step_label(problem, nodes, n_fwd, i)} reads {problem.nodes[p].name!r}, "
-                    "which has not been computed before this step"
-                )
-            if i >= n_fwd and inst < n_fwd and not kept[p] and not output[p]:
-                hint = " (its policy is 'save', so it must be kept)" if problem._policy[p] == SAVE_CODE else ""
-                raise InvalidPlanError(
-                    f"{_step_label(problem, nodes, n_fwd, i)} reads {problem.nodes[p].name!r}, which has no live "
-                    f"value: its forward value is not kept and it was not recomputed before this step{hint}"
-                )
-            last_read[inst] = i
-        a = alias_of[v]
-        if a >= 0:
-            base = latest[a]  # -1 when the base is an input: resident anyway
-            storage[i] = storage[base] if base >= 0 else -1
-        elif part_of[v] >= 0 and nbytes[v]:
-            whole = latest[part_of[v]]
-            earlier = taken_by.get((whole, v))
-            if earlier is not None:  # the same output extracted again: same storage
-                storage[i] = storage[earlier]
-            else:
-                taken_by[(whole, v)] = i
-                whole_of[i] = whole
-                taken[whole] += nbytes[v]
-                takes.append((i, nbytes[v]))
-                storage[i] = i
-        elif nbytes[v]:
-            storage[i] = i
-        latest[v] = i
+    # Every instance of a node, ordered by (node, step): the most recent instance of
+    # node p before step i is found by one binary search.
+    by_node = np.lexsort((step, node))
+    instance_key = node[by_node] * n_steps + step[by_node]
+
+    def latest_before(values: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """Step of the most recent instance of each ``values[k]`` before step ``at[k]``; -1 if none."""
+        pos = np.searchsorted(instance_key, values * n_steps + at) - 1
+        found = pos >= 0
+        found[found] = node[by_node[pos[found]]] == values[found]
+        return np.where(found, by_node[np.maximum(pos, 0)], -1)
+
+    # Pass 1: the instance each read resolves to, and each instance's last reader.
+    count = a["indptr"][node + 1] - a["indptr"][node]
+    reader = np.repeat(step, count)
+    first = np.repeat(a["indptr"][node], count)
+    offset = np.arange(len(reader), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    read = a["indices"][first + offset]
+    inst = latest_before(read, reader)
+    missing = inst < 0
+    dead = (reader >= n_fwd) & (inst < n_fwd) & ~kept_arr[read] & ~a["output"][read] & ~missing
+    if missing.any() or dead.any():
+        k = int(np.argmax(missing | dead))
+        i, p = int(reader[k]), int(read[k])
+        if missing[k]:
+            raise InvalidPlanError(
+                f"{_step_label(problem, nodes, n_fwd, i)} reads {problem.nodes[p].name!r}, "
+                "which has not been computed before this step"
+            )
+        hint = " (its policy is 'save', so it must be kept)" if a["save"][p] else ""
+        raise InvalidPlanError(
+            f"{_step_label(problem, nodes, n_fwd, i)} reads {problem.nodes[p].name!r}, which has no live "
+            f"value: its forward value is not kept and it was not recomputed before this step{hint}"
+        )
+    last_read = np.full(n_steps, -1, dtype=np.int64)
+    np.maximum.at(last_read, inst, reader)
+
+    # The storage (root instance) each instance pins, -1 if none.  A getitem (part_of)
+    # takes its bytes over from the multi-output instance it reads; extracting the same
+    # output of the same instance again gives the same storage.
+    alias = a["alias_of"][node]
+    is_alias = alias >= 0
+    own_bytes = nbytes[node]
+    is_part = ~is_alias & (a["part_of"][node] >= 0) & (own_bytes > 0)
+    storage = np.where(~is_alias & (own_bytes > 0), step, -1)
+    part_steps = step[is_part]
+    whole = latest_before(a["part_of"][node[is_part]], part_steps)
+    _, first_at, group = np.unique(whole * len(problem.nodes) + node[is_part], return_index=True, return_inverse=True)
+    storage[part_steps] = part_steps[first_at][group]
+    extracting = part_steps[first_at]  # getitem instances that take bytes over
+    whole_of = np.full(n_steps, -1, dtype=np.int64)
+    whole_of[extracting] = whole[first_at]
+    taken = np.zeros(n_steps, dtype=np.int64)
+    np.add.at(taken, whole[first_at], own_bytes[extracting])
+    # An alias pins the storage of its base instance (none when the base is an input: resident
+    # anyway); chains of aliases (views of views, gradients accumulated in place) by pointer doubling.
+    base = step.copy()
+    base[is_alias] = latest_before(alias[is_alias], step[is_alias])
+    base[base < 0] = step[base < 0]
+    while True:
+        further = base[base]
+        if np.array_equal(further, base):
+            break
+        base = further
+    storage = storage[base]
 
     # Pass 2: each storage lives until the last death of an instance pinning it.
     last = n_steps - 1
-    storage_death = [-1] * n_steps
-    kept_storages = set()
-    for i, v in enumerate(nodes):
-        s = storage[i]
-        if s < 0:
-            continue
-        if output[v]:
-            death = last
-        elif i < n_fwd and kept[v]:
-            death = max(n_fwd - 1, last_read[i])
-            kept_storages.add(s)
-        else:
-            death = max(i, last_read[i])
-        if s == i and i in whole_of:
-            # The multi-output value (a tuple) references this output until it dies too.
-            death = max(death, storage_death[whole_of[i]])
-        if death > storage_death[s]:
-            storage_death[s] = death
+    forward_kept = (step < n_fwd) & kept_arr[node] & ~a["output"][node]
+    death = np.where(
+        a["output"][node], last, np.where(forward_kept, np.maximum(n_fwd - 1, last_read), np.maximum(step, last_read))
+    )
+    pins = storage >= 0
+    storage_death = np.full(n_steps, -1, dtype=np.int64)
+    if len(extracting):
+        # The multi-output value (a tuple) references an extracted output until it dies too:
+        # the death, so far in step order, of the storage of the instance it was taken from
+        # (a running maximum per storage; again while a tuple taken from a tuple moves).
+        holder = pins & np.isin(storage, whole_of[extracting])
+        h_key = storage[holder] * n_steps + step[holder]
+        order = np.argsort(h_key)
+        h_key, h_steps, segment = h_key[order], step[holder][order], storage[holder][order] * n_steps
+        pos = np.searchsorted(h_key, whole_of[extracting] * n_steps + extracting) - 1
+        ok = pos >= 0
+        ok[ok] = h_key[pos[ok]] // n_steps == whole_of[extracting][ok]
+        at, own_death = pos[ok], death[extracting][ok]
+        while True:
+            running = np.maximum.accumulate(death[h_steps] + segment) - segment
+            moved = np.maximum(own_death, running[at])
+            if np.array_equal(moved, death[extracting[ok]]):
+                break
+            death[extracting[ok]] = moved
+    np.maximum.at(storage_death, storage[pins], death[pins])
 
     # Pass 3: live bytes after each allocation, from +bytes/-bytes events.
     # A getitem's bytes move out of its multi-output storage: net zero at its step;
     # the output dies when both the getitem and the multi-output value are dead.
-    delta = [0] * (n_steps + 1)
-    for s, death in enumerate(storage_death):
-        if death >= 0:
-            b = nbytes[nodes[s]]
-            delta[s] += b
-            delta[death + 1] -= b - taken[s]
-    for i, b in takes:
-        delta[i] -= b
-    scratch = problem._scratch
-    timeline = []
-    live = problem.resident_bytes
-    for i in range(n_steps):
-        live += delta[i]
-        timeline.append(live + scratch[nodes[i]])
-
-    if timeline:
-        peak = max(timeline)
-        peak_step = timeline.index(peak)
-    else:
-        peak, peak_step = problem.resident_bytes, -1
+    alive = step[storage_death >= 0]
+    delta = np.zeros(n_steps + 1, dtype=np.int64)
+    delta[alive] += own_bytes[alive]
+    np.add.at(delta, storage_death[alive] + 1, -(own_bytes[alive] - taken[alive]))
+    delta[extracting] -= own_bytes[extracting]
+    timeline = problem.resident_bytes + np.cumsum(delta[:n_steps]) + a["scratch"][node]
+    peak_step = int(np.argmax(timeline))
+    recomputed = node[n_fwd:][a["kind"][node[n_fwd:]] == FORWARD_CODE].tolist()
     cost = problem._cost
-    recomputed = [v for v in nodes[n_fwd:] if kind[v] == FORWARD_CODE]
+    kept_storages = np.zeros(n_steps, dtype=bool)
+    kept_storages[storage[forward_kept & pins]] = True
     return _Core(
-        peak_bytes=peak,
+        peak_bytes=int(timeline[peak_step]),
         peak_step=peak_step,
-        recompute_cost=float(sum(cost[v] for v in recomputed)),
-        forward_cost=float(sum(cost[v] for v in nodes[:n_fwd])),
-        timeline=timeline,
-        forward_peak_bytes=max(timeline[:n_fwd]) if n_fwd else problem.resident_bytes,
-        kept_bytes=sum(nbytes[nodes[s]] - taken[s] for s in kept_storages),
+        recompute_cost=float(sum([cost[v] for v in recomputed])),
+        forward_cost=float(sum([cost[v] for v in nodes[:n_fwd]])),
+        timeline=timeline.tolist(),
+        forward_peak_bytes=int(timeline[:n_fwd].max()) if n_fwd else problem.resident_bytes,
+        kept_bytes=int((own_bytes[kept_storages] - taken[kept_storages]).sum()),
         recompute_steps=len(recomputed),
     )

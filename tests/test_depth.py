@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ckptc
 import solvers
-from solvers import nested, simulator
+from solvers import nested, refine, simulator
 from solvers.api import lowest_peak_plan
 from solvers.hierarchical import build_menu
-from solvers.refine import _held_after, _recomputed
+from solvers.refine import _held_after, _longest_prefix, _recomputed
 from solvers.simulator import evaluate_mask, honour_policies_mask
 from tests.graphs import layered_training_graph, random_training_graph
+from tests.strategies import training_problems
 
 
 class Counting:
@@ -118,3 +122,69 @@ def test_a_plan_replays_the_whole_graph_as_often_at_4_layers_as_at_2(monkeypatch
     # plan and the judges after auto read what was simulated before.  The capture built the
     # nested tables and the fingerprint.
     assert counts[2] == counts[4] and counts[4][0] <= 2 and counts[4][1:] == (0, 0), counts
+
+
+def test_the_longest_prefix_search_gallops_from_the_short_end_at_the_same_answer():
+    # fill_budget's later rounds: most remaining candidates no longer fit, so the answer k is small.
+    for n in range(0, 40):
+        for k in range(0, n + 1):
+            bisect, gallop = Counting(k.__ge__), Counting(k.__ge__)  # fits(m): m <= k
+            assert _longest_prefix(bisect, n, gallop=False) == k
+            assert _longest_prefix(gallop, n, gallop=True) == k
+            assert bisect.calls <= math.ceil(math.log2(n + 1))
+            assert gallop.calls <= 2 * math.ceil(math.log2(k + 1)) + 1
+
+
+def test_fill_budget_simulates_about_as_many_prefixes_at_64_layers_as_at_8():
+    counts = {}
+    for layers in (8, 64):
+        problem = layered_training_graph(layers)
+        per_block = ["embed", "mask"] + [f"o{i}" for i in range(layers)]
+        base = solvers.Plan(kept=simulator.honour_policies(problem, per_block))
+        low = solvers.simulate(problem, base).peak_bytes
+        top = solvers.simulate(problem, solvers.Plan(kept=simulator.honour_policies(problem, problem.forward_nodes)))
+        simulations = Counting(refine.evaluate_mask)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(refine, "evaluate_mask", simulations)
+            for fraction in (0.1, 0.3, 0.5, 0.7, 0.9):
+                budget = low + int((top.peak_bytes - low) * fraction)
+                plan = refine.fill_budget(problem, base, budget)
+                assert solvers.simulate(problem, plan).peak_bytes <= budget
+        counts[layers] = simulations.calls
+    assert counts[64] <= 1.25 * counts[8], counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(training_problems(), st.integers(0, 2**32 - 1))
+def test_the_array_structure_check_agrees_with_the_step_walk(problem, seed):
+    # simulate() checks a schedule's structure in array passes and walks it step by step only to
+    # name the broken rule: both must agree on every schedule, broken ones included.
+    rng = random.Random(seed)
+    mask = bytearray(len(problem.nodes))
+    for v in problem._forward_idx:
+        mask[v] = rng.random() < 0.4
+    nodes, n_fwd = simulator.derived_schedule(problem, mask)
+    for _ in range(6):
+        steps, forward = list(nodes), n_fwd
+        if steps:
+            i = rng.randrange(len(steps))
+            edit = rng.randrange(4)
+            if edit == 0:
+                del steps[i]
+                forward = min(forward, len(steps))
+            elif edit == 1:
+                steps.insert(rng.randrange(len(steps) + 1), steps[i])
+            elif edit == 2:
+                steps.insert(rng.randrange(len(steps) + 1), rng.randrange(len(problem.nodes)))
+            else:
+                j = rng.randrange(len(steps))
+                steps[i], steps[j] = steps[j], steps[i]
+        holds = simulator._structure_holds(problem, steps, forward, mask)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(simulator, "_structure_holds", lambda *args: False)  # walk every step
+            try:
+                simulator._check_structure(problem, steps, forward, mask)
+                walked = True
+            except solvers.InvalidPlanError:
+                walked = False
+        assert holds == walked
