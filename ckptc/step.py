@@ -192,7 +192,7 @@ class StepRuntime:
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
         Dynamo sees the call (it would skip the frame and fall back to eager without a plan)."""
-        modes = [m for m in internals.dispatch_modes_disabling_compile() if m != "FakeTensorMode"]  # offline capture's
+        modes = internals.dispatch_modes_disabling_compile()  # offline capture's FakeTensorMode is not one
         if modes:
             raise UntraceableModelError(
                 f"ckptc could not run the training step of {type(self.model).__name__} under a plan: it "
