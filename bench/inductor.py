@@ -40,6 +40,7 @@ import torch
 
 import ckptc
 from ckptc.meter import measure_peak, resident_bytes
+from tests.zoo import gpt2_without_dropout
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GRAD_RTOL, GRAD_ATOL = 1e-3, 1e-4  # fused kernels sum in another order than eager
@@ -62,26 +63,6 @@ class Point:
     @property
     def median(self) -> float:
         return statistics.median(self.times)
-
-
-def gpt2(layers: int, width: int, vocab: int) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=width,
-        n_head=max(1, width // 64),
-        n_positions=1024,
-        vocab_size=vocab,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).train()
-    model.loss_type = "ForCausalLM"
-    return model
 
 
 def train_step(point: Point, ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +130,7 @@ def paired(times: list[float], reference: list[float]) -> float | None:
 
 def run(layers: int, width: int, batch: int, seq_len: int, vocab: int, reps: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    base = gpt2(layers, width, vocab)
+    base = gpt2_without_dropout(layers, width, vocab)
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(1))
     reference_model = copy.deepcopy(base)
     eager = Point("eager", reference_model, reference_model)

@@ -21,28 +21,13 @@ import torch
 import ckptc
 from ckptc import _torch_internals as internals
 from ckptc.meter import measure_peak, resident_bytes
+from tests.zoo import gpt2_without_dropout
 
 LAYERS, WIDTH, HEADS, VOCAB, BATCH, SEQ = 4, 256, 4, 1024, 4, 256
 
 
 def _gpt2(layers: int = LAYERS, width: int = WIDTH) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=width,
-        n_head=HEADS,
-        n_positions=SEQ,
-        vocab_size=VOCAB,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).train()
-    model.loss_type = "ForCausalLM"
-    return model
+    return gpt2_without_dropout(layers, width, VOCAB, heads=HEADS, positions=SEQ)
 
 
 def _step(model: Any, ids: torch.Tensor, parameters: Any) -> torch.Tensor:

@@ -144,6 +144,12 @@ def _budget(loop: Callable, reference: nn.Module) -> int:
     return int(0.9 * _peak(loop, model, model, _batches(1)))
 
 
+def _eager_and_optimized(reference: nn.Module, budget: int) -> tuple[nn.Module, nn.Module, Any]:
+    """Two copies of ``reference``: one trained eagerly, one behind ``ckptc.optimize`` (and that wrapper)."""
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    return eager, model, ckptc.optimize(model, budget_bytes=budget)
+
+
 def _assert_same_gradients(model: nn.Module, reference: nn.Module) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
@@ -168,8 +174,7 @@ def test_the_budget_holds_from_the_first_verified_step(name: str, loss_inside: b
     torch.manual_seed(0)
     reference = _Net(loss_inside=loss_inside)
     budget = _budget(loop, reference)
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
+    eager, model, fast = _eager_and_optimized(reference, budget)
     verified_at = None
     for step in range(4):
         batches = _batches(step)
@@ -200,8 +205,7 @@ def test_a_users_profiler_around_planning_and_later_steps_sees_the_steps() -> No
     torch.manual_seed(0)
     reference = _Net()
     budget = _budget(plain, reference)
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
+    eager, model, fast = _eager_and_optimized(reference, budget)
     for step in range(2):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             plain(fast, _batches(step))
@@ -222,8 +226,7 @@ def test_a_step_under_flop_counter_mode_runs_the_plan_or_says_why() -> None:
     torch.manual_seed(0)
     reference = _Net()
     budget = _budget(plain, reference)
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
+    eager, model, fast = _eager_and_optimized(reference, budget)
     plain(fast, _batches(0))  # plans
     plain(fast, _batches(1))  # verifies
     counter = FlopCounterMode(display=False)
@@ -248,8 +251,7 @@ def test_a_graph_break_between_layers_trains_like_eager_within_the_budget() -> N
     # Halfway between the floor ckptc reports for the whole step (both graphs) and keeping everything.
     captured = ckptc.capture(copy.deepcopy(reference), (_batches(0)[0],), loss_fn=_loss)
     budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
+    eager, model, fast = _eager_and_optimized(reference, budget)
     for step in range(3):
         plain(fast, _batches(step))
         plain(eager, _batches(step))

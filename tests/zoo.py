@@ -182,6 +182,30 @@ def make_gpt2(
     return ModelCase("gpt2", model, (input_ids,), {"labels": input_ids.clone()})
 
 
+def gpt2_without_dropout(
+    layers: int, width: int, vocab: int, *, heads: int | None = None, positions: int = 1024, seed: int = 0
+) -> torch.nn.Module:
+    """A bare ``GPT2LMHeadModel`` with dropout off (one head per 64 channels unless ``heads``), for comparisons
+    with compilers whose fused kernels draw other random numbers than eager PyTorch (Inductor)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=heads or max(1, width // 64),
+        n_positions=positions,
+        vocab_size=vocab,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+    with _seeded(seed):
+        model = GPT2LMHeadModel(config).train()
+    model.loss_type = "ForCausalLM"  # as in make_gpt2: no warning_once (a graph break) per forward
+    return model
+
+
 _LLAMA_SIZES = {
     "tiny": _Size(
         dict(
