@@ -47,6 +47,9 @@ __all__ = [
     "version_counter",
     "storage_key",
     "profiler_events",
+    "cpu_allocations",
+    "made_by_compiled_graph",
+    "current_graph_task_id",
     "workaround_decompositions",
     "upper_bound",
     "binds_unbacked_symbols",
@@ -145,6 +148,38 @@ def profiler_events(prof: Any) -> Iterable[Any]:
     ``device_type()``; allocator events are named ``"[memory]"``.
     """
     return prof.profiler.kineto_results.events()
+
+
+def made_by_compiled_graph(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a result of a ``torch.compile``'d graph's forward (its autograd node is
+    AOTAutograd's ``CompiledFunction``)."""
+    node = tensor.grad_fn
+    return node is not None and type(node).__name__.startswith("CompiledFunction")
+
+
+def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
+    """The CPU allocator's events of a finished ``torch.profiler.profile(profile_memory=True)``
+    run as ``(time_ns, address, nbytes)`` in time order (``nbytes`` negative for a free).
+
+    The address matters: the CPU allocator reports a free with the size it
+    recorded when the block was allocated under *some* profiler session,
+    including an earlier one whose block has since been freed unseen and its
+    address reused, so only frees paired with an allocation of the same run are
+    trustworthy.
+    """
+    from torch._C._profiler import _EventType
+
+    found = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            if fields.device.type == "cpu":
+                found.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    found.sort()
+    return found
 
 
 def _unbounded(top: Any) -> bool:
@@ -529,6 +564,11 @@ def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     return register_multi_grad_hook(list(tensors), hook, mode="any")
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward call the autograd engine is running on this thread (-1 outside one)."""
+    return torch._C._current_graph_task_id()
 
 
 def dispatch_modes_disabling_compile() -> list[str]:

@@ -7,11 +7,16 @@ that graph runs is the graph's *baseline*, and this module computes it:
 
 * the model's parameters and buffers that the graph does not take as input;
 * gradients: those resident when the step began (gradient accumulation,
-  ``zero_grad(set_to_none=False)``) for the whole step, and those of parameters
+  ``zero_grad(set_to_none=False)``) or made by an earlier backward of the same
+  step (``retain_graph=True``) for the whole step, and those of parameters
   no graph run so far uses (their backward runs first, so they exist while this
   graph's backward runs);
 * what earlier graphs of the step keep for their backward and the results the
-  caller holds (:attr:`ckptc.records.GraphRecord.step_bytes`);
+  caller holds (:attr:`ckptc.records.GraphRecord.step_bytes`), less the results
+  a graph break hands to this graph as inputs (counted by the graph), and the
+  data earlier graphs took as inputs (a first call's batch);
+* for a graph run several times in the step, what its earlier runs leave alive
+  (one plan serves every run: :attr:`StepAccount.repeat_bytes`);
 * a small reserve for results of graphs after a break (the loss, a few scalars),
   not known yet when earlier graphs are planned;
 * per-rank extras under DDP/FSDP2 (:class:`ckptc.distributed.RankContext`);
@@ -33,17 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 import solvers
+from ckptc._torch_internals import made_by_compiled_graph
 from ckptc.devices import graph_device, memory_model
 from ckptc.distributed import local_nbytes
 from ckptc.meter import resident_bytes
-
-if TYPE_CHECKING:
-    from ckptc.records import GraphRecord
+from ckptc.records import GraphInputs, GraphRecord
 
 #: Results of graphs after a break (the loss, a few scalars) that earlier graphs cannot see yet.
 HELD_RESULTS_RESERVE_BYTES = 1024
@@ -57,8 +61,11 @@ class StepAccount:
     """What one step holds besides the activations the plans decide (see the module docstring).
 
     Attributes:
-        gradients_at_start: the step starts with parameters' ``.grad`` allocated
-            (accumulation); they count for the whole step.
+        gradients_resident: parameters' gradients are allocated while the step's
+            graphs run: the step starts with them (accumulation,
+            ``zero_grad(set_to_none=False)``) or a second backward of the step runs
+            after the first made them (``retain_graph=True``). They count for the
+            whole step, at their parameters' sizes where not allocated yet.
         correction_bytes: what a measured step showed the prediction missed.
         rank_bytes: what this rank holds outside the graphs' view (DDP buckets, FSDP2 buffers).
         hold_outputs: whether the caller holds forward results until backward
@@ -67,14 +74,19 @@ class StepAccount:
             (earlier graphs keeping less for later ones; set by the replan loop).
         defer_infeasible: plan a graph that cannot fit at its lowest peak and
             mark it, so the whole step is seen before deciding.
+        repeat_bytes: by graph index, for a graph run several times in one step
+            (identical layers compiled once, a break inside the layer loop), how
+            much more earlier runs leave alive at its last run than at its first
+            (:func:`repeat_bytes`): one plan serves every run.
     """
 
-    gradients_at_start: bool = False
+    gradients_resident: bool = False
     correction_bytes: int = 0
     rank_bytes: int = 0
     hold_outputs: bool | None = None
     graph_budgets: Mapping[int, int] = field(default_factory=dict)
     defer_infeasible: bool = False
+    repeat_bytes: Mapping[int, int] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)
@@ -84,39 +96,103 @@ class StepAccount:
         model: torch.nn.Module | None,
         graph_inputs: Sequence[Any],
         placeholders: Sequence[Any],
-        earlier: Sequence["GraphRecord"],
-    ) -> tuple[int, frozenset[int]]:
+        earlier: Sequence[GraphRecord],
+        index: int = 0,
+    ) -> tuple[int, GraphInputs]:
         """The baseline of a graph taking ``graph_inputs`` (real tensors) whose joint graph's
         placeholder values are ``placeholders`` (fake tensors), after the graphs ``earlier``
-        in the same step.  Also returns the ids of the graph's tensor inputs."""
-        tensors = [t for t in graph_inputs if isinstance(t, torch.Tensor)]
-        graph_ids = frozenset(id(t) for t in tensors)
+        in the same step, as graph ``index`` of the step.  Also returns the graph's tensor inputs
+        (:attr:`ckptc.records.GraphRecord.inputs`).
+
+        A graph counts its own inputs; of earlier graphs' data inputs it counts those it
+        does not take (the caller holds a first call's batch until backward), and from what
+        earlier graphs leave alive it takes away their results that it takes as inputs
+        (a graph break hands one graph's result to the next: one tensor, counted once).
+        """
+        tensors = list(dict.fromkeys(t for t in graph_inputs if isinstance(t, torch.Tensor)))
+        params = {id(p): p for p in model.parameters()} if model is not None else {}
+        state_ids = set(params) | ({id(b) for b in model.buffers()} if model is not None else set())
+        inputs = GraphInputs(
+            data={id(t): resident_bytes(t) for t in tensors if id(t) not in state_ids},
+            parameters={id(t): local_nbytes(t) for t in tensors if id(t) in params and t.requires_grad},
+            state=frozenset(id(t) for t in tensors if id(t) in state_ids),
+        )
         outside = 0
         if model is not None:
-            params = {id(p): p for p in model.parameters()}
-            state_ids = set(params) | {id(b) for b in model.buffers()}
             state = resident_bytes(*params.values(), *model.buffers())
             in_graph = resident_bytes(*[t for t in tensors if id(t) in state_ids])
-            seen = set(graph_ids).union(*(r.input_ids for r in earlier))
+            seen = inputs.ids.union(*(r.inputs.ids for r in earlier))
             grads = 0
             for i, p in params.items():
                 if not p.requires_grad:
                     continue
-                if p.grad is not None and self.gradients_at_start:
-                    grads += local_nbytes(p.grad)  # resident from the step's start to its end
+                if self.gradients_resident:
+                    grads += local_nbytes(p.grad if p.grad is not None else p)
                 elif i not in seen:
                     grads += local_nbytes(p)  # made by a later graph's backward, which runs first
             outside = max(0, state - in_graph) + grads
+        earlier_data: dict[int, int] = {}
+        for record in earlier:
+            earlier_data.update((i, n) for i, n in record.inputs.data.items() if i not in inputs.data)
+        # Held results are in step_bytes under any plan (kept for backward or held beside): a bound
+        # that does not depend on the plans, so CapturedStep can plan earlier graphs again.
+        held_by_earlier = sum(r.joint_problem.held_output_bytes for r in earlier)
+        handed_on = sum(inputs.data[id(t)] for t in tensors if id(t) in inputs.data and made_by_compiled_graph(t))
         device = graph_device([v for v in placeholders if isinstance(v, torch.Tensor)])
         return (
             outside
+            + sum(earlier_data.values())
             + sum(r.step_bytes for r in earlier)
+            - min(handed_on, held_by_earlier)
+            + self.repeat_bytes.get(index, 0)
             + HELD_RESULTS_RESERVE_BYTES
             + self.rank_bytes
             + self.correction_bytes
             + memory_model(device).step_overhead_bytes,
-            graph_ids,
+            inputs,
         )
+
+
+def repeat_bytes(
+    ran: Sequence[GraphRecord], *, gradients_resident: bool = False, unnamed_gradient_bytes: int = 0
+) -> dict[int, int]:
+    """For each graph run more than once in a step (``ran``, in run order, graphs by ``record.index``),
+    how much more the step holds outside it at its worst later run than at its first, which its plan
+    was made for.
+
+    That is what the runs in between leave alive, less the gradients counted at the first run
+    (those of parameters no graph had taken yet, whose backward runs first) that do not exist yet
+    at the later run: parameters taken by the runs in between.  A record names the parameters of
+    the run it was compiled for; a later run of it takes its own (layers compiled once) or the
+    same (a shared block), so later runs are taken to use parameters no record names
+    (``unnamed_gradient_bytes``, their gradients' bytes) until there are none left.
+    """
+    first: dict[int, tuple[int, frozenset[int], int]] = {}
+    extra: dict[int, int] = {}
+    left = taken_unnamed = 0
+    seen: set[int] = set()
+    grad_bytes: dict[int, int] = {}
+    for record in ran:
+        grad_bytes.update(record.inputs.parameters)
+        seen |= record.inputs.ids
+        if record.index in first:
+            own = sum(record.inputs.parameters.values())
+            taken_unnamed += min(own, unnamed_gradient_bytes - taken_unnamed)
+            left_then, seen_then, taken_then = first[record.index]
+            not_yet = sum(grad_bytes.get(i, 0) for i in seen - seen_then) + taken_unnamed - taken_then
+            extra[record.index] = max(
+                extra.get(record.index, 0), left - left_then - (0 if gradients_resident else not_yet)
+            )
+        else:
+            first[record.index] = (left, frozenset(seen), taken_unnamed)
+        left += record.step_bytes
+    return {i: n for i, n in extra.items() if n > 0}
+
+
+def unnamed_gradient_bytes(model: torch.nn.Module, ran: Sequence[GraphRecord]) -> int:
+    """Gradient bytes of ``model``'s trainable parameters that no graph in ``ran`` names as an input."""
+    named = set().union(*(r.inputs.ids for r in ran))
+    return sum(local_nbytes(p) for p in model.parameters() if p.requires_grad and id(p) not in named)
 
 
 def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) -> int:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
+from ckptc.account import unnamed_gradient_bytes
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
@@ -364,11 +365,21 @@ def capture(
             except Exception as error:  # one error family: the underlying error chained
                 raise UntraceableModelError.from_exception(model, error) from error
     runtime = optimized._ckptc_runtime
-    records = list({id(r): r for r in runtime.step_records()}.values())
+    ran = runtime.step_records()
+    records = list({id(r): r for r in ran}.values())
+    position = {id(r): i for i, r in enumerate(records)}
     eager = None if runtime.last is None else runtime.last.eager
     coverage = None if eager is None else Coverage.of(eager, records)
     sizes = _parameter_sizes(model)
-    return CapturedStep(records, checked, model_name=type(model).__name__, coverage=coverage, **sizes)
+    return CapturedStep(
+        records,
+        checked,
+        model_name=type(model).__name__,
+        coverage=coverage,
+        sequence=[position[id(r)] for r in ran],
+        unnamed_gradient_bytes=unnamed_gradient_bytes(model, ran),
+        **sizes,
+    )
 
 
 def plan(

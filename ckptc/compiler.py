@@ -38,7 +38,7 @@ from ckptc.planner import decide
 from ckptc.plans import ModelPlan
 from ckptc.policies import policies_from_patterns
 from ckptc.problem import joint_to_problem
-from ckptc.records import GraphRecord, PlanSource, RecordLink
+from ckptc.records import GraphInputs, GraphRecord, PlanSource, RecordLink
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
 from ckptc.unused_grads import ZeroGradBackward, zeros_buildable
@@ -170,8 +170,10 @@ class CheckpointCompiler:
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
             placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
-            baseline, input_ids = self.account.graph_baseline(self.model, example_inputs, placeholders, self.active)
-            parts = self.partition(joint, baseline_bytes=baseline, input_ids=input_ids, **kw)
+            baseline, inputs = self.account.graph_baseline(
+                self.model, example_inputs, placeholders, self.active, index=len(self.records)
+            )
+            parts = self.partition(joint, baseline_bytes=baseline, inputs=inputs, **kw)
             if self._just_planned is not None:
                 self._just_planned.break_after = internals.graph_break_after(gm)
                 planned.append(self._just_planned)
@@ -240,7 +242,7 @@ class CheckpointCompiler:
         joint: fx.GraphModule,
         *,
         baseline_bytes: int = 0,
-        input_ids: frozenset[int] = frozenset(),
+        inputs: GraphInputs | None = None,
         num_fwd_outputs: int,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -280,7 +282,7 @@ class CheckpointCompiler:
             earlier=self.active,
             plan_source=self.plan_source,
             progress=self.progress,
-            input_ids=input_ids,
+            inputs=inputs,
             started=start,
         )
         self.records.append(record)

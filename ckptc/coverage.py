@@ -105,7 +105,7 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager:
     rnns = recurrent_modules(model)
     if not rnns:
         return
-    seen: set[int] = set().union(*(r.input_ids for r in ran))
+    seen: set[int] = set().union(*(r.inputs.ids for r in ran))
     for name, rnn in rnns:
         if eager is not None and name not in eager.recurrent_modules_run:
             continue

@@ -22,7 +22,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from ckptc._torch_internals import local_shard, profiler_events, storage_key
+from ckptc._torch_internals import cpu_allocations, local_shard, storage_key
 
 log = logging.getLogger("ckptc.meter")
 
@@ -94,24 +94,16 @@ def measure_peak(
 
 
 def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, MemoryMeasurement]:
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = [e for e in profiler_events(prof) if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
-    level = peak = 0
-    timeline = []
-    for event in events:
-        level += event.nbytes()
-        peak = max(peak, level)
-        timeline.append(level)
+    peak, level, timeline = _peak_of_events(prof)
     return result, MemoryMeasurement(
         peak_bytes=baseline_bytes + peak,
         baseline_bytes=baseline_bytes,
         end_bytes=baseline_bytes + level,
-        timeline=tuple(timeline),
+        timeline=timeline,
     )
 
 
@@ -176,14 +168,22 @@ class StepMeter:
 
 
 def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...]]:
-    from torch.autograd import DeviceType
+    """The highest and the final level of what the run allocated, and the level after each event.
 
-    events = [e for e in profiler_events(prof) if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
+    A free counts only when the run allocated that block: the allocator reports
+    no free of a block allocated before profiling began, and a stale size for an
+    address an earlier profiler session saw (which would make the level, and the
+    peak, too low).  Memory resident before the run is the caller's baseline.
+    """
+    live: dict[int, int] = {}
     level = peak = 0
     timeline = []
-    for event in events:
-        level += event.nbytes()
+    for _, address, nbytes in cpu_allocations(prof):
+        if nbytes > 0:
+            live[address] = live.get(address, 0) + nbytes
+        else:
+            nbytes = -live.pop(address, 0)
+        level += nbytes
         peak = max(peak, level)
         timeline.append(level)
     return peak, level, tuple(timeline)

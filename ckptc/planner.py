@@ -40,13 +40,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import solvers
 from ckptc import policies
-from ckptc.account import StepAccount, planning_margin
+from ckptc.account import StepAccount, planning_margin, repeat_bytes
 from ckptc.costs import FORWARD, FUSING_COMPILERS
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
 from ckptc.plans import ModelPlan, fingerprint, graph_plan
 from ckptc.problem import JointProblem
-from ckptc.records import GraphRecord, PlanSource, Progress
+from ckptc.records import GraphInputs, GraphRecord, PlanSource, Progress
 from solvers.simulator import honour_policies
 
 log = logging.getLogger("ckptc.planner")
@@ -293,7 +293,7 @@ def decide(
     earlier: Sequence[GraphRecord] = (),
     plan_source: PlanSource | None = None,
     progress: Progress | None = None,
-    input_ids: frozenset[int] = frozenset(),
+    inputs: GraphInputs | None = None,
     started: float | None = None,
 ) -> GraphRecord:
     """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s baseline).
@@ -352,14 +352,16 @@ def decide(
         unoptimized_peak_bytes=unoptimized,
         min_feasible_bytes=step_floor,
         solve_seconds=time.perf_counter() - start,
-        input_ids=input_ids,
-        held_output_bytes=jp.held_output_bytes,
+        inputs=inputs or GraphInputs(),
+        held_output_bytes=jp.held_beside(plan.kept),
         floor_peak_bytes=floor_result.peak_bytes,
         floor_kept_bytes=floor_result.kept_bytes,
+        floor_held_output_bytes=jp.held_beside(floor_plan.kept),
         margin_bytes=margin,
         unoptimized_kept_bytes=keep_all.kept_bytes,
         infeasible=infeasible,
         earlier=tuple(earlier),
+        repeat_bytes=account.repeat_bytes.get(index, 0),
     )
     log.info(
         "graph %d: %d nodes, kept %d forward values, predicted peak %s (unoptimized %s), recompute cost %.3g",
@@ -473,10 +475,16 @@ class CapturedStep:
         gradient_bytes: int | None = None,
         model_name: str = "model",
         coverage: Any = None,
+        sequence: Sequence[int] | None = None,
+        unnamed_gradient_bytes: int = 0,
     ) -> None:
         if not records:
             raise InvalidArgumentError("a captured step needs at least one graph")
         self.records = list(records)
+        # The graphs in the order the step ran them, by position in ``records`` (a graph repeats when
+        # identical layers are compiled once).
+        self.sequence = list(range(len(self.records))) if sequence is None else list(sequence)
+        self.unnamed_gradient_bytes = unnamed_gradient_bytes  # see ckptc.account.repeat_bytes
         self.options = options
         self.parameter_bytes = parameter_bytes
         self.gradient_bytes = gradient_bytes
@@ -592,11 +600,35 @@ class CapturedStep:
         plan_source: PlanSource | None = None,
         progress: Progress | None = None,
     ) -> list[GraphRecord]:
+        """Every graph decided in step order; a graph the step runs several times is decided again
+        for its last run, with what its earlier runs keep under the new plans counted."""
+        for _ in range(MAX_STEP_RETRIES + 1):
+            records = self._decide_each(options, account, plan_source, progress)
+            repeats = repeat_bytes(
+                [records[i] for i in self.sequence],
+                gradients_resident=account.gradients_resident,
+                unnamed_gradient_bytes=self.unnamed_gradient_bytes,
+            )
+            if not any(n > account.repeat_bytes.get(i, 0) for i, n in repeats.items()):
+                break
+            merged = {i: max(n, account.repeat_bytes.get(i, 0)) for i, n in repeats.items()}
+            account = account.replace(repeat_bytes={**account.repeat_bytes, **merged})
+        return records
+
+    def _decide_each(
+        self,
+        options: CheckpointOptions,
+        account: StepAccount,
+        plan_source: PlanSource | None,
+        progress: Progress | None,
+    ) -> list[GraphRecord]:
         decided: dict[int, GraphRecord] = {}
         out = []
         for position, captured in enumerate(self.records):
             earlier = [decided[id(e)] for e in captured.earlier if id(e) in decided]
-            baseline = captured.own_baseline_bytes + sum(e.step_bytes for e in earlier)
+            baseline = (
+                captured.own_baseline_bytes + sum(e.step_bytes for e in earlier) + account.repeat_bytes.get(position, 0)
+            )
             jp = with_baseline(captured.joint_problem, baseline)
             record = decide(
                 jp,
@@ -606,7 +638,7 @@ class CapturedStep:
                 earlier=earlier,
                 plan_source=plan_source,
                 progress=progress,
-                input_ids=captured.input_ids,
+                inputs=captured.inputs,
             )
             record.break_after = captured.break_after
             decided[id(captured)] = record

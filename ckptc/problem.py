@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -46,9 +46,36 @@ class JointProblem:
     nodes: dict[str, fx.Node] = field(repr=False)
     stable_names: dict[str, str] = field(repr=False)
     holds_outputs: bool = False
-    held_output_bytes: int = 0  # results counted as held by the caller until backward ends
-    released_output_bytes: int = 0  # results counted as dropped by the caller after forward
+    results: Mapping[str, int] = field(default_factory=dict)  # non-scalar forward results: node name -> bytes
     free_tangents: frozenset[str] = frozenset()  # gradients of released results, priced as absent
+
+    @property
+    def held_output_bytes(self) -> int:
+        """Results counted as held by the caller until backward ends."""
+        return sum(self.results.values()) if self.holds_outputs else 0
+
+    @property
+    def released_output_bytes(self) -> int:
+        """Results counted as dropped by the caller after forward."""
+        return 0 if self.holds_outputs else sum(self.results.values())
+
+    def held_beside(self, kept: Iterable[str]) -> int:
+        """Bytes of held results that a plan keeping ``kept`` does not also keep for backward
+        (a result backward reads, or a view of it, is one tensor: counted once)."""
+        if not self.holds_outputs:
+            return 0
+        saved = {
+            self._storage_root(name)
+            for name in kept
+            if name in self.nodes and any(_kind(u) == BACKWARD for u in self.nodes[name].users)
+        }
+        return sum(nbytes for name, nbytes in self.results.items() if self._storage_root(name) not in saved)
+
+    def _storage_root(self, name: str) -> str:
+        """The node owning the storage that node ``name`` views."""
+        while name in self.nodes and (alias := self.node_cost(name).alias_of) is not None:
+            name = alias
+        return name
 
     def node_cost(self, name: str) -> NodeCost:
         return self.nodes[name].meta["ckptc"]
@@ -253,8 +280,7 @@ def joint_to_problem(
         nodes=nodes,
         stable_names=stable_names,
         holds_outputs=bool(hold_outputs),
-        held_output_bytes=sum(results.values()) if hold_outputs else 0,
-        released_output_bytes=0 if hold_outputs else sum(results.values()),
+        results=results,
         free_tangents=frozenset(free_tangents),
     )
 
@@ -303,6 +329,11 @@ def _outputs_read_by_later_regions(joint: fx.GraphModule) -> set[fx.Node]:
                 found.add(node)
                 break
     return found
+
+
+def _kind(node: fx.Node) -> int | None:
+    cost = node.meta.get("ckptc")
+    return None if cost is None else cost.kind
 
 
 def returns_own_loss(forward_results: Iterable[fx.Node]) -> bool:

@@ -10,7 +10,7 @@ them imports the stage that made the record.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import solvers
 from ckptc.problem import JointProblem
@@ -19,6 +19,26 @@ from ckptc.problem import JointProblem
 PlanSource = Callable[[int, JointProblem], solvers.Plan]
 #: ``(fraction, message)`` callback for long solves.
 Progress = Callable[[float, str], None]
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """A graph's tensor inputs, by ``id`` of the real tensors it was captured with.
+
+    Attributes:
+        data: inputs that are not the model's state (a batch, a result of an
+            earlier graph) -> their bytes.
+        parameters: trainable parameters it takes -> their gradients' bytes.
+        state: every input that is model state (parameters and buffers).
+    """
+
+    data: Mapping[int, int] = field(default_factory=dict)
+    parameters: Mapping[int, int] = field(default_factory=dict)
+    state: frozenset[int] = frozenset()
+
+    @property
+    def ids(self) -> frozenset[int]:
+        return frozenset(self.data) | self.state
 
 
 @dataclass
@@ -38,10 +58,11 @@ class GraphRecord:
     unoptimized_peak_bytes: int
     min_feasible_bytes: int
     solve_seconds: float
-    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    inputs: GraphInputs = field(default_factory=GraphInputs, repr=False)
     held_output_bytes: int = 0
     floor_peak_bytes: int = 0
     floor_kept_bytes: int = 0
+    floor_held_output_bytes: int = 0  # held results beside what the lowest-peak plan keeps
     margin_bytes: int = 0  # planning_margin of this graph
     # What the graph keeps for backward when it keeps every value backward reads (no ckptc).
     unoptimized_kept_bytes: int = 0
@@ -50,6 +71,8 @@ class GraphRecord:
     break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where
     # A result whose gradient the plan counted as free (unused by the loss) received one.
     gradients_unexpected: bool = False
+    # What earlier runs of this same graph in the step leave alive at its last run (StepAccount.repeat_bytes).
+    repeat_bytes: int = 0
 
     @property
     def step_bytes(self) -> int:
@@ -60,12 +83,12 @@ class GraphRecord:
     @property
     def slack_bytes(self) -> int:
         """How much less this graph would leave alive for later graphs under its lowest-peak plan."""
-        return max(0, self.result.kept_bytes - self.floor_kept_bytes)
+        return max(0, self.step_bytes - self.floor_kept_bytes - self.floor_held_output_bytes)
 
     @property
     def own_baseline_bytes(self) -> int:
-        """The baseline without what earlier graphs of the step keep."""
-        return self.baseline_bytes - sum(e.step_bytes for e in self.earlier)
+        """The baseline without what earlier graphs (and earlier runs of this one) of the step keep."""
+        return self.baseline_bytes - sum(e.step_bytes for e in self.earlier) - self.repeat_bytes
 
     @property
     def problem(self) -> solvers.Problem:

@@ -37,7 +37,7 @@ import torch
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc import coverage, distributed, policies
-from ckptc.account import StepAccount, gradients_resident
+from ckptc.account import StepAccount, gradients_resident, repeat_bytes, unnamed_gradient_bytes
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
@@ -101,6 +101,10 @@ class StepRuntime:
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
+        # After a step's backward ends its hooks stay until the next call: a second backward of
+        # the same step (retain_graph=True) then runs with the first one's gradients resident.
+        self._ended_backward: int | None = None  # the autograd graph task that ended the step
+        self._ended_plans: list[ShapePlan] = []
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -132,6 +136,8 @@ class StepRuntime:
         if self._step_open and self._outputs and all(ref() is None for ref in self._outputs):
             self._end_step(measured=False)  # the last step's results died without a backward
         opened = not self._step_open
+        if opened:
+            self._forget_ended_step()
         if not self._ranks_known:
             self.ranks, self._ranks_known = distributed.rank_context(self.model), True
         if opened:
@@ -227,10 +233,29 @@ class StepRuntime:
             shape.eager = coverage.EagerForward.measure(self.model, *copies)
             del copies
             saved.restore()
-        for attempt in range(MAX_STEP_RETRIES + 1):
+        attempt = repeated = 0
+        while True:
             output = self._run_once(shape, args, kwargs)
             ran = self.active[before:]
             short = [r for r in ran if r.infeasible]
+            repeats = {}
+            if saved is not None:
+                unnamed = unnamed_gradient_bytes(self.model, ran)
+                resident = shape.account.gradients_resident
+                repeats = repeat_bytes(ran, gradients_resident=resident, unnamed_gradient_bytes=unnamed)
+            grew = any(n > shape.account.repeat_bytes.get(i, 0) for i, n in repeats.items())
+            if not short and grew and repeated < MAX_STEP_RETRIES:
+                repeated += 1
+                assert saved is not None
+                # A graph ran several times (identical layers compiled once): plan it for its last run.
+                del output
+                del self.active[before:]
+                saved.restore()
+                merged = {i: max(n, shape.account.repeat_bytes.get(i, 0)) for i, n in repeats.items()}
+                shape.account = shape.account.replace(repeat_bytes={**shape.account.repeat_bytes, **merged})
+                log.info("graphs %s run several times in a step: planning them for their last run", sorted(merged))
+                self._compile(shape)
+                continue
             if not short:
                 if saved is not None and shape.eager is not None:
                     shape.eager.capture_ended(self.model, ran)
@@ -257,8 +282,8 @@ class StepRuntime:
                 type(self.model).__name__,
                 budgets,
             )
+            attempt += 1
             self._compile(shape)
-        raise AssertionError("unreachable")
 
     def _run_once(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
         with internals.compile_config():
@@ -301,9 +326,9 @@ class StepRuntime:
                 log.info("forgetting the plan of input signature %s (max_plans=%d)", evicted_key, self.max_plans)
         else:
             self.plans.move_to_end(key)
-            if gradients and not shape.account.gradients_at_start:
+            if gradients and not shape.account.gradients_resident:
                 log.info("step starts with gradients resident (accumulation): planning again counting them")
-                shape.account = shape.account.replace(gradients_at_start=True, graph_budgets={})
+                shape.account = shape.account.replace(gradients_resident=True, graph_budgets={})
                 shape.needs_replan = True
         if shape.needs_replan:
             self._compile(shape)
@@ -324,7 +349,7 @@ class StepRuntime:
     def _account(self, gradients: bool) -> StepAccount:
         """A new plan's step account: the template's options, this rank's extras, the gradients' state."""
         return StepAccount(
-            gradients_at_start=gradients,
+            gradients_resident=gradients,
             rank_bytes=self.ranks.baseline_bytes if self.ranks else 0,
             hold_outputs=self.template.options.hold_outputs,
             defer_infeasible=self.template.budget_bytes is not None,
@@ -367,8 +392,14 @@ class StepRuntime:
         running, the step therefore ends on the first Python event after the
         engine returns (a one-shot ``sys.setprofile`` hook).
         """
-        if not self._step_open or self._end_scheduled:
-            return  # a second call's outputs reach the same backward: one end per step
+        task = internals.current_graph_task_id()
+        if not self._step_open:
+            if self._ended_backward is not None and task != self._ended_backward:
+                self._second_backward()
+            return  # otherwise a second call's outputs reach the same backward: one end per step
+        if self._end_scheduled:
+            return
+        self._ended_backward, self._ended_plans = task, list(self._step_plans)
         if self._meter is None or self._meter.device.type != "cpu":
             self._end_step(measured=True)
             return
@@ -386,12 +417,26 @@ class StepRuntime:
         self._end_scheduled = True
         sys.setprofile(after_backward)
 
-    def _end_step(self, *, measured: bool) -> None:
-        self._step_open = False
-        self._end_scheduled = False
+    def _second_backward(self) -> None:
+        """A backward of a step that already ended its first: plan again counting the gradients."""
+        self._ended_backward = None  # once per step
+        for shape in self._ended_plans:
+            if not shape.account.gradients_resident:
+                log.info("a second backward of the step ran with the first one's gradients: planning again")
+                shape.account = shape.account.replace(gradients_resident=True, graph_budgets={})
+                shape.needs_replan = True
+
+    def _forget_ended_step(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._ended_backward, self._ended_plans = None, []
+
+    def _end_step(self, *, measured: bool) -> None:
+        self._step_open = False
+        self._end_scheduled = False
+        if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
+            self._forget_ended_step()
         self._outputs = []
         meter, self._meter = self._meter, None
         measurement = meter.stop() if meter is not None else None

@@ -478,4 +478,4 @@ def test_gradients_zeroed_between_forward_and_backward_are_counted_quietly() -> 
         model.zero_grad(set_to_none=True)
         loss.backward()
     runtime = ckptc.applied(model).step_runtime
-    assert all(shape.account.gradients_at_start for shape in runtime.plans.values())
+    assert all(shape.account.gradients_resident for shape in runtime.plans.values())
