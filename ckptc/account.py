@@ -116,28 +116,39 @@ class StepAccount:
             data={id(t): resident_bytes(t) for t in tensors if id(t) not in state_ids},
             parameters={id(t): local_nbytes(t) for t in tensors if id(t) in params and t.requires_grad},
             state=frozenset(id(t) for t in tensors if id(t) in state_ids),
+            handed=frozenset(id(t) for t in tensors if id(t) not in state_ids and made_by_compiled_graph(t)),
         )
         outside = 0
         if model is not None:
             state = resident_bytes(*params.values(), *model.buffers())
             in_graph = resident_bytes(*[t for t in tensors if id(t) in state_ids])
             seen = inputs.ids.union(*(r.inputs.ids for r in earlier))
-            grads = 0
+            grads = later = 0
             for i, p in params.items():
                 if not p.requires_grad:
                     continue
                 if self.gradients_resident:
                     grads += local_nbytes(p.grad if p.grad is not None else p)
                 elif i not in seen:
-                    grads += local_nbytes(p)  # made by a later graph's backward, which runs first
-            outside = max(0, state - in_graph) + grads
+                    later += local_nbytes(p)  # made by a later graph's backward, which runs first
+            # A graph run again for another block takes parameters its record does not name (those of
+            # the run it was compiled for): as many of the unnamed ones ran already, not later.
+            runs: dict[int, int] = {}
+            for record in earlier:
+                runs[id(record)] = runs.get(id(record), -1) + 1
+                if runs[id(record)]:
+                    later -= min(later, sum(record.inputs.parameters.values()))
+            outside = max(0, state - in_graph) + grads + later
         earlier_data: dict[int, int] = {}
         for record in earlier:
-            earlier_data.update((i, n) for i, n in record.inputs.data.items() if i not in inputs.data)
+            # A result an earlier graph handed on is counted by the graph that made it.
+            earlier_data.update(
+                (i, n) for i, n in record.inputs.data.items() if i not in inputs.data and i not in record.inputs.handed
+            )
         # Held results are in step_bytes under any plan (kept for backward or held beside): a bound
         # that does not depend on the plans, so CapturedStep can plan earlier graphs again.
         held_by_earlier = sum(r.joint_problem.held_output_bytes for r in earlier)
-        handed_on = sum(inputs.data[id(t)] for t in tensors if id(t) in inputs.data and made_by_compiled_graph(t))
+        handed_on = sum(inputs.data[i] for i in inputs.handed)
         device = graph_device([v for v in placeholders if isinstance(v, torch.Tensor)])
         return (
             outside

@@ -42,6 +42,7 @@ from ckptc.records import GraphInputs, GraphRecord, PlanSource, RecordLink
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
 from ckptc.unused_grads import ZeroGradBackward, zeros_buildable
+from ckptc.watch import BackendStepCheck
 
 log = logging.getLogger("ckptc.compiler")
 
@@ -96,6 +97,8 @@ class CheckpointCompiler:
         # twice before one backward appears twice when steps are tracked).
         self.active: list[GraphRecord] = []
         self._just_planned: GraphRecord | None = None
+        # Under torch.compile(backend=...), what a measured step showed (ckptc.watch).
+        self.step_check: BackendStepCheck | None = None
 
     @property
     def budget_bytes(self) -> int | None:
@@ -186,20 +189,42 @@ class CheckpointCompiler:
             for_inductor=self.options.compiler == "inductor",
         )
         compiled = backend(gm, example_inputs)
-        if (
-            self.options.compiler == "inductor"
-            or not planned
-            or not zeros_buildable(planned[-1].joint_problem.joint.graph)
-        ):
+        record = planned[-1] if planned else None
+        # Results nobody uses get no gradient tensor (ckptc.unused_grads).
+        no_zeros = (
+            record is not None
+            and self.options.compiler == "eager"
+            and zeros_buildable(record.joint_problem.joint.graph)
+        )
+        check = self._backend_check() if record is not None else None
+        if not no_zeros and check is None:
             return compiled
 
         def run(*args: Any) -> Any:
-            # Results nobody uses get no gradient tensor (ckptc.unused_grads).
-            outputs = compiled(*args)
-            internals.pass_missing_grads_as_none(outputs, args)
+            if check is not None:
+                check.graph_starts(record, args)
+            try:
+                outputs = compiled(*args)
+            except BaseException:
+                if check is not None:
+                    check.abort()
+                raise
+            if no_zeros:
+                internals.pass_missing_grads_as_none(outputs, args)
+            if check is not None:
+                check.graph_returned(outputs)
             return outputs
 
         return run
+
+    def _backend_check(self) -> BackendStepCheck | None:
+        """The run-time check of a ``torch.compile`` backend's steps (one for all its graphs); none
+        under ``ckptc.optimize``, whose step runtime checks and plans again, or without a budget."""
+        if self.track_steps or self.budget_bytes is None or not self.generate_kernels:
+            return None
+        if self.step_check is None:
+            self.step_check = BackendStepCheck(self.budget_bytes, self.model)
+        return self.step_check
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = self._just_planned

@@ -112,21 +112,36 @@ class BudgetExceededError(CkptcError):
             the plan corrected by everything measured so far).
     """
 
-    def __init__(self, measured_peak_bytes: int, budget_bytes: int, min_feasible_bytes: int, replans: int) -> None:
+    def __init__(
+        self,
+        measured_peak_bytes: int,
+        budget_bytes: int,
+        min_feasible_bytes: int,
+        replans: int,
+        what_to_do: str | None = None,
+    ) -> None:
         self.measured_peak_bytes = measured_peak_bytes
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         self.replans = replans
+        self.what_to_do = what_to_do
+        if what_to_do is None:
+            what_to_do = (
+                f"after replanning {replans} time(s) with the measured excess counted. The smallest budget "
+                f"expected to work is {min_feasible_bytes} bytes: pass budget_bytes=... at least that, or find "
+                "what allocates outside the model's graphs (eager code between graph breaks, hooks) and move "
+                "it out of the step."
+            )
         super().__init__(
             f"the training step measured a peak of {measured_peak_bytes} bytes, above the budget of "
-            f"{budget_bytes} bytes, after replanning {replans} time(s) with the measured excess "
-            f"counted. The smallest budget expected to work is {min_feasible_bytes} bytes: pass "
-            "budget_bytes=... at least that, or find what allocates outside the model's graphs "
-            "(eager code between graph breaks, hooks) and move it out of the step."
+            f"{budget_bytes} bytes, {what_to_do}"
         )
 
     def __reduce__(self):
-        return (type(self), (self.measured_peak_bytes, self.budget_bytes, self.min_feasible_bytes, self.replans))
+        return (
+            type(self),
+            (self.measured_peak_bytes, self.budget_bytes, self.min_feasible_bytes, self.replans, self.what_to_do),
+        )
 
 
 class CkptcWarning(RuntimeWarning):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable
 
@@ -201,6 +202,26 @@ def _measure_accelerator(
     peak = module.max_memory_allocated(device) - start
     end = module.memory_allocated(device) - start
     return result, MemoryMeasurement(baseline_bytes + peak, baseline_bytes, baseline_bytes + end)
+
+
+def after_backward_returns(callback: Callable[[], None]) -> bool:
+    """Call ``callback()`` on the first Python event after the autograd engine's ``run_backward`` returns.
+
+    A CPU meter cannot be stopped in a callback the engine runs when backward ends: the engine runs
+    it under the thread-local state captured when backward began and restores that state afterwards,
+    so a profiler stopped there comes back as a stale "enabled" profiler.  Returns False (and does
+    nothing) when another ``sys.setprofile`` hook is set: it is not disturbed.
+    """
+    if sys.getprofile() is not None:
+        return False
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code.co_name == "_engine_run_backward":
+            sys.setprofile(None)
+            callback()
+
+    sys.setprofile(hook)
+    return True
 
 
 @contextlib.contextmanager

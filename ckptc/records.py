@@ -30,11 +30,14 @@ class GraphInputs:
             earlier graph) -> their bytes.
         parameters: trainable parameters it takes -> their gradients' bytes.
         state: every input that is model state (parameters and buffers).
+        handed: the data inputs that are results of an earlier compiled graph
+            (counted by that graph, not by later ones).
     """
 
     data: Mapping[int, int] = field(default_factory=dict)
     parameters: Mapping[int, int] = field(default_factory=dict)
     state: frozenset[int] = frozenset()
+    handed: frozenset[int] = frozenset()
 
     @property
     def ids(self) -> frozenset[int]:

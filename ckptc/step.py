@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
@@ -41,7 +40,7 @@ from ckptc.account import StepAccount, gradients_resident, repeat_bytes, unnamed
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
-from ckptc.meter import StepMeter, resident_bytes
+from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
 from ckptc.planner import MAX_STEP_RETRIES, tighter_graph_budgets
 from ckptc.records import GraphRecord
 
@@ -403,19 +402,14 @@ class StepRuntime:
         if self._meter is None or self._meter.device.type != "cpu":
             self._end_step(measured=True)
             return
-        previous = sys.getprofile()
-        if previous is not None:  # someone else profiles Python calls: do not interfere
-            self._end_step(measured=False)
+        if not after_backward_returns(self._end_scheduled_step):
+            self._end_step(measured=False)  # someone else profiles Python calls: do not interfere
             return
-
-        def after_backward(frame: Any, event: str, arg: Any) -> None:
-            if event == "return" and frame.f_code.co_name == "_engine_run_backward":
-                sys.setprofile(None)
-                if self._step_open:
-                    self._end_step(measured=True)
-
         self._end_scheduled = True
-        sys.setprofile(after_backward)
+
+    def _end_scheduled_step(self) -> None:
+        if self._step_open:
+            self._end_step(measured=True)
 
     def _second_backward(self) -> None:
         """A backward of a step that already ended its first: plan again counting the gradients."""

@@ -288,6 +288,45 @@ def test_presets_under_a_budget_they_cannot_meet_are_refused_naming_their_peak()
     assert refused.value.min_feasible_bytes >= keep_all.predicted_peak_bytes - 1
 
 
+# Loops whose step holds what a plan made once, for one call from None gradients, cannot see:
+# torch.compile(backend="ckptc") cannot plan again, so its run-time check refuses them.
+_BACKEND_REFUSES = {
+    "two calls before one backward",
+    "accumulation, zero_grad(set_to_none=True)",
+    "accumulation, zero_grad(set_to_none=False)",
+    "retain_graph and two backwards",
+}
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_the_torch_compile_backend_keeps_the_budget_or_says_why(name: str) -> None:
+    """Through ``torch.compile(backend="ckptc")``: gradients equal eager; the first step is measured and
+    either within the budget (then every later step is, measured independently) or the next call raises
+    BudgetExceededError saying what to do."""
+    loop = LOOPS[name]
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _Net()
+    budget = _budget(loop, reference)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    compiled = torch.compile(model, backend="ckptc", options={"budget_bytes": budget})
+    if name in _BACKEND_REFUSES:
+        with pytest.raises(ckptc.BudgetExceededError, match=r"ckptc\.optimize\(model") as refused:
+            for step in range(3):
+                loop(compiled, _batches(step))
+        assert refused.value.measured_peak_bytes > budget
+    else:
+        for step in range(4):
+            batches = _batches(step)
+            loop(eager, batches)
+            if step == 0:
+                loop(compiled, batches)  # plans, and is measured by the backend's check
+            else:
+                assert _peak(loop, compiled, model, batches) <= budget
+            _assert_same_gradients(model, eager)
+    assert not internals.profiler_active()
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic=True"])
 def test_torch_compile_backend_trains_like_eager_on_two_shapes(dynamic: bool) -> None:
     torch.manual_seed(0)

@@ -1,0 +1,103 @@
+"""How close the first verified step comes to the prediction, on every model of the zoo.
+
+    python -m bench.first_step [--models gpt2 llama ...] [--size tiny] [--at 0.5] [--out bench/results/first_step.md]
+
+For each model: :func:`ckptc.capture` gives the step's floor and unoptimized
+peak; ``ckptc.optimize`` at a budget ``--at`` of the way from the floor to the
+unoptimized peak trains until ckptc's own run-time check has measured a step
+(the first call plans, the next is measured).  The table gives that first
+measured step's peak against the plan's prediction and the budget, whether ckptc
+planned again (a measured step over the budget), and the peak of a later step
+measured independently of ckptc's check (allocator events plus the resident
+parameters and inputs, :func:`tests.helpers.measure`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+import ckptc
+from tests.helpers import measure, step
+from tests.zoo import MODELS, get_case
+
+MAX_STEPS = 4
+
+
+def first_verified_step(name: str, size: str, at: float) -> dict:
+    """One model's row (see the module docstring)."""
+    case = get_case(name, size=size)
+    captured = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
+    floor, unoptimized = captured.floor_bytes, captured.unoptimized_peak_bytes
+    budget = int(floor + at * (unoptimized - floor))
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    measured = predicted = None
+    for _ in range(MAX_STEPS):
+        predicted = fast.plan.predicted_peak_bytes if fast.plan is not None else None
+        step(case, fast)
+        if fast.plan.measured_peak_bytes is not None:
+            measured = fast.plan.measured_peak_bytes
+            break
+    replans = max(shape.replans for shape in fast.step_runtime.plans.values())
+    later = measure(case, fast).peak_bytes
+    return {
+        "model": name,
+        "budget": budget,
+        "predicted": predicted,
+        "measured": measured,
+        "replans": replans,
+        "later": later,
+    }
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | budget MiB | predicted MiB | first measured MiB | measured / predicted | replanned | "
+        "later step (independent) / budget |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in rows:
+        ratio = "-" if r["measured"] is None or not r["predicted"] else f"{r['measured'] / r['predicted']:.4f}"
+        lines.append(
+            f"| {r['model']} | {_mib(r['budget'])} | {_mib(r['predicted'])} | {_mib(r['measured'])} | {ratio} | "
+            f"{'yes' if r['replans'] else 'no'} | {r['later'] / r['budget']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.first_step", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="models of tests.zoo (default: all)")
+    parser.add_argument("--size", default="tiny", help="zoo size (default: %(default)s)")
+    parser.add_argument("--at", type=float, default=0.5, help="budget between floor (0) and unoptimized (1)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    rows = []
+    for name in args.models:
+        try:
+            rows.append(first_verified_step(name, args.size, args.at))
+        except ckptc.CkptcError as error:
+            print(f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
+            continue
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    text = (
+        f"First verified step against the prediction (`python -m bench.first_step --size {args.size} "
+        f"--at {args.at}`; budget {args.at} of the way from the floor to the unoptimized peak)\n\n{table(rows)}\n"
+    )
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
