@@ -62,7 +62,10 @@ class ShapePlan:
     # The step states measured within the budget: False (from None gradients), True (gradients resident).
     verified_states: set[bool] = dataclasses.field(default_factory=set)
     needs_replan: bool = False
+    # The current plan's measured peak (None until a step under it is measured).
     measured_peak_bytes: int | None = None
+    # The last measured peak above the budget, which the current plan was made to correct.
+    over_budget_peak_bytes: int | None = None
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
 
@@ -165,7 +168,7 @@ class StepRuntime:
                 # Planning again with the measured excess counted no longer fits.
                 self.plans.pop(shape.key, None)
                 raise BudgetExceededError(
-                    shape.measured_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
+                    shape.over_budget_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
                 ) from error
             coverage.refuse_uncaptured(self.model, self.active[before:], shape.eager)
             if len(self.active) == before:
@@ -344,6 +347,9 @@ class StepRuntime:
         shape.compiled = internals.compile_module(self.model, compiler)
         shape.needs_replan = False
         shape.verified_states = set()
+        if shape.measured_peak_bytes is not None and shape.measured_peak_bytes > (self.template.budget_bytes or 0):
+            shape.over_budget_peak_bytes = shape.measured_peak_bytes
+        shape.measured_peak_bytes = None  # a new plan: nothing measured under it yet
 
     def _account(self, gradients: bool) -> StepAccount:
         """A new plan's step account: the template's options, this rank's extras, the gradients' state."""

@@ -137,6 +137,8 @@ def test_closed_loop_corrects_a_step_that_exceeds_the_budget() -> None:
     step(case, optimized)  # plans (not measured: planning profiles ops itself)
     step(case, optimized)  # measured: exceeds (the eager tensor is not in any graph) -> plans again
     assert optimized.plan.measured_peak_bytes > budget
+    step(case, optimized)  # plans again: the plan shows its own figures, nothing measured under it yet
+    assert optimized.plan.measured_peak_bytes is None
     for _ in range(6):  # each correction is planned, then measured (at most 3 corrections)
         step(case, optimized)
     assert_same_training(case, reference, step(case, optimized), step(case, reference))
