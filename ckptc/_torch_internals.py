@@ -50,6 +50,9 @@ __all__ = [
     "cpu_allocations",
     "made_by_compiled_graph",
     "current_graph_task_id",
+    "has_gradient_hooks",
+    "gradient_accumulator",
+    "backward_accumulates",
     "workaround_decompositions",
     "upper_bound",
     "binds_unbacked_symbols",
@@ -564,6 +567,27 @@ def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     return register_multi_grad_hook(list(tensors), hook, mode="any")
+
+
+def has_gradient_hooks(parameter: torch.Tensor) -> bool:
+    """Whether hooks on ``parameter`` must see its gradient (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return bool(parameter._backward_hooks) or bool(getattr(parameter, "_post_accumulate_grad_hooks", None))
+
+
+def gradient_accumulator(parameter: torch.Tensor) -> Any:
+    """The autograd node that accumulates ``parameter``'s gradient into ``.grad``."""
+    with torch.enable_grad():  # also from inside a backward, where grad mode is off
+        return parameter.view_as(parameter).grad_fn.next_functions[0][0]
+
+
+def backward_accumulates(accumulator: Any) -> bool:
+    """Whether the backward running now accumulates into ``.grad`` through ``accumulator``
+    (``loss.backward()`` does; ``torch.autograd.grad`` does not)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()"
+        return False
 
 
 def current_graph_task_id() -> int:

@@ -74,6 +74,9 @@ class StepAccount:
             (earlier graphs keeping less for later ones; set by the replan loop).
         defer_infeasible: plan a graph that cannot fit at its lowest peak and
             mark it, so the whole step is seen before deciding.
+        accumulate_in_backward: the backward adds each parameter gradient into the
+            resident ``.grad`` as it is made (:class:`ckptc.lean_backward.GradientSink`;
+            with gradients resident, not under DDP/FSDP2).
         repeat_bytes: by graph index, for a graph run several times in one step
             (identical layers compiled once, a break inside the layer loop), how
             much more earlier runs leave alive at its last run than at its first
@@ -87,6 +90,7 @@ class StepAccount:
     graph_budgets: Mapping[int, int] = field(default_factory=dict)
     defer_infeasible: bool = False
     repeat_bytes: Mapping[int, int] = field(default_factory=dict)
+    accumulate_in_backward: bool = False
 
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)

@@ -32,7 +32,7 @@ from ckptc.account import StepAccount
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.coverage import refuse_oversized
 from ckptc.distributed import check_backend_context
-from ckptc.lean_backward import drop_unread_batch_norm_statistics, reinplace
+from ckptc.lean_backward import GradientSink, accumulate_into_parameters, drop_unread_batch_norm_statistics, reinplace
 from ckptc.options import CheckpointOptions
 from ckptc.planner import decide
 from ckptc.plans import ModelPlan
@@ -176,7 +176,8 @@ class CheckpointCompiler:
             baseline, inputs = self.account.graph_baseline(
                 self.model, example_inputs, placeholders, self.active, index=len(self.records)
             )
-            parts = self.partition(joint, baseline_bytes=baseline, inputs=inputs, **kw)
+            sink = self._gradient_sink(example_inputs, placeholders)
+            parts = self.partition(joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, **kw)
             if self._just_planned is not None:
                 self._just_planned.break_after = internals.graph_break_after(gm)
                 planned.append(self._just_planned)
@@ -217,6 +218,22 @@ class CheckpointCompiler:
 
         return run
 
+    def _gradient_sink(self, example_inputs: Sequence[Any], placeholders: Sequence[Any]) -> GradientSink | None:
+        """Where the backward adds parameter gradients as they are made (``ckptc.lean_backward``),
+        when the step account asks for it; the graph's inputs must line up with the joint graph's."""
+        if not self.account.accumulate_in_backward or self.options.compiler != "eager":
+            return None
+        primals = [p for p in placeholders][: len(example_inputs)]
+        if len(example_inputs) > len(placeholders):
+            return None
+        parameters = {}
+        for i, (real, fake) in enumerate(zip(example_inputs, primals, strict=True)):
+            if isinstance(real, torch.nn.Parameter) and real.requires_grad:
+                if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != tuple(real.shape):
+                    return None  # AOTAutograd reordered the inputs: leave accumulation to autograd
+                parameters[i] = real
+        return GradientSink(parameters) if parameters else None
+
     def _backend_check(self) -> BackendStepCheck | None:
         """The run-time check of a ``torch.compile`` backend's steps (one for all its graphs); none
         under ``ckptc.optimize``, whose step runtime checks and plans again, or without a budget."""
@@ -250,7 +267,13 @@ class CheckpointCompiler:
         link = gm.meta.get("ckptc_record")
         record = link.record if link is not None else None
         free = record.joint_problem.free_tangents if record is not None else ()
-        return ZeroGradBackward(gm, lambda graph: internals.boxed(reinplace(graph)), free=free, record=record)
+        sink = link.gradient_sink if link is not None else None
+
+        def compile_graph(graph: fx.GraphModule) -> Callable:
+            graph = reinplace(graph)
+            return internals.boxed(accumulate_into_parameters(graph, sink) if sink is not None else graph)
+
+        return ZeroGradBackward(gm, compile_graph, free=free, record=record)
 
     def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, kernels: bool = True) -> Callable:
         if kernels and self._generates_kernels():
@@ -268,6 +291,7 @@ class CheckpointCompiler:
         *,
         baseline_bytes: int = 0,
         inputs: GraphInputs | None = None,
+        gradient_sink: GradientSink | None = None,
         num_fwd_outputs: int,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -298,6 +322,7 @@ class CheckpointCompiler:
             hold_outputs=self.account.hold_outputs,
             free_unused_grads=self.options.compiler == "eager",
             in_place_backward=self.options.compiler == "eager",
+            accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
         )
         record = decide(
             jp,
@@ -314,5 +339,5 @@ class CheckpointCompiler:
         self._just_planned = record
         steps = solvers.schedule(jp.problem, record.plan)
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
-        backward.meta["ckptc_record"] = RecordLink(record)
+        backward.meta["ckptc_record"] = RecordLink(record, gradient_sink)
         return forward, backward

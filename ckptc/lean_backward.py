@@ -26,17 +26,34 @@ op as an alias of that operand, and :func:`reinplace` rewrites the final
 backward graph with the in-place variants (``add_``), checking the same
 conditions on that graph, so the memory the simulator predicts is what runs.
 
-Only the eager compiler gets this: Inductor plans its own buffer reuse.
+**Gradients added into the resident** ``.grad`` **as they are made.**  Under
+gradient accumulation eager's ``AccumulateGrad`` adds each parameter's new
+gradient into its ``.grad`` as soon as backward makes it; a compiled backward
+returns all of its parameters' gradients at its end, so a micro-batch after the
+first would hold a second copy of the graph's gradients on top of the resident
+ones.  :func:`accumulate_into_parameters` makes the backward graph hand each
+parameter gradient to a :class:`GradientSink` right after the op that makes it:
+the sink adds it into the parameter's ``.grad`` (when one is resident, with the
+same layout, and no hook is registered on the parameter) and the graph returns
+``None`` for it, so autograd accumulates nothing more.  The pricing
+(``accumulated_gradients`` of :func:`ckptc.problem.joint_to_problem`) lets such
+a gradient die at its last read.  Only under ``ckptc.optimize`` without DDP or
+FSDP2, whose hooks on the parameters' gradient accumulators must see every
+gradient, and only for steps planned with gradients resident.
+
+Only the eager compiler gets these: Inductor plans its own buffer reuse.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import weakref
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
 
+from ckptc._torch_internals import backward_accumulates, gradient_accumulator, has_gradient_hooks
 from ckptc.costs import BACKWARD
 
 log = logging.getLogger("ckptc.lean_backward")
@@ -129,6 +146,84 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
         new.args = fx.node.map_arg(args, lambda n: env[n])
     graph.lint()
     log.debug("backward: %d elementwise ops write into an operand they are the last reader of", len(targets))
+    return fx.GraphModule(gm, graph)
+
+
+class GradientSink:
+    """Adds a parameter's new gradient into its resident ``.grad`` (see the module docstring).
+
+    Called from the backward graph as ``sink(gradient, position)``, where
+    ``position`` is the parameter's position among the graph's inputs; returns
+    ``None`` when it added the gradient, else the gradient (returned by the
+    graph, accumulated by autograd as usual).
+    """
+
+    def __init__(self, parameters: Mapping[int, torch.nn.Parameter]) -> None:
+        self._by_position = {i: weakref.ref(p) for i, p in parameters.items()}
+        # Looked up in the first backward (not while tracing, under fake tensors) and held while the
+        # sink lives: a parameter's accumulator node is made anew once nothing holds it.
+        self._accumulators: dict[int, Any] = {}
+        self.positions = frozenset(self._by_position)
+        self.added = 0  # gradients added in place so far (for tests and logs)
+        self.__name__ = "gradient_sink"  # FX names a call_function target's global after it
+
+    def __repr__(self) -> str:
+        return f"GradientSink(parameters={len(self._by_position)}, added={self.added})"
+
+    def _accumulator(self, position: int, parameter: torch.nn.Parameter) -> Any:
+        node = self._accumulators.get(position)
+        if node is None:
+            node = self._accumulators[position] = gradient_accumulator(parameter)
+        return node
+
+    def __call__(self, gradient: torch.Tensor | None, position: int) -> torch.Tensor | None:
+        ref = self._by_position.get(position)
+        parameter = ref() if ref is not None else None
+        if gradient is None or parameter is None:
+            return gradient
+        resident = parameter.grad
+        if (
+            resident is None
+            or resident.shape != gradient.shape
+            or resident.dtype != gradient.dtype
+            or resident.device != gradient.device
+            or resident.stride() != gradient.stride()
+            or has_gradient_hooks(parameter)
+            or not backward_accumulates(self._accumulator(position, parameter))  # torch.autograd.grad
+        ):
+            return gradient
+        with torch.no_grad():
+            resident.add_(gradient)
+        self.added += 1
+        return None
+
+
+def accumulate_into_parameters(gm: fx.GraphModule, sink: GradientSink) -> fx.GraphModule:
+    """``gm`` (a backward graph) handing each gradient at ``sink.positions`` of its results to ``sink``
+    right after the op that makes it.  A gradient returned at several positions is left alone.
+    ``gm`` is left unchanged when there is nothing to rewrite; otherwise a new module is returned."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    output = next(iter(graph.find_nodes(op="output")))
+    results = list(output.args[0])
+    counts: dict[fx.Node, int] = {}
+    for r in results:
+        if isinstance(r, fx.Node):
+            counts[r] = counts.get(r, 0) + 1
+    rewritten = 0
+    for i in sorted(sink.positions):
+        gradient = results[i] if i < len(results) else None
+        if not isinstance(gradient, fx.Node) or counts[gradient] > 1 or gradient.op == "placeholder":
+            continue
+        with graph.inserting_after(gradient):
+            results[i] = graph.call_function(sink, (gradient, i))
+        rewritten += 1
+    if not rewritten:
+        return gm
+    output.args = (type(output.args[0])(results),)
+    graph.lint()
+    log.debug("backward: %d parameter gradients added into the resident .grad as they are made", rewritten)
     return fx.GraphModule(gm, graph)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -139,6 +139,7 @@ def joint_to_problem(
     hold_outputs: bool | None = False,
     free_unused_grads: bool = False,
     in_place_backward: bool = False,
+    accumulated_gradients: frozenset[int] = frozenset(),
 ) -> JointProblem:
     """Build the solver problem of an annotated joint graph.
 
@@ -166,12 +167,18 @@ def joint_to_problem(
             operand they are the last reader of, as eager's gradient
             accumulation does (:mod:`ckptc.lean_backward`); such ops are priced
             as views of that operand.
+        accumulated_gradients: positions of inputs (parameters) whose gradient the
+            backward adds into the resident ``.grad`` as soon as it is made
+            (:class:`ckptc.lean_backward.GradientSink`): such a gradient dies at its
+            last read instead of living to the end of backward.
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
     forward_results = [a for a in tree_leaves(output_node.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
-    backward_results = [a for a in tree_leaves(output_node.args[0][num_fwd_outputs:]) if isinstance(a, fx.Node)]
-    output_names = {n.name for n in backward_results}
+    gradients = list(output_node.args[0][num_fwd_outputs:])
+    backward_results = [a for a in tree_leaves(gradients) if isinstance(a, fx.Node)]
+    sunk = _sunk_gradients(gradients, accumulated_gradients)
+    output_names = {n.name for n in backward_results if n.name not in sunk}
     if hold_outputs is None:
         hold_outputs = not returns_own_loss(forward_results)
     # Scalars (the loss) stay alive: the caller holds the loss while calling backward on it.
@@ -329,6 +336,15 @@ def _outputs_read_by_later_regions(joint: fx.GraphModule) -> set[fx.Node]:
                 found.add(node)
                 break
     return found
+
+
+def _sunk_gradients(gradients: list[Any], positions: frozenset[int]) -> set[str]:
+    """Names of the gradient nodes returned only at ``positions`` (each returned once)."""
+    returned: dict[str, list[int]] = {}
+    for i, g in enumerate(gradients):
+        if isinstance(g, fx.Node):
+            returned.setdefault(g.name, []).append(i)
+    return {name for name, at in returned.items() if len(at) == 1 and at[0] in positions}
 
 
 def _kind(node: fx.Node) -> int | None:

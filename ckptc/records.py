@@ -104,8 +104,9 @@ class RecordLink:
     AOTAutograd may deep-copy the backward module; the link is shared, not copied.
     """
 
-    def __init__(self, record: GraphRecord) -> None:
+    def __init__(self, record: GraphRecord, gradient_sink: Any = None) -> None:
         self.record = record
+        self.gradient_sink = gradient_sink  # ckptc.lean_backward.GradientSink, or None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RecordLink:
         return self

@@ -330,7 +330,9 @@ class StepRuntime:
             self.plans.move_to_end(key)
             if gradients and not shape.account.gradients_resident:
                 log.info("step starts with gradients resident (accumulation): planning again counting them")
-                shape.account = shape.account.replace(gradients_resident=True, graph_budgets={})
+                shape.account = shape.account.replace(
+                    gradients_resident=True, graph_budgets={}, accumulate_in_backward=self.ranks is None
+                )
                 shape.needs_replan = True
         if shape.needs_replan:
             self._compile(shape)
@@ -355,6 +357,7 @@ class StepRuntime:
         """A new plan's step account: the template's options, this rank's extras, the gradients' state."""
         return StepAccount(
             gradients_resident=gradients,
+            accumulate_in_backward=gradients and self.ranks is None,
             rank_bytes=self.ranks.baseline_bytes if self.ranks else 0,
             hold_outputs=self.template.options.hold_outputs,
             defer_infeasible=self.template.budget_bytes is not None,

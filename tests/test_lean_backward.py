@@ -1,5 +1,6 @@
 """A backward that holds no more than eager's (ckptc/lean_backward.py): elementwise results written into an
-operand they are the last reader of, and no running statistics for BatchNorm's training-mode backward."""
+operand they are the last reader of, no running statistics for BatchNorm's training-mode backward, and
+under accumulation each parameter gradient added into the resident ``.grad`` as it is made."""
 
 from __future__ import annotations
 
@@ -158,3 +159,63 @@ def test_the_measured_floor_is_at_most_per_block_checkpointings_measured_peak(na
     measured = measure(case, optimized).peak_bytes
     assert measured <= floor
     assert measured <= per_block_peak
+
+
+# -- gradients added into the resident .grad as they are made ---------------------------------------------
+def _accumulating_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(128, 1))
+
+
+def _micro_batches(model, batches) -> None:  # noqa: ANN001
+    for x in batches:
+        model(x).square().mean().backward()
+
+
+def _second_micro_batch_peak(model, params: torch.nn.Module) -> int:  # noqa: ANN001
+    """The peak of a micro-batch after the first (gradients resident), after a warm-up step."""
+    from ckptc.meter import measure_peak, resident_bytes
+
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(9))
+    for p in params.parameters():
+        p.grad = None
+    _micro_batches(model, [x])
+    return measure_peak(lambda: _micro_batches(model, [x]), baseline_bytes=resident_bytes(params, x))[1].peak_bytes
+
+
+def test_under_accumulation_each_gradient_is_added_into_the_resident_grad_as_it_is_made() -> None:
+    """A micro-batch after the first keeping everything costs what eager's costs (the compiled backward
+    no longer returns a second copy of the gradients at its end), gradients equal eager's, and the floor
+    falls below 0.8x eager's micro-batch (it was 0.91x: 1,322,057 bytes on this MLP)."""
+    reference = _accumulating_mlp()
+    eager_peak = _second_micro_batch_peak(reference, reference)
+    batches = [torch.randn(256, 128, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    for budget, at_most in ((10**9, eager_peak), (int(0.8 * eager_peak), int(0.8 * eager_peak))):
+        model, eager = copy.deepcopy(reference), copy.deepcopy(reference)
+        fast = ckptc.optimize(model, budget_bytes=budget)
+        for _ in range(3):
+            for m in (fast, eager):
+                for p in m.parameters():
+                    p.grad = None
+                _micro_batches(m, batches)
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        assert _second_micro_batch_peak(fast, model) <= at_most
+
+
+def test_a_parameter_with_a_hook_gets_its_gradient_through_autograd() -> None:
+    reference = _accumulating_mlp()
+    model = copy.deepcopy(reference)
+    seen: list[int] = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+    fast = ckptc.optimize(model, budget_gb=1)
+    batches = [torch.randn(256, 128, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    for _ in range(2):
+        for m in (fast, reference):
+            for p in m.parameters():
+                p.grad = None
+            _micro_batches(m, batches)
+    assert len(seen) == 4  # every micro-batch's gradient reached the hook
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
