@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.headline:
-        headline(out, args.headline_budget_gb, args.headline_minutes * 60)
+        kwargs = {"models": tuple(args.models)} if args.models else {}
+        headline(out, args.headline_budget_gb, args.headline_minutes * 60, **kwargs)
         return 0
     size = "tiny" if args.quick else args.size
     models = tuple(args.models or (QUICK_MODELS if args.quick else DEFAULT_MODELS))
