@@ -95,6 +95,15 @@ class StepAccount:
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)
 
+    def counting_repeats(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0) -> "StepAccount":
+        """This account with :attr:`repeat_bytes` raised to what the step ``ran`` showed
+        (:func:`repeat_bytes`); ``self`` when nothing grew."""
+        repeats = repeat_bytes(
+            ran, gradients_resident=self.gradients_resident, unnamed_gradient_bytes=unnamed_gradient_bytes
+        )
+        grown = {i: n for i, n in repeats.items() if n > self.repeat_bytes.get(i, 0)}
+        return self.replace(repeat_bytes={**self.repeat_bytes, **grown}) if grown else self
+
     def graph_baseline(
         self,
         model: torch.nn.Module | None,

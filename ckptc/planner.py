@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import solvers
 from ckptc import policies
-from ckptc.account import StepAccount, planning_margin, repeat_bytes
+from ckptc.account import StepAccount, planning_margin
 from ckptc.costs import FORWARD, FUSING_COMPILERS
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
@@ -604,15 +604,10 @@ class CapturedStep:
         for its last run, with what its earlier runs keep under the new plans counted."""
         for _ in range(MAX_STEP_RETRIES + 1):
             records = self._decide_each(options, account, plan_source, progress)
-            repeats = repeat_bytes(
-                [records[i] for i in self.sequence],
-                gradients_resident=account.gradients_resident,
-                unnamed_gradient_bytes=self.unnamed_gradient_bytes,
-            )
-            if not any(n > account.repeat_bytes.get(i, 0) for i, n in repeats.items()):
+            counted = account.counting_repeats([records[i] for i in self.sequence], self.unnamed_gradient_bytes)
+            if counted is account:
                 break
-            merged = {i: max(n, account.repeat_bytes.get(i, 0)) for i, n in repeats.items()}
-            account = account.replace(repeat_bytes={**account.repeat_bytes, **merged})
+            account = counted
         return records
 
     def _decide_each(

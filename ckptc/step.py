@@ -36,7 +36,7 @@ import torch
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc import coverage, distributed, policies
-from ckptc.account import StepAccount, gradients_resident, repeat_bytes, unnamed_gradient_bytes
+from ckptc.account import StepAccount, gradients_resident, unnamed_gradient_bytes
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
@@ -240,22 +240,20 @@ class StepRuntime:
             output = self._run_once(shape, args, kwargs)
             ran = self.active[before:]
             short = [r for r in ran if r.infeasible]
-            repeats = {}
-            if saved is not None:
-                unnamed = unnamed_gradient_bytes(self.model, ran)
-                resident = shape.account.gradients_resident
-                repeats = repeat_bytes(ran, gradients_resident=resident, unnamed_gradient_bytes=unnamed)
-            grew = any(n > shape.account.repeat_bytes.get(i, 0) for i, n in repeats.items())
-            if not short and grew and repeated < MAX_STEP_RETRIES:
-                repeated += 1
-                assert saved is not None
+            counted = shape.account
+            if saved is not None and not short and repeated < MAX_STEP_RETRIES:
+                counted = shape.account.counting_repeats(ran, unnamed_gradient_bytes(self.model, ran))
+            if counted is not shape.account:
                 # A graph ran several times (identical layers compiled once): plan it for its last run.
+                repeated += 1
                 del output
                 del self.active[before:]
                 saved.restore()
-                merged = {i: max(n, shape.account.repeat_bytes.get(i, 0)) for i, n in repeats.items()}
-                shape.account = shape.account.replace(repeat_bytes={**shape.account.repeat_bytes, **merged})
-                log.info("graphs %s run several times in a step: planning them for their last run", sorted(merged))
+                shape.account = counted
+                log.info(
+                    "graphs %s run several times in a step: planning them for their last run",
+                    sorted(counted.repeat_bytes),
+                )
                 self._compile(shape)
                 continue
             if not short:
