@@ -223,11 +223,10 @@ class CheckpointCompiler:
         when the step account asks for it; the graph's inputs must line up with the joint graph's."""
         if not self.account.accumulate_in_backward or self.options.compiler != "eager":
             return None
-        primals = [p for p in placeholders][: len(example_inputs)]
         if len(example_inputs) > len(placeholders):
             return None
         parameters = {}
-        for i, (real, fake) in enumerate(zip(example_inputs, primals, strict=True)):
+        for i, (real, fake) in enumerate(zip(example_inputs, placeholders[: len(example_inputs)], strict=True)):
             if isinstance(real, torch.nn.Parameter) and real.requires_grad:
                 if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != tuple(real.shape):
                     return None  # AOTAutograd reordered the inputs: leave accumulation to autograd

@@ -45,13 +45,15 @@ class MemoryMeasurement:
     timeline: tuple[int, ...] = field(default=(), repr=False)
 
 
-def resident_bytes(*objects: Any) -> int:
+def resident_bytes(*objects: Any, seen: set[Hashable] | None = None) -> int:
     """Bytes of the distinct storages behind tensors, modules' parameters and buffers.
 
     Tensors sharing a storage (tied weights, views) are counted once; gradients
-    already present on parameters are included; a ``DTensor`` (FSDP2) counts its local shard.
+    already present on a module's parameters are included; a ``DTensor`` (FSDP2)
+    counts its local shard.  ``seen`` (storage keys) carries the storages already
+    counted across calls: those are skipped, and those counted are added to it.
     """
-    seen: set[Hashable] = set()
+    seen = set() if seen is None else seen
     total = 0
     for tensor in _tensors(objects):
         tensor = local_shard(tensor)  # a sharded parameter holds only its shard on this rank

@@ -91,21 +91,10 @@ class BackendStepCheck:
             self._end(measured=False)  # no backward will come (an inference call)
 
     def _uncounted(self, objects: list[Any]) -> int:
-        tensors = []
-        for obj in objects:
-            if isinstance(obj, torch.nn.Module):
-                tensors.extend([*obj.parameters(), *obj.buffers()])
-            elif isinstance(obj, torch.Tensor):
-                tensors.append(obj)
-        found = []
-        for tensor in tensors:
-            for t in (tensor, tensor.grad):  # gradients resident at the start count for the whole step
-                if isinstance(t, torch.Tensor) and not t.is_meta:
-                    key = internals.storage_key(t)
-                    if key not in self._counted:
-                        self._counted.add(key)
-                        found.append(t)
-        return resident_bytes(*found)
+        """Bytes of ``objects`` (tensors, a module) and of their gradients resident at the start (they
+        count for the whole step) that the meter's baseline does not hold yet."""
+        grads = [a.grad for a in objects if isinstance(a, torch.Tensor) and a.grad is not None]
+        return resident_bytes(*objects, *grads, seen=self._counted)
 
     def _backward_ended(self) -> None:
         if not self._open or self._end_scheduled:
