@@ -28,9 +28,10 @@ and the planning margin (:func:`planning_margin`): solvers plan a little below
 the budget, sized from what the plan controls.
 
 A :class:`StepAccount` is built once per step state by
-:class:`ckptc.step.StepRuntime` (or left at its defaults by a plain
-``torch.compile`` backend and by :func:`ckptc.capture`) and passed to the
-compiler as an argument; :class:`~ckptc.options.CheckpointOptions` holds only
+:class:`ckptc.step.StepRuntime`, or by a ``torch.compile`` backend's run-time
+check (:class:`ckptc.watch.BackendStepCheck`) from the steps it sees (left at
+its defaults by :func:`ckptc.capture`), and passed to the compiler as an
+argument; :class:`~ckptc.options.CheckpointOptions` holds only
 what the user sets.
 """
 
@@ -54,6 +55,8 @@ HELD_RESULTS_RESERVE_BYTES = 1024
 #: The margin is 1/200 of the activations kept for backward and 1/32 of the largest scratch (see planning_margin).
 PLANNING_MARGIN_DIVISOR = 200
 SCRATCH_UNCERTAINTY_DIVISOR = 32
+#: How many times a plan is made again with a measured excess counted before the budget is refused.
+MAX_REPLANS = 3
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,12 @@ class StepAccount:
         (a graph break hands one graph's result to the next: one tensor, counted once).
         """
         tensors = list(dict.fromkeys(t for t in graph_inputs if isinstance(t, torch.Tensor)))
-        params = {id(p): p for p in model.parameters()} if model is not None else {}
-        state_ids = set(params) | ({id(b) for b in model.buffers()} if model is not None else set())
+        if model is not None:
+            params = {id(p): p for p in model.parameters()}
+            state_ids = set(params) | {id(b) for b in model.buffers()}
+        else:  # a torch.compile backend not given the model: its parameters are those the graphs take
+            params = {id(t): t for t in tensors if isinstance(t, torch.nn.Parameter) and t.requires_grad}
+            state_ids = set(params)
         inputs = GraphInputs(
             data={id(t): resident_bytes(t) for t in tensors if id(t) not in state_ids},
             parameters={id(t): local_nbytes(t) for t in tensors if id(t) in params and t.requires_grad},
@@ -152,6 +159,17 @@ class StepAccount:
                 if runs[id(record)]:
                     later -= min(later, sum(record.inputs.parameters.values()))
             outside = max(0, state - in_graph) + grads + later
+        else:
+            # Earlier graphs' parameters stay resident, and with gradients resident every gradient counts.
+            earlier_params: dict[int, int] = {}
+            for record in earlier:
+                earlier_params.update(record.inputs.parameters)
+            other = sum(n for i, n in earlier_params.items() if i not in inputs.parameters)
+            outside = other
+            if self.gradients_resident:
+                outside += other + sum(
+                    local_nbytes(p.grad if p.grad is not None else p) for p in params.values() if p.requires_grad
+                )
         earlier_data: dict[int, int] = {}
         for record in earlier:
             # A result an earlier graph handed on is counted by the graph that made it.

@@ -32,6 +32,7 @@ from ckptc.account import StepAccount
 from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.coverage import refuse_oversized
 from ckptc.distributed import check_backend_context
+from ckptc.errors import BudgetExceededError
 from ckptc.lean_backward import GradientSink, accumulate_into_parameters, drop_unread_batch_norm_statistics, reinplace
 from ckptc.options import CheckpointOptions
 from ckptc.planner import decide
@@ -152,11 +153,15 @@ class CheckpointCompiler:
         """The plan of every graph this backend has planned (None before the first).
 
         Under ``torch.compile(model, backend=b)`` with ``b = ckptc.backend(...)``,
-        ``b.plan`` is how to read what was kept and recomputed.
+        ``b.plan`` is how to read what was kept and recomputed, and
+        ``b.plan.measured_peak_bytes`` the peak of a step measured under the current plans.
         """
         if not self.records:
             return None
-        return ModelPlan.from_records(self.records, self.options, self.model)
+        plan = ModelPlan.from_records(self.records, self.options, self.model)
+        if self.step_check is not None:
+            plan.measured_peak_bytes = self.step_check.measured_peak_bytes
+        return plan
 
     def reset(self) -> None:
         """Forget the graphs planned so far (new input shapes plan again)."""
@@ -168,41 +173,37 @@ class CheckpointCompiler:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
-
-        planned: list[GraphRecord] = []
-
-        def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
-            placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
-            baseline, inputs = self.account.graph_baseline(
-                self.model, example_inputs, placeholders, self.active, index=len(self.records)
-            )
-            sink = self._gradient_sink(example_inputs, placeholders)
-            parts = self.partition(joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, **kw)
-            if self._just_planned is not None:
-                self._just_planned.break_after = internals.graph_break_after(gm)
-                planned.append(self._just_planned)
-            return parts
-
-        backend = internals.aot_backend(
-            fw_compiler=self._compile_forward,
-            bw_compiler=self._compile_backward,
-            partition_fn=partition,
-            for_inductor=self.options.compiler == "inductor",
-        )
-        compiled = backend(gm, example_inputs)
-        record = planned[-1] if planned else None
+        index = len(self.records)
+        if self.step_check is not None:
+            self.account = self.step_check.account  # what the backend's steps showed so far
+        compiled, record = self._plan_graph(gm, example_inputs, index)
+        if record is None:
+            return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.unused_grads).
-        no_zeros = (
-            record is not None
-            and self.options.compiler == "eager"
-            and zeros_buildable(record.joint_problem.joint.graph)
-        )
-        check = self._backend_check() if record is not None else None
+        no_zeros = self.options.compiler == "eager" and zeros_buildable(record.joint_problem.joint.graph)
+        check = self._backend_check()
         if not no_zeros and check is None:
             return compiled
+        planned_under = self.account
 
         def run(*args: Any) -> Any:
+            nonlocal compiled, record, planned_under
             if check is not None:
+                if check.begin(args):
+                    self.active.clear()  # a new step: no graph of it has run yet
+                if check.account != planned_under:
+                    # The step showed what this graph's plan did not count: plan it again, from
+                    # Dynamo's graph (Dynamo's guards and bytecode stay as they are).
+                    check.planned()
+                    self.account = planned_under = check.account
+                    try:
+                        compiled, record = self._plan_graph(gm, example_inputs, index)
+                    except solvers.InfeasibleBudgetError as error:
+                        if not check.replans or error.min_feasible_bytes is None:
+                            raise
+                        raise BudgetExceededError(
+                            check.over_budget_peak_bytes, error.budget_bytes, error.min_feasible_bytes, check.replans
+                        ) from error
                 check.graph_starts(record, args)
             try:
                 outputs = compiled(*args)
@@ -217,6 +218,34 @@ class CheckpointCompiler:
             return outputs
 
         return run
+
+    def _plan_graph(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int
+    ) -> tuple[Callable, GraphRecord | None]:
+        """AOTAutograd on Dynamo's graph ``gm`` with ckptc's partitioner: the compiled graph, and the
+        record of its plan as graph ``index`` of the step (None for an inference graph)."""
+        planned: list[GraphRecord] = []
+
+        def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
+            placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+            baseline, inputs = self.account.graph_baseline(
+                self.model, example_inputs, placeholders, self.active, index=index
+            )
+            sink = self._gradient_sink(example_inputs, placeholders)
+            parts = self.partition(joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, index=index, **kw)
+            if self._just_planned is not None:
+                self._just_planned.break_after = internals.graph_break_after(gm)
+                planned.append(self._just_planned)
+            return parts
+
+        backend = internals.aot_backend(
+            fw_compiler=self._compile_forward,
+            bw_compiler=self._compile_backward,
+            partition_fn=partition,
+            for_inductor=self.options.compiler == "inductor",
+        )
+        compiled = backend(gm, example_inputs)
+        return compiled, (planned[-1] if planned else None)
 
     def _gradient_sink(self, example_inputs: Sequence[Any], placeholders: Sequence[Any]) -> GradientSink | None:
         """Where the backward adds parameter gradients as they are made (``ckptc.lean_backward``),
@@ -239,7 +268,7 @@ class CheckpointCompiler:
         if self.track_steps or self.budget_bytes is None or not self.generate_kernels:
             return None
         if self.step_check is None:
-            self.step_check = BackendStepCheck(self.budget_bytes, self.model)
+            self.step_check = BackendStepCheck(self.budget_bytes, self.account, self.model)
         return self.step_check
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -253,7 +282,8 @@ class CheckpointCompiler:
         def forward(args: list[Any]) -> Any:
             # Track which graphs run in this step, in order: graphs planned later
             # count what these keep for backward in their baseline.
-            if record in self.active and not self.track_steps:
+            # Without a step tracker, a graph running again means a new step began.
+            if record in self.active and not self.track_steps and self.step_check is None:
                 self.active.clear()
             self.active.append(record)
             return compiled(args)
@@ -291,11 +321,13 @@ class CheckpointCompiler:
         baseline_bytes: int = 0,
         inputs: GraphInputs | None = None,
         gradient_sink: GradientSink | None = None,
+        index: int | None = None,
         num_fwd_outputs: int,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         """AOTAutograd ``partition_fn``: plan this joint graph (``baseline_bytes`` held outside it,
-        from the step account) and rewrite it."""
+        from the step account) as graph ``index`` of the step (default: the next one; a graph
+        planned again keeps its index and replaces its record) and rewrite it."""
         start = time.perf_counter()
         if self.options.compiler == "eager":
             # Inductor cannot lower the Python calls that replay generator state,
@@ -323,18 +355,22 @@ class CheckpointCompiler:
             in_place_backward=self.options.compiler == "eager",
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
         )
+        index = len(self.records) if index is None else index
         record = decide(
             jp,
             self.options,
             self.account,
-            index=len(self.records),
+            index=index,
             earlier=self.active,
             plan_source=self.plan_source,
             progress=self.progress,
             inputs=inputs,
             started=start,
         )
-        self.records.append(record)
+        if index < len(self.records):
+            self.records[index] = record
+        else:
+            self.records.append(record)
         self._just_planned = record
         steps = solvers.schedule(jp.problem, record.plan)
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)

@@ -16,7 +16,7 @@
   profiles ops itself), from the start of forward to the end of backward
   (:class:`ckptc.meter.StepMeter`); if the peak exceeds the
   budget, the next call of that shape plans again with the measured excess
-  added to every graph's baseline, at most :data:`MAX_REPLANS` times, then
+  added to every graph's baseline, at most :data:`~ckptc.account.MAX_REPLANS` times, then
   raises :class:`~ckptc.errors.BudgetExceededError`;
 * refuses to run a training call without a plan: if no planned graph ran
   (Dynamo skipped the frame, hit its recompile limit, ...), it raises
@@ -36,7 +36,7 @@ import torch
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc import coverage, distributed, policies
-from ckptc.account import StepAccount, gradients_resident, unnamed_gradient_bytes
+from ckptc.account import MAX_REPLANS, StepAccount, gradients_resident, unnamed_gradient_bytes
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
@@ -46,7 +46,6 @@ from ckptc.records import GraphRecord
 
 log = logging.getLogger("ckptc.step")
 
-MAX_REPLANS = 3
 MAX_DISTINCT_SIGNATURES = 256
 
 

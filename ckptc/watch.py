@@ -1,22 +1,26 @@
 """The run-time budget check of ``torch.compile(model, backend="ckptc")``.
 
 :class:`ckptc.step.StepRuntime` sees every training call of ``ckptc.optimize``'s
-model and plans again when a measured step exceeds the budget.  A
-``torch.compile`` backend sees only its graphs, and Dynamo keeps what it was
-handed: the backend cannot plan again.  It can still measure, so a budget is
-never exceeded without a word:
+model.  A ``torch.compile`` backend sees only its graphs, so it tracks the step
+from them and plans each graph again on its next run when the step showed
+something its plan did not count (the compiler keeps Dynamo's graph and runs
+AOTAutograd and the planner on it again; Dynamo's guards and bytecode stay):
 
 * a step begins with the first graph run after the last step's backward ended
   (a second call before one backward belongs to the same step) and ends when
   that backward ends;
-* the first step of each plan is measured from its first graph's forward to
-  the end of its backward (:class:`ckptc.meter.StepMeter`);
-* within the budget, the plan is verified for that state of the step (with or
-  without gradients resident at its start: accumulation) and no later step in
-  that state is measured; above
-  it, the next graph run raises :class:`ckptc.BudgetExceededError` naming the
-  measured peak and what to do (``ckptc.optimize`` plans again with the excess
-  counted; the backend needs a lower budget).
+* a step that starts with gradients resident (accumulation,
+  ``zero_grad(set_to_none=False)``) or a second backward of a step
+  (``retain_graph=True``) makes the account count the gradients; a graph run
+  several times in one step makes it count what earlier runs leave alive
+  (:meth:`~ckptc.account.StepAccount.counting_repeats`);
+* the first step of each plan and of each state (gradients resident at its
+  start or not) is measured from its first graph's forward to the end of its
+  backward (:class:`ckptc.meter.StepMeter`), unless a graph planned during it;
+  above the budget, the account counts what the prediction missed and the
+  graphs plan again, at most :data:`~ckptc.account.MAX_REPLANS` times; after
+  that the next graph run raises :class:`ckptc.BudgetExceededError` naming the
+  measured peak and what to do.
 """
 
 from __future__ import annotations
@@ -27,53 +31,90 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
+from ckptc.account import MAX_REPLANS, StepAccount, unnamed_gradient_bytes
 from ckptc.errors import BudgetExceededError
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
+from ckptc.planner import MAX_STEP_RETRIES
 from ckptc.records import GraphRecord
 
 log = logging.getLogger("ckptc.watch")
 
 
 class BackendStepCheck:
-    """Measures a backend's steps until one is within ``budget_bytes`` (see the module docstring).
+    """Tracks a backend's steps and the account its graphs are planned under (see the module docstring).
+
+    Args:
+        budget_bytes: the budget of one step.
+        account: the account the graphs were first planned under.
+        model: the model, when the backend was given it (its parameters and gradients then count).
 
     Attributes:
-        measured_peak_bytes: the peak of the last measured step (None before one).
-        verified: the step states (gradients resident at its start or not) a measured step
-            was within the budget in.
+        account: the account every graph should be planned under now; a graph planned under
+            another plans again before it runs (:meth:`ckptc.compiler.CheckpointCompiler.__call__`).
+        measured_peak_bytes: the peak of the last step measured under the current plans (None before one).
+        verified: the step states (gradients resident at its start or not) a measured step of the
+            current plans was within the budget in.
+        over_budget_peak_bytes: the last measured peak above the budget (0 before one).
+        replans: how many times a measured excess was counted.
     """
 
-    def __init__(self, budget_bytes: int, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, budget_bytes: int, account: StepAccount, model: torch.nn.Module | None = None) -> None:
         self.budget_bytes = budget_bytes
+        self.account = account
         self.model = model
         self.measured_peak_bytes: int | None = None
         self.verified: set[bool] = set()
+        self.replans = 0
+        self._repeat_replans = 0
         self._state = False
         self._open = False
+        self._measure = False
         self._meter: StepMeter | None = None
         self._counted: set[Any] = set()  # storages already in the meter's baseline
         self._handles: list[Any] = []
-        self._predicted = 0
-        self._pending: BudgetExceededError | None = None
+        self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
+        self._missed = 0  # what the last measured step showed the prediction missed, counted at the next step
+        self.over_budget_peak_bytes = 0
+        self._ran_before: list[GraphRecord] = []
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
+        self._ended_backward: int | None = None  # the autograd graph task that ended the last step
 
     def __repr__(self) -> str:
         return (
             f"BackendStepCheck(budget={self.budget_bytes}, verified={self.verified}, "
-            f"measured_peak_bytes={self.measured_peak_bytes})"
+            f"measured_peak_bytes={self.measured_peak_bytes}, replans={self.replans})"
         )
 
+    def begin(self, args: Sequence[Any]) -> bool:
+        """Before a graph runs on ``args`` (the real tensors Dynamo passes, parameters included):
+        open a step if none is open, counting what the last one showed (or raising
+        :class:`~ckptc.BudgetExceededError` when the replans are used up).  True when it opened one."""
+        if self._open:
+            return False
+        state = any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in args)
+        if state and not self.account.gradients_resident:
+            log.info("torch.compile(backend='ckptc'): a step starts with gradients resident; planning again")
+            self._count_gradients()
+        if self._missed:
+            self._count_missed()
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._ran, self._ended_backward = [], [], None
+        self._open, self._state = True, state
+        self._measure = state not in self.verified and not internals.profiler_active()
+        return True
+
+    def planned(self) -> None:
+        """A graph of the open step planned (and profiled ops): this step is not measured."""
+        self._measure = False
+        if self._meter is not None:
+            self._meter.abort()
+            self._meter = None
+
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
-        """Before graph ``record`` runs on ``args`` (the real tensors Dynamo passes, parameters included)."""
-        if self._pending is not None:
-            error, self._pending = self._pending, None
-            raise error
-        self._predicted = max(self._predicted if self._open else 0, record.result.peak_bytes)
-        if not self._open:
-            self._open = True
-            self._state = any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in args)
-            if self._state in self.verified or internals.profiler_active():
-                return  # nothing to measure, or profilers would nest
+        """Graph ``record`` runs on ``args`` now, under its current plan."""
+        self._ran.append(record)
+        if self._measure and self._meter is None:
             self._counted = set()
             self._meter = StepMeter(_device_of(args), 0).start()
             resident = [*args] if self.model is None else [self.model, *args]
@@ -90,6 +131,38 @@ class BackendStepCheck:
         elif not self._handles:
             self._end(measured=False)  # no backward will come (an inference call)
 
+    def abort(self) -> None:
+        """Forget the step in progress (its call failed)."""
+        if self._meter is not None:
+            self._meter.abort()
+            self._meter = None
+        self._end(measured=False)
+
+    def _count_gradients(self, *, accumulate: bool = True) -> None:
+        self.account = self.account.replace(
+            gradients_resident=True, accumulate_in_backward=accumulate, graph_budgets={}
+        )
+        self._replanned()
+
+    def _replanned(self) -> None:
+        """The account changed for a reason the step showed: what the last measurement missed is measured
+        again under the new plans rather than counted on top."""
+        self.verified.clear()
+        self.measured_peak_bytes = None
+        self._missed = 0
+
+    def _count_missed(self) -> None:
+        """Count what the last measured step showed the prediction missed, or refuse after MAX_REPLANS."""
+        missed = self._missed
+        if self.replans >= MAX_REPLANS:  # raised at every step from now on: the budget does not hold
+            floor = max((r.min_feasible_bytes for r in self._ran_before), default=self.budget_bytes)
+            raise BudgetExceededError(self.over_budget_peak_bytes, self.budget_bytes, floor + missed, self.replans)
+        self._missed = 0
+        self.replans += 1
+        self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
+        self.verified.clear()
+        self.measured_peak_bytes = None
+
     def _uncounted(self, objects: list[Any]) -> int:
         """Bytes of ``objects`` (tensors, a module) and of their gradients resident at the start (they
         count for the whole step) that the meter's baseline does not hold yet."""
@@ -97,8 +170,18 @@ class BackendStepCheck:
         return resident_bytes(*objects, *grads, seen=self._counted)
 
     def _backward_ended(self) -> None:
-        if not self._open or self._end_scheduled:
+        task = internals.current_graph_task_id()
+        if not self._open:
+            if self._ended_backward is not None and task != self._ended_backward:
+                # A second backward of the last step (retain_graph=True) ran with the first one's gradients.
+                self._ended_backward = None
+                if not self.account.gradients_resident:
+                    log.info("torch.compile(backend='ckptc'): a second backward of a step; planning again")
+                    self._count_gradients(accumulate=False)
+            return
+        if self._end_scheduled:
             return  # a second call's results reach the same backward: one end per step
+        self._ended_backward = task
         if self._meter is None or self._meter.device.type != "cpu":
             self._end(measured=True)
         elif after_backward_returns(lambda: self._end(measured=True)):
@@ -111,44 +194,51 @@ class BackendStepCheck:
             return
         self._open = False
         self._end_scheduled = False
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+        repeats = self._count_repeats()
         meter, self._meter = self._meter, None
         if meter is None:
             return
         peak = meter.stop().peak_bytes
-        if not measured:
-            return
+        if not measured or repeats:
+            return  # planned again anyway: measured under the new plan
         self.measured_peak_bytes = peak
         if peak <= self.budget_bytes:
             self.verified.add(self._state)
             log.info("measured step peak %d bytes, within the budget of %d bytes", peak, self.budget_bytes)
             return
-        missed = max(0, peak - self._predicted)
-        log.warning("torch.compile(backend='ckptc'): measured step peak %d bytes > budget %d", peak, self.budget_bytes)
-        self._pending = BudgetExceededError(
+        predicted = max((r.result.peak_bytes for r in self._ran), default=0)
+        # Counted in full, as ckptc.step does: the excess alone under-counts when the plan left room.
+        # Counted when the next step begins, unless the account changes before (a second backward).
+        self._missed = max(peak - self.budget_bytes, peak - predicted)
+        self.over_budget_peak_bytes = peak
+        self._ran_before = list(self._ran)
+        log.warning(
+            "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
+            "(predicted %d); the next call plans again with the %d bytes the prediction missed counted",
             peak,
             self.budget_bytes,
-            peak,
-            0,
-            what_to_do=(
-                f"measured by torch.compile(backend='ckptc')'s run-time check. The plan predicted "
-                f"{self._predicted} bytes; the step holds {missed} bytes it did not see "
-                "(gradients resident across calls, several calls or backwards per step, eager code between "
-                "graphs). torch.compile(backend='ckptc') plans each graph once and cannot plan again: use "
-                "ckptc.optimize(model, budget_bytes=...), which counts what a measured step shows and plans "
-                f"again, or give the backend a budget of about {max(1, self.budget_bytes - missed)} bytes "
-                "to leave room for it."
-            ),
+            predicted,
+            self._missed,
         )
 
-    def abort(self) -> None:
-        """Forget the step in progress (its call failed)."""
-        if self._meter is not None:
-            self._meter.abort()
-            self._meter = None
-        self._end(measured=False)
+    def _count_repeats(self) -> bool:
+        """A graph run several times in the step (two calls, layers compiled once): plan it for its last
+        run.  Whether the account changed."""
+        if self._repeat_replans >= MAX_STEP_RETRIES:
+            return False
+        unnamed = unnamed_gradient_bytes(self.model, self._ran) if self.model is not None else 0
+        counted = self.account.counting_repeats(self._ran, unnamed)
+        if counted is self.account:
+            return False
+        self._repeat_replans += 1
+        self.account = counted
+        self._replanned()
+        log.info("torch.compile(backend='ckptc'): graphs run several times in a step; planning again")
+        return True
 
 
 def _device_of(args: Sequence[Any]) -> torch.device:
