@@ -56,6 +56,9 @@ class BackendStepCheck:
             current plans was within the budget in.
         over_budget_peak_bytes: the last measured peak above the budget (0 before one).
         replans: how many times a measured excess was counted.
+        replannable: False when a graph draws random numbers (see
+            :func:`ckptc.compiler._draws_random_numbers`): the account stays as it is, and a step
+            measured above the budget makes the next call raise :class:`~ckptc.BudgetExceededError`.
     """
 
     def __init__(self, budget_bytes: int, account: StepAccount, model: torch.nn.Module | None = None) -> None:
@@ -65,6 +68,7 @@ class BackendStepCheck:
         self.measured_peak_bytes: int | None = None
         self.verified: set[bool] = set()
         self.replans = 0
+        self.replannable = True
         self._repeat_replans = 0
         self._state = False
         self._open = False
@@ -139,6 +143,8 @@ class BackendStepCheck:
         self._end(measured=False)
 
     def _count_gradients(self, *, accumulate: bool = True) -> None:
+        if not self.replannable:
+            return
         self.account = self.account.replace(
             gradients_resident=True, accumulate_in_backward=accumulate, graph_budgets={}
         )
@@ -154,6 +160,21 @@ class BackendStepCheck:
     def _count_missed(self) -> None:
         """Count what the last measured step showed the prediction missed, or refuse after MAX_REPLANS."""
         missed = self._missed
+        if not self.replannable:
+            raise BudgetExceededError(
+                self.over_budget_peak_bytes,
+                self.budget_bytes,
+                self.over_budget_peak_bytes,
+                0,
+                what_to_do=(
+                    f"measured by torch.compile(backend='ckptc')'s run-time check; the plan did not count {missed} "
+                    "bytes the step holds (gradients resident across calls, several calls or backwards per step, "
+                    "eager code between graphs). The model draws random numbers (dropout), and the backend does "
+                    "not plan such graphs again: use ckptc.optimize(model, budget_bytes=...), which plans again "
+                    f"counting what a measured step shows, or give the backend a budget of about "
+                    f"{max(1, self.budget_bytes - missed)} bytes."
+                ),
+            )
         if self.replans >= MAX_REPLANS:  # raised at every step from now on: the budget does not hold
             floor = max((r.min_feasible_bytes for r in self._ran_before), default=self.budget_bytes)
             raise BudgetExceededError(self.over_budget_peak_bytes, self.budget_bytes, floor + missed, self.replans)
@@ -228,7 +249,7 @@ class BackendStepCheck:
     def _count_repeats(self) -> bool:
         """A graph run several times in the step (two calls, layers compiled once): plan it for its last
         run.  Whether the account changed."""
-        if self._repeat_replans >= MAX_STEP_RETRIES:
+        if self._repeat_replans >= MAX_STEP_RETRIES or not self.replannable:
             return False
         unnamed = unnamed_gradient_bytes(self.model, self._ran) if self.model is not None else 0
         counted = self.account.counting_repeats(self._ran, unnamed)

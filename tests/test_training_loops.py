@@ -339,6 +339,31 @@ def test_the_torch_compile_backend_refuses_a_budget_it_cannot_meet_saying_what_t
     assert not internals.profiler_active()
 
 
+def test_the_torch_compile_backend_does_not_plan_a_graph_with_dropout_again() -> None:
+    """A graph with random ops planned again outside Dynamo's compile left later steps' dropout masks
+    different from eager's; the backend therefore keeps such plans: accumulation (which the plan made
+    from None gradients does not count) trains like eager or is refused with BudgetExceededError."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Block(), nn.Dropout(0.1), _Block(), nn.Dropout(0.1), _Block(), nn.Linear(WIDTH, 1))
+    budget = _budget(accumulate_set_to_none, reference)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    backend = ckptc.backend(budget_bytes=budget)
+    compiled = torch.compile(model, backend=backend)
+    try:
+        for step in range(4):
+            torch.manual_seed(step)
+            accumulate_set_to_none(eager, _batches(step))
+            torch.manual_seed(step)
+            accumulate_set_to_none(compiled, _batches(step))
+            _assert_same_gradients(model, eager)
+    except ckptc.BudgetExceededError as refused:
+        assert "draws random numbers" in str(refused)
+    assert backend.step_check is not None and not backend.step_check.replannable
+    assert not backend.step_check.account.gradients_resident  # the plan from None gradients was kept
+    assert not internals.profiler_active()
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic=True"])
 def test_torch_compile_backend_trains_like_eager_on_two_shapes(dynamic: bool) -> None:
     torch.manual_seed(0)
