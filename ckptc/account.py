@@ -160,16 +160,16 @@ class StepAccount:
                     later -= min(later, sum(record.inputs.parameters.values()))
             outside = max(0, state - in_graph) + grads + later
         else:
-            # Earlier graphs' parameters stay resident, and with gradients resident every gradient counts.
+            # Earlier graphs' parameters stay resident; with gradients resident, so do their gradients
+            # (at their parameters' sizes) and this graph's own.
             earlier_params: dict[int, int] = {}
             for record in earlier:
                 earlier_params.update(record.inputs.parameters)
             other = sum(n for i, n in earlier_params.items() if i not in inputs.parameters)
             outside = other
             if self.gradients_resident:
-                outside += other + sum(
-                    local_nbytes(p.grad if p.grad is not None else p) for p in params.values() if p.requires_grad
-                )
+                own = sum(local_nbytes(p.grad if p.grad is not None else p) for p in params.values())
+                outside += other + own
         earlier_data: dict[int, int] = {}
         for record in earlier:
             # A result an earlier graph handed on is counted by the graph that made it.

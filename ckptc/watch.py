@@ -79,7 +79,6 @@ class BackendStepCheck:
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
         self._missed = 0  # what the last measured step showed the prediction missed, counted at the next step
         self.over_budget_peak_bytes = 0
-        self._ran_before: list[GraphRecord] = []
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
 
@@ -158,7 +157,8 @@ class BackendStepCheck:
         self._missed = 0
 
     def _count_missed(self) -> None:
-        """Count what the last measured step showed the prediction missed, or refuse after MAX_REPLANS."""
+        """Count what the last measured step (``_ran``, not reset yet) showed the prediction missed,
+        or refuse after MAX_REPLANS."""
         missed = self._missed
         if not self.replannable:
             raise BudgetExceededError(
@@ -176,13 +176,11 @@ class BackendStepCheck:
                 ),
             )
         if self.replans >= MAX_REPLANS:  # raised at every step from now on: the budget does not hold
-            floor = max((r.min_feasible_bytes for r in self._ran_before), default=self.budget_bytes)
+            floor = max((r.min_feasible_bytes for r in self._ran), default=self.budget_bytes)
             raise BudgetExceededError(self.over_budget_peak_bytes, self.budget_bytes, floor + missed, self.replans)
-        self._missed = 0
         self.replans += 1
         self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
-        self.verified.clear()
-        self.measured_peak_bytes = None
+        self._replanned()
 
     def _uncounted(self, objects: list[Any]) -> int:
         """Bytes of ``objects`` (tensors, a module) and of their gradients resident at the start (they
@@ -236,14 +234,15 @@ class BackendStepCheck:
         # Counted when the next step begins, unless the account changes before (a second backward).
         self._missed = max(peak - self.budget_bytes, peak - predicted)
         self.over_budget_peak_bytes = peak
-        self._ran_before = list(self._ran)
         log.warning(
             "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
-            "(predicted %d); the next call plans again with the %d bytes the prediction missed counted",
+            "(predicted %d); %s",
             peak,
             self.budget_bytes,
             predicted,
-            self._missed,
+            f"the next call plans again with the {self._missed} bytes the prediction missed counted"
+            if self.replannable
+            else "the next call raises BudgetExceededError (graphs with random ops are not planned again)",
         )
 
     def _count_repeats(self) -> bool:
