@@ -48,7 +48,7 @@ def llama(layers: int, hidden: int, seq: int) -> tuple[torch.nn.Module, torch.Te
 
 
 def measure(layers: int, hidden: int, seq: int, reps: int) -> dict[str, float]:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     with FakeTensorMode():
         model, ids = llama(layers, hidden, seq)
         start = time.perf_counter()

@@ -151,7 +151,7 @@ def check_model(name: str, size: str, device: torch.device, meter: Meter, starte
         except Skip as why:
             rows.append({"config": alternative.label, "skipped": str(why)})
             continue
-        torch._dynamo.reset()
+        torch.compiler.reset()
         rows.append({"config": alternative.label, **meter.measure(case, runner.call, runner.module)})
     return {
         "model": name,
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         print(f"[gpu_check] {name} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         results.append(check_model(name, args.size, device, meter, started))
-        torch._dynamo.reset()
+        torch.compiler.reset()
     header = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
         "torch": torch.__version__,

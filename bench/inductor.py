@@ -98,9 +98,11 @@ def prepare(point: Point, ids: torch.Tensor, reference: list[torch.Tensor]) -> P
     train_step(point, ids)
     point.build_seconds = time.perf_counter() - start
     train_step(point, ids)  # ckptc verifies its first planned step here
-    runtime = getattr(point.call, "_ckptc_runtime", None)
     for _ in range(4):  # a step measured above the budget plans again: run until a plan is verified
-        if runtime is None or runtime.last.verified or point.budget_bytes is None:
+        plan = point.call.plan if isinstance(point.call, ckptc.OptimizedModule) else None
+        if plan is None or point.budget_bytes is None:
+            break
+        if plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= point.budget_bytes:
             break
         train_step(point, ids)
     point.correct = all(

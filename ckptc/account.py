@@ -55,8 +55,6 @@ HELD_RESULTS_RESERVE_BYTES = 1024
 #: The margin is 1/200 of the activations kept for backward and 1/32 of the largest scratch (see planning_margin).
 PLANNING_MARGIN_DIVISOR = 200
 SCRATCH_UNCERTAINTY_DIVISOR = 32
-#: How many times a plan is made again with a measured excess counted before the budget is refused.
-MAX_REPLANS = 3
 
 
 @dataclass(frozen=True)
@@ -251,6 +249,20 @@ def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) ->
     """
     scratch = max((n.scratch for n in problem.nodes), default=0)
     return unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
+
+
+def planning_budget(budget_bytes: int, margin: int) -> int:
+    """The budget solvers plan for: ``margin`` (:func:`ckptc.account.planning_margin`) below the user's.
+
+    Plans that fill the budget exactly would sometimes exceed it by a few
+    kilobytes (kernels' scratch memory varies a little between runs).
+    """
+    return max(0, budget_bytes - margin)
+
+
+def budget_for_planning_floor(floor: int, margin: int) -> int:
+    """The smallest user budget whose planning budget reaches ``floor``."""
+    return floor + margin
 
 
 def gradients_resident(model: torch.nn.Module) -> bool:

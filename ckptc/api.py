@@ -17,17 +17,19 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.account import unnamed_gradient_bytes
+from ckptc.account import StepAccount, unnamed_gradient_bytes
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
-from ckptc.distributed import check_call_order, check_wrap_order
+from ckptc.distributed import check_call_order, check_wrap_order, rank_context
 from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError
 from ckptc.offline import offline_device, offline_step
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, _parameter_sizes, applied_plan
-from ckptc.step import ForwardState, StepRuntime
+from ckptc.records import GraphRecord
+from ckptc.replan import Replans
+from ckptc.step import ForwardState, ShapePlan, StepRuntime, refuse_unplanned
 
 log = logging.getLogger("ckptc.api")
 
@@ -326,6 +328,12 @@ def capture(
         {k: v for k, v in options.items() if k not in ("verify", "max_plans", "progress")}
     )
     _check_model(model)
+    if not model.training or not torch.is_grad_enabled():
+        raise InvalidArgumentError(
+            f"ckptc.capture captures a training step, but {type(model).__name__} is in eval mode or gradients "
+            "are disabled (torch.no_grad), so no backward would be captured. What to do: call model.train() "
+            "and capture outside torch.no_grad()."
+        )
     target = offline_device(model, example_inputs, example_kwargs, device)
     if target is not None:
         if checked.measure_time:
@@ -336,8 +344,11 @@ def capture(
         checked = checked.replace(measure_scratch=False)  # would run every op at full size
     # Captured keeping everything; CapturedStep.plan decides for each budget afterwards.
     # Traced as the target compiler traces (the plan's node names are its graph's), run without kernels.
-    compiler = CheckpointCompiler(checked.replace(strategy="none"), model=model, generate_kernels=False)
-    optimized = OptimizedModule(model, compiler, verify=False)
+    template = CheckpointCompiler(checked.replace(strategy="none"), model=model, generate_kernels=False)
+    ranks = rank_context(model)
+    account = StepAccount(hold_outputs=checked.hold_outputs, rank_bytes=ranks.baseline_bytes if ranks else 0)
+    shape = ShapePlan(key=(), compiler=template, compiled=None, replans=Replans(account, None))
+    ran: list[GraphRecord] = []  # the step's graphs in the order they ran (a graph repeats for layers compiled once)
     with contextlib.ExitStack() as stack:
         inputs, kwargs = tuple(example_inputs), dict(example_kwargs or {})
         if target is not None:
@@ -346,7 +357,9 @@ def capture(
             for p in model.parameters():
                 p.grad = None
             try:
-                output = optimized(*inputs, **kwargs)
+                shape.compile(model, template, ran)
+                output = shape.plan_call(model, template, ran, inputs, kwargs, reference=ranks is None)
+                refuse_unplanned(model, ran, shape.eager)
                 try:
                     loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
                 except RuntimeError as error:
@@ -364,12 +377,9 @@ def capture(
                 raise
             except Exception as error:  # one error family: the underlying error chained
                 raise UntraceableModelError.from_exception(model, error) from error
-    runtime = optimized._ckptc_runtime
-    ran = runtime.step_records()
     records = list({id(r): r for r in ran}.values())
     position = {id(r): i for i, r in enumerate(records)}
-    eager = None if runtime.last is None else runtime.last.eager
-    coverage = None if eager is None else Coverage.of(eager, records)
+    coverage = None if shape.eager is None else Coverage.of(shape.eager, records)
     sizes = _parameter_sizes(model)
     return CapturedStep(
         records,

@@ -32,7 +32,6 @@ from ckptc.account import StepAccount
 from ckptc.costs import annotate_costs, is_random, measure_runtimes, measure_scratch
 from ckptc.coverage import refuse_oversized
 from ckptc.distributed import check_backend_context
-from ckptc.errors import BudgetExceededError
 from ckptc.lean_backward import GradientSink, accumulate_into_parameters, drop_unread_batch_norm_statistics, reinplace
 from ckptc.options import CheckpointOptions
 from ckptc.planner import decide
@@ -65,6 +64,11 @@ class CheckpointCompiler:
         generate_kernels: under ``compiler="inductor"``, compile the graphs with
             Inductor (False: :func:`ckptc.capture` traces them as Inductor would
             and runs them op by op, since planning needs no kernels).
+        step: the list of graphs run in the current step, kept by a caller that
+            tracks steps (:class:`ckptc.step.StepRuntime`, :func:`ckptc.capture`);
+            the compiler appends each graph as it runs.  None: the compiler tracks
+            steps itself (a graph running again begins a new step, or the run-time
+            check of :mod:`ckptc.watch` under a budget).
 
     Each graph's decision is :func:`ckptc.planner.decide`'s.
     """
@@ -78,6 +82,7 @@ class CheckpointCompiler:
         progress: Callable[[float, str], None] | None = None,
         account: StepAccount | None = None,
         generate_kernels: bool = True,
+        step: list[GraphRecord] | None = None,
         **option_values: Any,
     ) -> None:
         if not isinstance(options, CheckpointOptions):
@@ -90,13 +95,13 @@ class CheckpointCompiler:
         self.progress = progress
         self.account = account if account is not None else StepAccount(hold_outputs=options.hold_outputs)
         self.generate_kernels = generate_kernels
-        # Set by ckptc.step.StepRuntime, which ends steps when backward ends;
-        # without it a graph running again means a new step began.
-        self.track_steps = False
+        # Whether a caller tracks steps (ending them when backward ends); without one
+        # a graph running again means a new step began.
+        self.track_steps = step is not None
         self.records: list[GraphRecord] = []
         # Graphs whose forward ran in the current step, in order (a graph run
         # twice before one backward appears twice when steps are tracked).
-        self.active: list[GraphRecord] = []
+        self.active: list[GraphRecord] = step if step is not None else []
         self._just_planned: GraphRecord | None = None
         # Under torch.compile(backend=...), what a measured step showed (ckptc.watch).
         self.step_check: BackendStepCheck | None = None
@@ -113,8 +118,9 @@ class CheckpointCompiler:
     def solver(self) -> str:
         return self.options.solver
 
-    def for_account(self, account: StepAccount) -> "CheckpointCompiler":
-        """A fresh compiler with this one's options and ``account``, no graphs planned."""
+    def for_account(self, account: StepAccount, step: list[GraphRecord] | None = None) -> "CheckpointCompiler":
+        """A fresh compiler with this one's options and ``account``, no graphs planned, appending
+        the graphs it runs to ``step`` (see the class docstring)."""
         return CheckpointCompiler(
             self.options,
             model=self.model,
@@ -122,6 +128,7 @@ class CheckpointCompiler:
             progress=self.progress,
             account=account,
             generate_kernels=self.generate_kernels,
+            step=step,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -201,11 +208,10 @@ class CheckpointCompiler:
                     try:
                         compiled, record = self._plan_graph(gm, example_inputs, index)
                     except solvers.InfeasibleBudgetError as error:
-                        if not check.replans or error.min_feasible_bytes is None:
+                        refusal = check.replans.refusal(error)
+                        if refusal is error:
                             raise
-                        raise BudgetExceededError(
-                            check.over_budget_peak_bytes, error.budget_bytes, error.min_feasible_bytes, check.replans
-                        ) from error
+                        raise refusal from error
                 check.graph_starts(record, args)
             try:
                 outputs = compiled(*args)

@@ -3,8 +3,8 @@
 Everything that turns a captured graph and :class:`~ckptc.options.CheckpointOptions`
 into a decision lives here:
 
-* the planning margin (:func:`ckptc.account.planning_margin`, :func:`planning_budget`,
-  :func:`budget_for_planning_floor`): solvers plan a little below the user's
+* the planning margin (:func:`ckptc.account.planning_margin`,
+  :func:`~ckptc.account.planning_budget`): solvers plan a little below the user's
   budget, by an amount sized from what the plan controls (the activations kept
   for backward) and the model's own uncertainty (kernels' measured scratch),
   never from the whole budget; a budget at or above the unoptimized peak keeps
@@ -16,9 +16,8 @@ into a decision lives here:
   the step-wide floor when graph breaks split a step into several graphs;
 * what the compiler that runs the plan makes cheaper to recompute than to keep
   (:func:`for_target_compiler`: Inductor's fused pointwise chains);
-* what to do when a graph cannot fit (:func:`decide`), and how a step of
-  several graphs is planned again with earlier graphs keeping less
-  (:func:`tighter_graph_budgets`).
+* what to do when a graph cannot fit (:func:`decide`: refuse, or mark it so
+  that :mod:`ckptc.replan` plans the step again with earlier graphs keeping less).
 
 :func:`decide` is called by the compiler at capture time
 (:mod:`ckptc.compiler`) and by :class:`CapturedStep`, which plans a step
@@ -35,38 +34,21 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 import solvers
 from ckptc import policies
-from ckptc.account import StepAccount, planning_margin
+from ckptc.account import StepAccount, budget_for_planning_floor, planning_budget, planning_margin
 from ckptc.costs import FORWARD, FUSING_COMPILERS
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
 from ckptc.plans import ModelPlan, fingerprint, graph_plan
 from ckptc.problem import JointProblem
 from ckptc.records import GraphInputs, GraphRecord, PlanSource, Progress
+from ckptc.replan import Replans, settle
 from solvers.simulator import honour_policies
 
 log = logging.getLogger("ckptc.planner")
-
-#: How many times a step of several graphs is planned again with earlier graphs keeping less.
-MAX_STEP_RETRIES = 2
-
-
-def planning_budget(budget_bytes: int, margin: int) -> int:
-    """The budget solvers plan for: ``margin`` (:func:`ckptc.account.planning_margin`) below the user's.
-
-    Plans that fill the budget exactly would sometimes exceed it by a few
-    kilobytes (kernels' scratch memory varies a little between runs).
-    """
-    return max(0, budget_bytes - margin)
-
-
-def budget_for_planning_floor(floor: int, margin: int) -> int:
-    """The smallest user budget whose planning budget reaches ``floor``."""
-    return floor + margin
 
 
 def _scored(jp: JointProblem, plan: solvers.Plan, method: str, budget_bytes: int | None) -> solvers.Plan:
@@ -402,47 +384,6 @@ def unoptimized_result(jp: JointProblem) -> solvers.SimResult:
     return jp.__dict__["_unoptimized"]
 
 
-def tighter_graph_budgets(
-    ran: Sequence[GraphRecord], budget_bytes: int, attempt: int, current: Mapping[int, int]
-) -> dict[int, int]:
-    """Budgets for the graphs before the last one that could not fit (``infeasible``) in ``ran``.
-
-    The first retry asks earlier graphs to leave room for what the later graph
-    needs at its floor; the second to keep as little as they can.
-
-    Raises:
-        solvers.InfeasibleBudgetError: the step's floor is above the budget
-            (the message gives it), or the retries are used up.
-    """
-    short = [r for r in ran if r.infeasible]
-    floor = max(r.min_feasible_bytes for r in ran)
-    last = max(r.index for r in short)
-    # Nothing before the graph that did not fit can keep less: planning again cannot help.
-    if floor > budget_bytes or last == 0:
-        raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
-    if attempt >= MAX_STEP_RETRIES:
-        raise solvers.InfeasibleBudgetError(
-            budget_bytes,
-            None,
-            "ckptc could not make the graphs of this step fit together in "
-            f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes) after {MAX_STEP_RETRIES} retries, "
-            f"although each graph's floor with the graphs before it at theirs is at most {floor} bytes. "
-            "What to do: give a few percent more budget, or pass solver='auto' if another solver was chosen.",
-        )
-    if attempt == 0:
-        need = max(budget_for_planning_floor(r.floor_peak_bytes, r.margin_bytes) - budget_bytes for r in short)
-        # Each earlier graph lowers its own peak (keeping less) by its share of `need` (the budget
-        # alone would not bind a graph whose peak is well below it); a graph run for several
-        # layers (blocks compiled once) keeps its bytes once per run.
-        runs = Counter(r.index for r in ran if r.index < last)
-        peaks = {r.index: r.result.peak_bytes for r in ran}
-        shares = {j: -(-need // runs.get(j, 1)) for j in range(last)}  # ceil(need / runs)
-        tighter = {j: max(0, min(budget_bytes, peaks.get(j, budget_bytes)) - shares[j]) for j in range(last)}
-    else:  # keep as little as possible before the last graph that did not fit
-        tighter = {j: 0 for j in range(last)}
-    return {j: min(b, current.get(j, b)) for j, b in tighter.items()}
-
-
 def with_baseline(jp: JointProblem, baseline_bytes: int) -> JointProblem:
     """``jp`` with another baseline (the same problem object when it is unchanged, keeping its caches)."""
     if baseline_bytes == jp.problem.baseline_bytes:
@@ -491,7 +432,8 @@ class CapturedStep:
         self.model_name = model_name
         self.coverage = coverage  # what the graphs cover of the step (ckptc.coverage), the same for every budget
         self._keep_everything = self._decide_all(
-            options.replace(budget_bytes=None, strategy="none"), StepAccount(hold_outputs=options.hold_outputs)
+            options.replace(budget_bytes=None, strategy="none"),
+            Replans(StepAccount(hold_outputs=options.hold_outputs), None),
         )
         for record in self._keep_everything:  # once per graph, not per budget: every plan file carries it
             fingerprint(record.joint_problem)
@@ -535,21 +477,7 @@ class CapturedStep:
                 changes[name] = value
         options = self.options.replace(**changes)
         account = StepAccount(hold_outputs=options.hold_outputs, defer_infeasible=options.budget_bytes is not None)
-        budget = options.budget_bytes
-        for attempt in range(MAX_STEP_RETRIES + 1):
-            records = self._decide_all(options, account, plan_source, progress)
-            if not any(r.infeasible for r in records):
-                return records
-            assert budget is not None  # only a budget makes graphs infeasible
-            budgets = tighter_graph_budgets(records, budget, attempt, account.graph_budgets)
-            log.info(
-                "%s: a later graph did not fit after earlier graphs' plans; planning again with earlier "
-                "graphs keeping less (budgets %s)",
-                self.model_name,
-                budgets,
-            )
-            account = account.replace(graph_budgets=budgets)
-        raise AssertionError("unreachable")
+        return self._decide_all(options, Replans(account, options.budget_bytes), plan_source, progress)
 
     def plan(
         self,
@@ -596,19 +524,19 @@ class CapturedStep:
     def _decide_all(
         self,
         options: CheckpointOptions,
-        account: StepAccount,
+        replans: Replans,
         plan_source: PlanSource | None = None,
         progress: Progress | None = None,
     ) -> list[GraphRecord]:
-        """Every graph decided in step order; a graph the step runs several times is decided again
-        for its last run, with what its earlier runs keep under the new plans counted."""
-        for _ in range(MAX_STEP_RETRIES + 1):
+        """Every graph decided in step order, again until the plans fit together (:func:`ckptc.replan.settle`):
+        a graph the step runs several times is decided for its last run, with what its earlier runs keep
+        under the new plans counted."""
+
+        def decide_step(account: StepAccount) -> tuple[list[GraphRecord], list[GraphRecord]]:
             records = self._decide_each(options, account, plan_source, progress)
-            counted = account.counting_repeats([records[i] for i in self.sequence], self.unnamed_gradient_bytes)
-            if counted is account:
-                break
-            account = counted
-        return records
+            return records, [records[i] for i in self.sequence]
+
+        return settle(decide_step, replans, lambda ran: self.unnamed_gradient_bytes)
 
     def _decide_each(
         self,

@@ -16,8 +16,9 @@
   profiles ops itself), from the start of forward to the end of backward
   (:class:`ckptc.meter.StepMeter`); if the peak exceeds the
   budget, the next call of that shape plans again with the measured excess
-  added to every graph's baseline, at most :data:`~ckptc.account.MAX_REPLANS` times, then
-  raises :class:`~ckptc.errors.BudgetExceededError`;
+  added to every graph's baseline, at most :data:`~ckptc.replan.MAX_REPLANS` times, then
+  raises :class:`~ckptc.errors.BudgetExceededError` (each plan's account and what
+  changed it is a :class:`ckptc.replan.Replans`, the loop every path shares);
 * refuses to run a training call without a plan: if no planned graph ran
   (Dynamo skipped the frame, hit its recompile limit, ...), it raises
   :class:`~ckptc.errors.UntraceableModelError` saying why and what to do.
@@ -36,13 +37,13 @@ import torch
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc import coverage, distributed, policies
-from ckptc.account import MAX_REPLANS, StepAccount, gradients_resident, unnamed_gradient_bytes
+from ckptc.account import StepAccount, gradients_resident, unnamed_gradient_bytes
 from ckptc.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
-from ckptc.planner import MAX_STEP_RETRIES, tighter_graph_budgets
 from ckptc.records import GraphRecord
+from ckptc.replan import Replans, settle
 
 log = logging.getLogger("ckptc.step")
 
@@ -56,17 +57,79 @@ class ShapePlan:
     key: tuple
     compiler: CheckpointCompiler
     compiled: Any = dataclasses.field(repr=False)
-    account: StepAccount = dataclasses.field(default_factory=StepAccount)
-    replans: int = 0
+    # The account the next plans are made under and what changed it; the compiler's account
+    # differs from it when the shape must be planned again.
+    replans: Replans = dataclasses.field(default_factory=lambda: Replans(StepAccount(), None))
     # The step states measured within the budget: False (from None gradients), True (gradients resident).
     verified_states: set[bool] = dataclasses.field(default_factory=set)
-    needs_replan: bool = False
     # The current plan's measured peak (None until a step under it is measured).
     measured_peak_bytes: int | None = None
-    # The last measured peak above the budget, which the current plan was made to correct.
-    over_budget_peak_bytes: int | None = None
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def account(self) -> StepAccount:
+        return self.replans.account
+
+    @property
+    def needs_replan(self) -> bool:
+        """The account changed since the current plans were made."""
+        return self.compiler.account != self.replans.account
+
+    def compile(self, model: torch.nn.Module, template: CheckpointCompiler, step: list[GraphRecord]) -> None:
+        """A fresh compiler with ``template``'s options under :attr:`account`, appending the graphs it
+        runs to ``step``, and a ``torch.compile`` of ``model`` with it (it plans on its next call)."""
+        # Checked where a capture is prepared, not on every call: it walks every module.
+        coverage.refuse_before_capture(model)
+        self.compiler = template.for_account(self.account, step=step)
+        self.compiled = internals.compile_module(model, self.compiler)
+        self.verified_states = set()
+        self.measured_peak_bytes = None  # a new plan: nothing measured under it yet
+
+    def plan_call(
+        self,
+        model: torch.nn.Module,
+        template: CheckpointCompiler,
+        step: list[GraphRecord],
+        args: tuple,
+        kwargs: dict,
+        *,
+        reference: bool = True,
+    ) -> Any:
+        """Run a call that plans (the compiler has planned nothing yet), again until the plans of its
+        graphs fit together (:func:`ckptc.replan.settle`); the graphs that ran are appended to ``step``.
+
+        Graphs after a break are captured only when the forward reaches them, so an earlier graph
+        is planned without knowing what later ones need, and a graph run several times (layers
+        compiled once) is planned for its first run.  A compiler planning under a budget plans a
+        graph that cannot fit at its lowest peak and marks it (``defer_infeasible``); the call then
+        knows every graph.  When the account changes, the forward's effects on buffers, inputs and
+        the random state are undone and the call runs again under a new compile.  ``reference``:
+        also run the forward eagerly once (:class:`ckptc.coverage.EagerForward`, the coverage
+        report's reference).
+        """
+        before = len(step)
+        saved = ForwardState(model)
+        # A forward may update its inputs in place (x.mul_(2)); the reference below runs on copies
+        # and a retry starts from the inputs as the caller gave them, so they change exactly once.
+        saved.save_inputs(args, kwargs)
+        if reference and self.eager is None:
+            copies = internals.tree_map(_detached_copy, (args, kwargs))
+            self.eager = coverage.EagerForward.measure(model, *copies)
+            del copies
+            saved.restore()
+
+        def run(account: StepAccount) -> tuple[Any, list[GraphRecord]]:
+            if account != self.compiler.account:  # planned again: undo the last attempt first
+                del step[before:]
+                saved.restore()
+                self.compile(model, template, step)
+            return run_compiled(model, self.compiled, args, kwargs), step[before:]
+
+        output = settle(run, self.replans, lambda ran: unnamed_gradient_bytes(model, ran))
+        if self.eager is not None:
+            self.eager.capture_ended(model, step[before:])
+        return output
 
 
 class StepRuntime:
@@ -162,23 +225,13 @@ class StepRuntime:
             try:
                 output = self._run(shape, args, kwargs)
             except solvers.InfeasibleBudgetError as error:
-                if not shape.account.correction_bytes or error.min_feasible_bytes is None:
+                refusal = shape.replans.refusal(error)
+                if refusal is error:
                     raise
                 # Planning again with the measured excess counted no longer fits.
                 self.plans.pop(shape.key, None)
-                raise BudgetExceededError(
-                    shape.over_budget_peak_bytes or 0, error.budget_bytes, error.min_feasible_bytes, shape.replans
-                ) from error
-            coverage.refuse_uncaptured(self.model, self.active[before:], shape.eager)
-            if len(self.active) == before:
-                raise UntraceableModelError(
-                    f"ckptc could not run the training step of {type(self.model).__name__} under a plan: "
-                    "torch.compile ran the call without any captured graph (Dynamo skipped the frame, "
-                    "for example after reaching its recompile limit, or the forward is wrapped in "
-                    "torch.compiler.disable), so nothing would be checkpointed and the budget would not hold.\n"
-                    "What to do: run the step with TORCH_LOGS=recompiles,graph_breaks to see why; keep the "
-                    "number of distinct input shapes small (pad or bucket them); or train without ckptc."
-                )
+                raise refusal from error
+            refuse_unplanned(self.model, self.active[before:], shape.eager)
         except BaseException:
             if opened:
                 self._abort_step()
@@ -210,96 +263,17 @@ class StepRuntime:
             )
 
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
-        """Run the call; on a call that plans, make the plans of its graphs fit together.
-
-        Graphs after a break are captured only when the forward reaches them, so an
-        earlier graph is planned without knowing what later ones need.  Compilers
-        spawned here plan a graph that cannot fit at its lowest peak and mark it
-        (``defer_infeasible``); the call then knows every graph.  If the step's
-        floor fits the budget, the forward's effects on buffers and the random
-        state are undone and the call runs again with earlier graphs told to keep
-        less (``graph_budgets``); otherwise the budget is refused with the floor
-        of the whole step.
-        """
+        if shape.compiler.records:
+            return run_compiled(self.model, shape.compiled, args, kwargs)
         before = len(self.active)
-        saved = ForwardState(self.model) if not shape.compiler.records else None
-        if saved is not None:
-            # A forward may update its inputs in place (x.mul_(2)); the reference below runs on copies
-            # and a retry starts from the inputs as the caller gave them, so they change exactly once.
-            saved.save_inputs(args, kwargs)
-        # The reference of the coverage report; not under DDP/FSDP2, where an extra eager forward
-        # would run collectives and leave FSDP2 expecting a backward.
-        if saved is not None and shape.eager is None and self.ranks is None:
-            copies = internals.tree_map(_detached_copy, (args, kwargs))
-            shape.eager = coverage.EagerForward.measure(self.model, *copies)
-            del copies
-            saved.restore()
-        attempt = repeated = 0
-        while True:
-            output = self._run_once(shape, args, kwargs)
-            ran = self.active[before:]
-            short = [r for r in ran if r.infeasible]
-            counted = shape.account
-            if saved is not None and not short and repeated < MAX_STEP_RETRIES:
-                counted = shape.account.counting_repeats(ran, unnamed_gradient_bytes(self.model, ran))
-            if counted is not shape.account:
-                # A graph ran several times (identical layers compiled once): plan it for its last run.
-                repeated += 1
-                del output
-                del self.active[before:]
-                saved.restore()
-                shape.account = counted
-                log.info(
-                    "graphs %s run several times in a step: planning them for their last run",
-                    sorted(counted.repeat_bytes),
-                )
-                self._compile(shape)
-                continue
-            if not short:
-                if saved is not None and shape.eager is not None:
-                    shape.eager.capture_ended(self.model, ran)
-                if saved is not None:
-                    self._check_patterns(ran)
-                return output
-            del output
-            del self.active[before:]
-            assert saved is not None  # only a call that plans marks graphs infeasible
-            saved.restore()
-            budget = self.template.budget_bytes
-            assert budget is not None
-            try:
-                budgets = tighter_graph_budgets(ran, budget, attempt, shape.account.graph_budgets)
-            except solvers.InfeasibleBudgetError:
-                self.plans.pop(shape.key, None)
-                raise
-            shape.account = shape.account.replace(graph_budgets=budgets)
-            last = max(r.index for r in short)
-            log.info(
-                "graph %d of %s did not fit after earlier graphs' plans; planning the step again with "
-                "earlier graphs keeping less (budgets %s)",
-                last,
-                type(self.model).__name__,
-                budgets,
-            )
-            attempt += 1
-            self._compile(shape)
-
-    def _run_once(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
-        with internals.compile_config():
-            try:
-                return shape.compiled(*args, **kwargs)
-            except internals.BackendCompilerFailed as error:
-                # Our own backend raised (an infeasible budget, a plan that does
-                # not match): surface that error, not Dynamo's wrapper.
-                inner = getattr(error, "inner_exception", None)
-                if inner is None:
-                    raise UntraceableModelError.from_exception(self.model, error) from error
-                if isinstance(inner, CkptcError):
-                    raise inner from None
-                # Anything else failing inside capture or planning: one error family, the cause chained.
-                raise UntraceableModelError.from_exception(self.model, inner) from inner
-            except internals.DynamoError as error:
-                raise UntraceableModelError.from_exception(self.model, error) from error
+        try:
+            # No reference forward under DDP/FSDP2: it would run collectives and leave FSDP2 expecting a backward.
+            output = shape.plan_call(self.model, self.template, self.active, args, kwargs, reference=self.ranks is None)
+        except solvers.InfeasibleBudgetError:
+            self.plans.pop(shape.key, None)  # no half-made plan stays behind
+            raise
+        self._check_patterns(self.active[before:])
+        return output
 
     # -- plans -----------------------------------------------------------------
     def _plan_for(self, key: tuple, *, gradients: bool) -> ShapePlan:
@@ -317,7 +291,10 @@ class StepRuntime:
                     "up to a multiple of 64)."
                 )
             self.signatures_seen.add(digest)
-            shape = ShapePlan(key=key, compiler=self.template, compiled=None, account=self._account(gradients))
+            budget = self.template.budget_bytes
+            shape = ShapePlan(
+                key=key, compiler=self.template, compiled=None, replans=Replans(self._account(gradients), budget)
+            )
             self._compile(shape)
             self.plans[key] = shape
             while len(self.plans) > self.max_plans:
@@ -325,30 +302,14 @@ class StepRuntime:
                 log.info("forgetting the plan of input signature %s (max_plans=%d)", evicted_key, self.max_plans)
         else:
             self.plans.move_to_end(key)
-            if gradients and not shape.account.gradients_resident:
+            if gradients and shape.replans.counting_gradients(accumulate_in_backward=self.ranks is None):
                 log.info("step starts with gradients resident (accumulation): planning again counting them")
-                shape.account = shape.account.replace(
-                    gradients_resident=True, graph_budgets={}, accumulate_in_backward=self.ranks is None
-                )
-                shape.needs_replan = True
         if shape.needs_replan:
             self._compile(shape)
         return shape
 
     def _compile(self, shape: ShapePlan) -> None:
-        """Give ``shape`` a fresh compiler and ``torch.compile`` of the model (plans on its next call)."""
-        # Checked where a capture is prepared, not on every call: it walks every module.
-        coverage.refuse_before_capture(self.model)
-        compiler = self.template.for_account(shape.account)
-        compiler.active = self.active
-        compiler.track_steps = True
-        shape.compiler = compiler
-        shape.compiled = internals.compile_module(self.model, compiler)
-        shape.needs_replan = False
-        shape.verified_states = set()
-        if shape.measured_peak_bytes is not None and shape.measured_peak_bytes > (self.template.budget_bytes or 0):
-            shape.over_budget_peak_bytes = shape.measured_peak_bytes
-        shape.measured_peak_bytes = None  # a new plan: nothing measured under it yet
+        shape.compile(self.model, self.template, self.active)
 
     def _account(self, gradients: bool) -> StepAccount:
         """A new plan's step account: the template's options, this rank's extras, the gradients' state."""
@@ -421,10 +382,8 @@ class StepRuntime:
         """A backward of a step that already ended its first: plan again counting the gradients."""
         self._ended_backward = None  # once per step
         for shape in self._ended_plans:
-            if not shape.account.gradients_resident:
+            if shape.replans.counting_gradients(accumulate_in_backward=False):
                 log.info("a second backward of the step ran with the first one's gradients: planning again")
-                shape.account = shape.account.replace(gradients_resident=True, graph_budgets={})
-                shape.needs_replan = True
 
     def _forget_ended_step(self) -> None:
         for handle in self._handles:
@@ -468,26 +427,20 @@ class StepRuntime:
                 shape.verified_states.add(self._step_state)
             log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
             return
-        excess = peak - budget
         predicted = max((r.result.peak_bytes for r in self.active), default=0)
-        # What the prediction missed (eager code between graphs, allocator effects) is
-        # counted in full: correcting by the excess over the budget alone under-counts
-        # whenever the plan did not fill the budget, and the loop would creep.
-        unseen = max(excess, peak - predicted)
+        missed = 0
         for shape in self._step_plans:
             if shape.needs_replan:
                 continue  # planned again anyway (its outputs turned out to be held)
-            shape.replans += 1
-            shape.account = shape.account.replace(correction_bytes=shape.account.correction_bytes + unseen)
-            shape.needs_replan = True
-            if shape.replans > MAX_REPLANS:
-                floors = [r.min_feasible_bytes for r in shape.last_records] or [budget]
-                self._pending = BudgetExceededError(peak, budget, max(floors) + unseen, MAX_REPLANS)
+            try:
+                missed = shape.replans.after_measured(peak, self.active)
+            except BudgetExceededError as error:
+                self._pending = error
                 self.plans.pop(shape.key, None)
         message = (
             f"ckptc: the measured training step of {type(self.model).__name__} peaked at {peak} bytes, "
-            f"{excess} bytes above the budget of {budget} bytes (predicted {predicted} bytes); the next "
-            f"call plans again with the {unseen} bytes the prediction missed counted."
+            f"{peak - budget} bytes above the budget of {budget} bytes (predicted {predicted} bytes); the next "
+            f"call plans again with the {missed} bytes the prediction missed counted."
         )
         log.warning(message)
 
@@ -524,8 +477,7 @@ class StepRuntime:
     def _plan_again_holding_outputs(self, shapes: list[ShapePlan], key: str, message: str) -> None:
         """The caller holds these plans' results through backward after all: plan again counting them."""
         for shape in shapes:
-            shape.account = shape.account.replace(hold_outputs=True)
-            shape.needs_replan = True
+            shape.replans.holding_outputs()
         self._warn_once(key, message)
 
     def _check_patterns(self, ran: list[GraphRecord]) -> None:
@@ -545,6 +497,43 @@ class StepRuntime:
 
 
 # -- helpers -----------------------------------------------------------------
+def run_compiled(model: torch.nn.Module, compiled: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``torch.compile``'s module on a call, with ckptc's own errors surfaced, not Dynamo's wrappers."""
+    with internals.compile_config():
+        try:
+            return compiled(*args, **kwargs)
+        except internals.BackendCompilerFailed as error:
+            # Our own backend raised (an infeasible budget, a plan that does
+            # not match): surface that error, not Dynamo's wrapper.
+            inner = getattr(error, "inner_exception", None)
+            if inner is None:
+                raise UntraceableModelError.from_exception(model, error) from error
+            if isinstance(inner, CkptcError):
+                raise inner from None
+            # Anything else failing inside capture or planning: one error family, the cause chained.
+            raise UntraceableModelError.from_exception(model, inner) from inner
+        except internals.DynamoError as error:
+            raise UntraceableModelError.from_exception(model, error) from error
+
+
+def refuse_unplanned(model: torch.nn.Module, ran: list[GraphRecord], eager: coverage.EagerForward | None) -> None:
+    """Refuse a training call that ran without a planned graph, or left an RNN to eager code.
+
+    Raises:
+        UntraceableModelError: saying why and what to do.
+    """
+    coverage.refuse_uncaptured(model, ran, eager)
+    if not ran:
+        raise UntraceableModelError(
+            f"ckptc could not run the training step of {type(model).__name__} under a plan: "
+            "torch.compile ran the call without any captured graph (Dynamo skipped the frame, "
+            "for example after reaching its recompile limit, or the forward is wrapped in "
+            "torch.compiler.disable), so nothing would be checkpointed and the budget would not hold.\n"
+            "What to do: run the step with TORCH_LOGS=recompiles,graph_breaks to see why; keep the "
+            "number of distinct input shapes small (pad or bucket them); or train without ckptc."
+        )
+
+
 class ForwardState:
     """What a forward pass may change outside its results: buffers (running
     statistics) and the random state.  Saved before a call that plans, so the

@@ -18,9 +18,12 @@ AOTAutograd and the planner on it again; Dynamo's guards and bytecode stay):
   start or not) is measured from its first graph's forward to the end of its
   backward (:class:`ckptc.meter.StepMeter`), unless a graph planned during it;
   above the budget, the account counts what the prediction missed and the
-  graphs plan again, at most :data:`~ckptc.account.MAX_REPLANS` times; after
+  graphs plan again, at most :data:`~ckptc.replan.MAX_REPLANS` times; after
   that the next graph run raises :class:`ckptc.BudgetExceededError` naming the
   measured peak and what to do.
+
+The account and the evidence that changes it are a :class:`ckptc.replan.Replans`,
+as for every other path that plans.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.account import MAX_REPLANS, StepAccount, unnamed_gradient_bytes
+from ckptc.account import StepAccount, unnamed_gradient_bytes
 from ckptc.errors import BudgetExceededError
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
-from ckptc.planner import MAX_STEP_RETRIES
 from ckptc.records import GraphRecord
+from ckptc.replan import Replans, missed_bytes
 
 log = logging.getLogger("ckptc.watch")
 
@@ -49,13 +52,12 @@ class BackendStepCheck:
         model: the model, when the backend was given it (its parameters and gradients then count).
 
     Attributes:
-        account: the account every graph should be planned under now; a graph planned under
-            another plans again before it runs (:meth:`ckptc.compiler.CheckpointCompiler.__call__`).
+        replans: the account every graph should be planned under now (``replans.account``; a graph
+            planned under another plans again before it runs,
+            :meth:`ckptc.compiler.CheckpointCompiler.__call__`) and the evidence that changed it.
         measured_peak_bytes: the peak of the last step measured under the current plans (None before one).
         verified: the step states (gradients resident at its start or not) a measured step of the
             current plans was within the budget in.
-        over_budget_peak_bytes: the last measured peak above the budget (0 before one).
-        replans: how many times a measured excess was counted.
         replannable: False when a graph draws random numbers (see
             :func:`ckptc.compiler._draws_random_numbers`): the account stays as it is, and a step
             measured above the budget makes the next call raise :class:`~ckptc.BudgetExceededError`.
@@ -63,13 +65,11 @@ class BackendStepCheck:
 
     def __init__(self, budget_bytes: int, account: StepAccount, model: torch.nn.Module | None = None) -> None:
         self.budget_bytes = budget_bytes
-        self.account = account
+        self.replans = Replans(account, budget_bytes)
         self.model = model
         self.measured_peak_bytes: int | None = None
         self.verified: set[bool] = set()
-        self.replans = 0
         self.replannable = True
-        self._repeat_replans = 0
         self._state = False
         self._open = False
         self._measure = False
@@ -77,15 +77,18 @@ class BackendStepCheck:
         self._counted: set[Any] = set()  # storages already in the meter's baseline
         self._handles: list[Any] = []
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
-        self._missed = 0  # what the last measured step showed the prediction missed, counted at the next step
-        self.over_budget_peak_bytes = 0
+        self._over_budget: int | None = None  # the last measured peak above the budget, counted at the next step
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
+
+    @property
+    def account(self) -> StepAccount:
+        return self.replans.account
 
     def __repr__(self) -> str:
         return (
             f"BackendStepCheck(budget={self.budget_bytes}, verified={self.verified}, "
-            f"measured_peak_bytes={self.measured_peak_bytes}, replans={self.replans})"
+            f"measured_peak_bytes={self.measured_peak_bytes}, replans={self.replans.replans})"
         )
 
     def begin(self, args: Sequence[Any]) -> bool:
@@ -98,7 +101,7 @@ class BackendStepCheck:
         if state and not self.account.gradients_resident:
             log.info("torch.compile(backend='ckptc'): a step starts with gradients resident; planning again")
             self._count_gradients()
-        if self._missed:
+        if self._over_budget is not None:
             self._count_missed()
         for handle in self._handles:
             handle.remove()
@@ -142,29 +145,27 @@ class BackendStepCheck:
         self._end(measured=False)
 
     def _count_gradients(self, *, accumulate: bool = True) -> None:
-        if not self.replannable:
-            return
-        self.account = self.account.replace(
-            gradients_resident=True, accumulate_in_backward=accumulate, graph_budgets={}
-        )
-        self._replanned()
+        if self.replannable and self.replans.counting_gradients(accumulate_in_backward=accumulate):
+            self._replanned()
 
     def _replanned(self) -> None:
         """The account changed for a reason the step showed: what the last measurement missed is measured
         again under the new plans rather than counted on top."""
         self.verified.clear()
         self.measured_peak_bytes = None
-        self._missed = 0
+        self._over_budget = None
 
     def _count_missed(self) -> None:
         """Count what the last measured step (``_ran``, not reset yet) showed the prediction missed,
-        or refuse after MAX_REPLANS."""
-        missed = self._missed
+        or refuse (after MAX_REPLANS, or when the graphs are not planned again)."""
+        peak = self._over_budget
+        assert peak is not None
         if not self.replannable:
+            missed = missed_bytes(peak, self.budget_bytes, self._ran)
             raise BudgetExceededError(
-                self.over_budget_peak_bytes,
+                peak,
                 self.budget_bytes,
-                self.over_budget_peak_bytes,
+                peak,
                 0,
                 what_to_do=(
                     f"measured by torch.compile(backend='ckptc')'s run-time check; the plan did not count {missed} "
@@ -175,11 +176,7 @@ class BackendStepCheck:
                     f"{max(1, self.budget_bytes - missed)} bytes."
                 ),
             )
-        if self.replans >= MAX_REPLANS:  # raised at every step from now on: the budget does not hold
-            floor = max((r.min_feasible_bytes for r in self._ran), default=self.budget_bytes)
-            raise BudgetExceededError(self.over_budget_peak_bytes, self.budget_bytes, floor + missed, self.replans)
-        self.replans += 1
-        self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
+        self.replans.after_measured(peak, self._ran)  # raised at every step once used up: the budget does not hold
         self._replanned()
 
     def _uncounted(self, objects: list[Any]) -> int:
@@ -230,17 +227,16 @@ class BackendStepCheck:
             log.info("measured step peak %d bytes, within the budget of %d bytes", peak, self.budget_bytes)
             return
         predicted = max((r.result.peak_bytes for r in self._ran), default=0)
-        # Counted in full, as ckptc.step does: the excess alone under-counts when the plan left room.
         # Counted when the next step begins, unless the account changes before (a second backward).
-        self._missed = max(peak - self.budget_bytes, peak - predicted)
-        self.over_budget_peak_bytes = peak
+        self._over_budget = peak
         log.warning(
             "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
             "(predicted %d); %s",
             peak,
             self.budget_bytes,
             predicted,
-            f"the next call plans again with the {self._missed} bytes the prediction missed counted"
+            f"the next call plans again with the {missed_bytes(peak, self.budget_bytes, self._ran)} bytes "
+            "the prediction missed counted"
             if self.replannable
             else "the next call raises BudgetExceededError (graphs with random ops are not planned again)",
         )
@@ -248,16 +244,12 @@ class BackendStepCheck:
     def _count_repeats(self) -> bool:
         """A graph run several times in the step (two calls, layers compiled once): plan it for its last
         run.  Whether the account changed."""
-        if self._repeat_replans >= MAX_STEP_RETRIES or not self.replannable:
+        if not self.replannable:
             return False
         unnamed = unnamed_gradient_bytes(self.model, self._ran) if self.model is not None else 0
-        counted = self.account.counting_repeats(self._ran, unnamed)
-        if counted is self.account:
+        if not self.replans.after_run(self._ran, unnamed):
             return False
-        self._repeat_replans += 1
-        self.account = counted
         self._replanned()
-        log.info("torch.compile(backend='ckptc'): graphs run several times in a step; planning again")
         return True
 
 

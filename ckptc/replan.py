@@ -1,0 +1,216 @@
+"""The one replan loop: what a step shows its plans did not count becomes the account of the next plans.
+
+A step is planned graph by graph, each graph under the step's
+:class:`~ckptc.account.StepAccount`.  What the whole step turns out to hold is
+only known once its graphs ran (or were decided) together, and a measured step
+can show more still.  :class:`Replans` holds the account of one step's plans and
+turns each kind of evidence into the next account, within fixed limits:
+
+* a graph that could not fit after earlier graphs' plans (``infeasible``):
+  earlier graphs get tighter budgets of their own (:func:`tighter_graph_budgets`,
+  at most :data:`MAX_STEP_RETRIES` times per planning run);
+* a graph run several times in the step (identical layers compiled once, a
+  model called twice): count what earlier runs leave alive at its last run
+  (:meth:`~ckptc.account.StepAccount.counting_repeats`, at most
+  :data:`MAX_STEP_RETRIES` times per planning run);
+* a measured step above the budget: count what the prediction missed, at most
+  :data:`MAX_REPLANS` times, then :class:`~ckptc.errors.BudgetExceededError`;
+* gradients resident while the step runs (accumulation, a second backward) and
+  results the caller holds through backward.
+
+:func:`settle` is the loop itself, for paths that can run (or decide) a step
+again at once: :class:`ckptc.planner.CapturedStep` (deciding captured graphs
+under a new budget) and a call of :class:`ckptc.step.StepRuntime` that plans.
+Evidence seen only later (a measured step, a second backward) reaches the same
+:class:`Replans` from :class:`ckptc.step.StepRuntime` and from the
+``torch.compile`` backend's check (:class:`ckptc.watch.BackendStepCheck`); their
+next call plans under the new account.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable, Mapping, Sequence, TypeVar
+
+import solvers
+from ckptc.account import StepAccount, budget_for_planning_floor
+from ckptc.errors import BudgetExceededError
+from ckptc.records import GraphRecord
+
+log = logging.getLogger("ckptc.replan")
+
+#: How many times one planning run tightens earlier graphs' budgets, and counts repeated graphs again.
+MAX_STEP_RETRIES = 2
+#: How many times a plan is made again with a measured excess counted before the budget is refused.
+MAX_REPLANS = 3
+
+T = TypeVar("T")
+
+
+class Replans:
+    """The account a step's plans are made under, and the evidence that changed it (module docstring).
+
+    Args:
+        account: the account of the first plans.
+        budget_bytes: the step's budget (None: no limit, nothing to correct).
+
+    Attributes:
+        account: the account the next plans are made under.
+        replans: how many measured excesses were counted.
+        over_budget_peak_bytes: the last measured peak above the budget (0 before one).
+    """
+
+    def __init__(self, account: StepAccount, budget_bytes: int | None) -> None:
+        self.account = account
+        self.budget_bytes = budget_bytes
+        self.replans = 0
+        self.over_budget_peak_bytes = 0
+        self._tightened = 0
+        self._repeats = 0
+
+    def __repr__(self) -> str:
+        return f"Replans(budget={self.budget_bytes}, replans={self.replans}, account={self.account})"
+
+    def new_planning_run(self) -> None:
+        """A new planning run begins (a call that plans, a plan under a new budget): its retries start at 0."""
+        self._tightened = self._repeats = 0
+
+    def after_run(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0) -> bool:
+        """After the graphs ``ran`` (in run order) under :attr:`account`: whether the step must be
+        planned again (the account changed).
+
+        Raises:
+            solvers.InfeasibleBudgetError: a graph cannot fit even with earlier graphs keeping as
+                little as they can (the message gives the step's floor), or the retries are used up.
+        """
+        if any(r.infeasible for r in ran):
+            assert self.budget_bytes is not None  # only a budget makes graphs infeasible
+            budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
+            self._tightened += 1
+            self.account = self.account.replace(graph_budgets=budgets)
+            log.info("a later graph did not fit after earlier graphs' plans; earlier graphs keep less: %s", budgets)
+            return True
+        if self._repeats >= MAX_STEP_RETRIES:
+            return False
+        counted = self.account.counting_repeats(ran, unnamed_gradient_bytes)
+        if counted is self.account:
+            return False
+        self._repeats += 1
+        self.account = counted
+        log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_bytes))
+        return True
+
+    def after_measured(self, peak_bytes: int, ran: Sequence[GraphRecord]) -> int:
+        """A step of the graphs ``ran`` under the current plans measured ``peak_bytes``, above the
+        budget: count what the prediction missed; returns it.
+
+        What the prediction missed (eager code between graphs, allocator effects) is counted in
+        full: correcting by the excess over the budget alone under-counts whenever the plan did
+        not fill the budget, and the loop would creep.
+
+        Raises:
+            BudgetExceededError: :data:`MAX_REPLANS` corrections were counted already.
+        """
+        assert self.budget_bytes is not None and peak_bytes > self.budget_bytes
+        missed = missed_bytes(peak_bytes, self.budget_bytes, ran)
+        self.over_budget_peak_bytes = peak_bytes
+        if self.replans >= MAX_REPLANS:
+            floor = max((r.min_feasible_bytes for r in ran), default=self.budget_bytes)
+            raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans)
+        self.replans += 1
+        self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
+        return missed
+
+    def counting_gradients(self, *, accumulate_in_backward: bool) -> bool:
+        """Gradients are resident while the step runs (whether the account changed)."""
+        if self.account.gradients_resident:
+            return False
+        self.account = self.account.replace(
+            gradients_resident=True, accumulate_in_backward=accumulate_in_backward, graph_budgets={}
+        )
+        return True
+
+    def holding_outputs(self) -> bool:
+        """The caller holds forward results through backward (whether the account changed)."""
+        if self.account.hold_outputs is True:
+            return False
+        self.account = self.account.replace(hold_outputs=True)
+        return True
+
+    def refusal(self, error: solvers.InfeasibleBudgetError) -> BaseException:
+        """What to raise when a plan made again no longer fits: after counted corrections, the
+        measured step's :class:`~ckptc.errors.BudgetExceededError`; otherwise ``error`` itself."""
+        if not self.account.correction_bytes or error.min_feasible_bytes is None:
+            return error
+        peak = self.over_budget_peak_bytes
+        return BudgetExceededError(peak, error.budget_bytes, error.min_feasible_bytes, self.replans)
+
+
+def settle(
+    run: Callable[[StepAccount], tuple[T, Sequence[GraphRecord]]],
+    replans: Replans,
+    unnamed_gradient_bytes: Callable[[Sequence[GraphRecord]], int] = lambda ran: 0,
+) -> T:
+    """Run (or decide) a step under ``replans.account`` until its graphs' plans fit together.
+
+    ``run(account)`` plans and runs (or only decides) every graph of the step under
+    ``account`` and returns its result with the graphs in the order they ran; it is
+    called again under each new account (:meth:`Replans.after_run`), its earlier
+    result dropped first.  ``unnamed_gradient_bytes(ran)`` gives the gradient bytes
+    of parameters no graph names (see :func:`ckptc.account.repeat_bytes`).
+    """
+    replans.new_planning_run()
+    while True:
+        result, ran = run(replans.account)
+        if not replans.after_run(ran, unnamed_gradient_bytes(ran)):
+            return result
+        del result, ran  # the next run must not hold this one's activations
+
+
+def missed_bytes(peak_bytes: int, budget_bytes: int, ran: Sequence[GraphRecord]) -> int:
+    """What a step measured at ``peak_bytes`` showed its plans' prediction missed (see
+    :meth:`Replans.after_measured`)."""
+    predicted = max((r.result.peak_bytes for r in ran), default=0)
+    return max(peak_bytes - budget_bytes, peak_bytes - predicted)
+
+
+def tighter_graph_budgets(
+    ran: Sequence[GraphRecord], budget_bytes: int, attempt: int, current: Mapping[int, int]
+) -> dict[int, int]:
+    """Budgets for the graphs before the last one that could not fit (``infeasible``) in ``ran``.
+
+    The first retry asks earlier graphs to leave room for what the later graph
+    needs at its floor; the second to keep as little as they can.
+
+    Raises:
+        solvers.InfeasibleBudgetError: the step's floor is above the budget
+            (the message gives it), or the retries are used up.
+    """
+    short = [r for r in ran if r.infeasible]
+    floor = max(r.min_feasible_bytes for r in ran)
+    last = max(r.index for r in short)
+    # Nothing before the graph that did not fit can keep less: planning again cannot help.
+    if floor > budget_bytes or last == 0:
+        raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
+    if attempt >= MAX_STEP_RETRIES:
+        raise solvers.InfeasibleBudgetError(
+            budget_bytes,
+            None,
+            "ckptc could not make the graphs of this step fit together in "
+            f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes) after {MAX_STEP_RETRIES} retries, "
+            f"although each graph's floor with the graphs before it at theirs is at most {floor} bytes. "
+            "What to do: give a few percent more budget, or pass solver='auto' if another solver was chosen.",
+        )
+    if attempt == 0:
+        need = max(budget_for_planning_floor(r.floor_peak_bytes, r.margin_bytes) - budget_bytes for r in short)
+        # Each earlier graph lowers its own peak (keeping less) by its share of `need` (the budget
+        # alone would not bind a graph whose peak is well below it); a graph run for several
+        # layers (blocks compiled once) keeps its bytes once per run.
+        runs = Counter(r.index for r in ran if r.index < last)
+        peaks = {r.index: r.result.peak_bytes for r in ran}
+        shares = {j: -(-need // runs.get(j, 1)) for j in range(last)}  # ceil(need / runs)
+        tighter = {j: max(0, min(budget_bytes, peaks.get(j, budget_bytes)) - shares[j]) for j in range(last)}
+    else:  # keep as little as possible before the last graph that did not fit
+        tighter = {j: 0 for j in range(last)}
+    return {j: min(b, current.get(j, b)) for j, b in tighter.items()}
