@@ -42,7 +42,7 @@ def first_verified_step(name: str, size: str, at: float) -> dict:
         if fast.plan.measured_peak_bytes is not None:
             measured = fast.plan.measured_peak_bytes
             break
-    replans = max(shape.replans for shape in fast.step_runtime.plans.values())
+    replans = max(shape.replans.replans for shape in fast.step_runtime.plans.values())
     later = measure(case, fast).peak_bytes
     return {
         "model": name,
