@@ -78,33 +78,31 @@ class Replans:
 
     def after_run(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0) -> bool:
         """After the graphs ``ran`` (in run order) under :attr:`account`: whether the step must be
-        planned again (the account changed).  Repeats are counted first (a graph planned for its
-        first run may keep too much for its last), then earlier graphs are asked to keep less for a
-        graph that did not fit.
+        planned again (the account changed).  Earlier graphs are first asked to keep less for a graph
+        that did not fit, then repeats are counted: counted first, they can leave the first graph
+        unable to fit at its floor (its earlier runs keeping what the tighter budgets would not), a
+        refusal where keeping less fits.
 
         Raises:
             solvers.InfeasibleBudgetError: a graph cannot fit even with earlier graphs keeping as
                 little as they can (the message gives the step's floor), or the retries are used up.
         """
-        if self._repeats < MAX_STEP_RETRIES:
-            counted = self.account.counting_repeats(ran, unnamed_gradient_bytes)
-            if counted is not self.account:
-                self._repeats += 1
-                self.account = counted
-                log.info(
-                    "graphs %s run several times in a step: planned for their last run",
-                    sorted(self.account.repeat_bytes),
-                )
-                return True
         if any(r.infeasible for r in ran):
             assert self.budget_bytes is not None  # only a budget makes graphs infeasible
             budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
             self._tightened += 1
-            self._repeats = 0  # each tighter attempt counts its own repeats
             self.account = self.account.replace(graph_budgets=budgets)
             log.info("a later graph did not fit after earlier graphs' plans; earlier graphs keep less: %s", budgets)
             return True
-        return False
+        if self._repeats >= MAX_STEP_RETRIES:
+            return False
+        counted = self.account.counting_repeats(ran, unnamed_gradient_bytes)
+        if counted is self.account:
+            return False
+        self._repeats += 1
+        self.account = counted
+        log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_bytes))
+        return True
 
     def after_measured(self, peak_bytes: int, ran: Sequence[GraphRecord]) -> int:
         """A step of the graphs ``ran`` under the current plans measured ``peak_bytes``, above the
