@@ -29,7 +29,7 @@ import torch.fx as fx
 import solvers
 from ckptc import _torch_internals as internals
 from ckptc.account import StepAccount
-from ckptc.costs import annotate_costs, is_random, measure_runtimes, measure_scratch
+from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.coverage import refuse_oversized
 from ckptc.distributed import check_backend_context
 from ckptc.lean_backward import GradientSink, accumulate_into_parameters, drop_unread_batch_norm_statistics, reinplace
@@ -189,8 +189,6 @@ class CheckpointCompiler:
         # Results nobody uses get no gradient tensor (ckptc.unused_grads).
         no_zeros = self.options.compiler == "eager" and zeros_buildable(record.joint_problem.joint.graph)
         check = self._backend_check()
-        if check is not None and _draws_random_numbers(record):
-            check.replannable = False
         if not no_zeros and check is None:
             return compiled
         planned_under = self.account
@@ -384,10 +382,3 @@ class CheckpointCompiler:
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
         backward.meta["ckptc_record"] = RecordLink(record, gradient_sink)
         return forward, backward
-
-
-def _draws_random_numbers(record: GraphRecord) -> bool:
-    """Whether the graph has random ops (dropout).  A graph planned again outside Dynamo's compile
-    was seen to leave the random stream of later steps different from eager's (dropout masks and so
-    gradients then differ), so the backend does not plan such graphs again."""
-    return any(n.op == "call_function" and is_random(n) for n in record.joint_problem.joint.graph.nodes)

@@ -94,12 +94,36 @@ def rewrite(
     saved_values, saved_sym_nodes = _saved_for_backward(new, created_in_forward)
     new_joint = fx.GraphModule(joint, new)
     fw, bw = split_joint_graph(new_joint, saved_values, saved_sym_nodes, num_fwd_outputs)
+    _drop_stray_forward_ops(bw)
     log.debug(
         "rewrote joint graph: %d saved values, %d recomputations",
         len(saved_values),
         sum(1 for n in bw.graph.nodes if "ckptc_recompute_of" in n.meta),
     )
     return fw, bw
+
+
+def _drop_stray_forward_ops(backward: fx.GraphModule) -> int:
+    """Remove forward ops that the split copied into ``backward`` although the schedule never runs them there.
+
+    AOTAutograd's split copies into the backward every forward op whose inputs the backward has,
+    and its dead-code pass keeps the impure ones: a dropout whose input is saved for its replay
+    ran a second time in backward, unused, and moved the random stream (the masks of the next
+    steps then differed from eager's, and its output and mask took memory no plan counted).  The
+    schedule's recomputations are marked ``ckptc_recompute_of``; any other forward op here is a stray.
+    Returns how many were removed.
+    """
+    removed = 0
+    for node in reversed(list(backward.graph.nodes)):
+        cost = node.meta.get("ckptc")
+        stray = node.op == "call_function" and cost is not None and cost.kind == FORWARD
+        if stray and not node.users and "ckptc_recompute_of" not in node.meta:
+            backward.graph.erase_node(node)
+            removed += 1
+    if removed:
+        backward.recompile()
+        log.debug("backward: %d forward ops the split had copied in removed", removed)
+    return removed
 
 
 def _replay_node(graph: fx.Graph, node: fx.Node, state: fx.Node, current) -> fx.Node:

@@ -35,7 +35,6 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.account import StepAccount, unnamed_gradient_bytes
-from ckptc.errors import BudgetExceededError
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
 from ckptc.records import GraphRecord
 from ckptc.replan import Replans, missed_bytes
@@ -58,9 +57,6 @@ class BackendStepCheck:
         measured_peak_bytes: the peak of the last step measured under the current plans (None before one).
         verified: the step states (gradients resident at its start or not) a measured step of the
             current plans was within the budget in.
-        replannable: False when a graph draws random numbers (see
-            :func:`ckptc.compiler._draws_random_numbers`): the account stays as it is, and a step
-            measured above the budget makes the next call raise :class:`~ckptc.BudgetExceededError`.
     """
 
     def __init__(self, budget_bytes: int, account: StepAccount, model: torch.nn.Module | None = None) -> None:
@@ -69,7 +65,6 @@ class BackendStepCheck:
         self.model = model
         self.measured_peak_bytes: int | None = None
         self.verified: set[bool] = set()
-        self.replannable = True
         self._state = False
         self._open = False
         self._measure = False
@@ -145,7 +140,7 @@ class BackendStepCheck:
         self._end(measured=False)
 
     def _count_gradients(self, *, accumulate: bool = True) -> None:
-        if self.replannable and self.replans.counting_gradients(accumulate_in_backward=accumulate):
+        if self.replans.counting_gradients(accumulate_in_backward=accumulate):
             self._replanned()
 
     def _replanned(self) -> None:
@@ -157,26 +152,10 @@ class BackendStepCheck:
 
     def _count_missed(self) -> None:
         """Count what the last measured step (``_ran``, not reset yet) showed the prediction missed,
-        or refuse (after MAX_REPLANS, or when the graphs are not planned again)."""
+        or refuse after MAX_REPLANS (at every step from then on: the budget does not hold)."""
         peak = self._over_budget
         assert peak is not None
-        if not self.replannable:
-            missed = missed_bytes(peak, self.budget_bytes, self._ran)
-            raise BudgetExceededError(
-                peak,
-                self.budget_bytes,
-                peak,
-                0,
-                what_to_do=(
-                    f"measured by torch.compile(backend='ckptc')'s run-time check; the plan did not count {missed} "
-                    "bytes the step holds (gradients resident across calls, several calls or backwards per step, "
-                    "eager code between graphs). The model draws random numbers (dropout), and the backend does "
-                    "not plan such graphs again: use ckptc.optimize(model, budget_bytes=...), which plans again "
-                    f"counting what a measured step shows, or give the backend a budget of about "
-                    f"{max(1, self.budget_bytes - missed)} bytes."
-                ),
-            )
-        self.replans.after_measured(peak, self._ran)  # raised at every step once used up: the budget does not hold
+        self.replans.after_measured(peak, self._ran)
         self._replanned()
 
     def _uncounted(self, objects: list[Any]) -> int:
@@ -236,16 +215,12 @@ class BackendStepCheck:
             self.budget_bytes,
             predicted,
             f"the next call plans again with the {missed_bytes(peak, self.budget_bytes, self._ran)} bytes "
-            "the prediction missed counted"
-            if self.replannable
-            else "the next call raises BudgetExceededError (graphs with random ops are not planned again)",
+            "the prediction missed counted",
         )
 
     def _count_repeats(self) -> bool:
         """A graph run several times in the step (two calls, layers compiled once): plan it for its last
         run.  Whether the account changed."""
-        if not self.replannable:
-            return False
         unnamed = unnamed_gradient_bytes(self.model, self._ran) if self.model is not None else 0
         if not self.replans.after_run(self._ran, unnamed):
             return False
