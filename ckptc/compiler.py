@@ -39,6 +39,7 @@ from ckptc.plans import ModelPlan
 from ckptc.policies import policies_from_patterns
 from ckptc.problem import joint_to_problem
 from ckptc.records import GraphInputs, GraphRecord, PlanSource, RecordLink
+from ckptc.replan import Replans
 from ckptc.rewriter import rewrite
 from ckptc.rng import insert_rng_state_nodes
 from ckptc.unused_grads import ZeroGradBackward, zeros_buildable
@@ -61,6 +62,9 @@ class CheckpointCompiler:
         progress: ``(fraction, message)`` callback for long solves.
         account: what the step holds besides each graph's activations
             (:class:`~ckptc.account.StepAccount`; default: a step from ``None`` gradients).
+        replans: where the account comes from instead (:class:`ckptc.replan.Replans`, the step
+            runtime's for one input shape): when its account changes, each graph plans again
+            when it next runs, from Dynamo's graph (Dynamo's guards and bytecode stay).
         generate_kernels: under ``compiler="inductor"``, compile the graphs with
             Inductor (False: :func:`ckptc.capture` traces them as Inductor would
             and runs them op by op, since planning needs no kernels).
@@ -83,6 +87,7 @@ class CheckpointCompiler:
         account: StepAccount | None = None,
         generate_kernels: bool = True,
         step: list[GraphRecord] | None = None,
+        replans: Replans | None = None,
         **option_values: Any,
     ) -> None:
         if not isinstance(options, CheckpointOptions):
@@ -93,7 +98,15 @@ class CheckpointCompiler:
         self.model = model
         self.plan_source = plan_source
         self.progress = progress
-        self.account = account if account is not None else StepAccount(hold_outputs=options.hold_outputs)
+        if replans is None:
+            account = account if account is not None else StepAccount(hold_outputs=options.hold_outputs)
+            replans = Replans(account, options.budget_bytes)
+        self.replans = replans
+        # The account of the latest plan made (None before the first).
+        self.planned_account: StepAccount | None = None
+        self.plans_made = 0  # graphs planned so far, counting those planned again
+        # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
+        self._scratch: dict[tuple, int] = {}
         self.generate_kernels = generate_kernels
         # Whether a caller tracks steps (ending them when backward ends); without one
         # a graph running again means a new step began.
@@ -111,6 +124,11 @@ class CheckpointCompiler:
         return self.options.budget_bytes
 
     @property
+    def account(self) -> StepAccount:
+        """The account graphs are planned under now (``replans.account``)."""
+        return self.replans.account
+
+    @property
     def strategy(self) -> str:
         return self.options.strategy
 
@@ -118,17 +136,17 @@ class CheckpointCompiler:
     def solver(self) -> str:
         return self.options.solver
 
-    def for_account(self, account: StepAccount, step: list[GraphRecord] | None = None) -> "CheckpointCompiler":
-        """A fresh compiler with this one's options and ``account``, no graphs planned, appending
-        the graphs it runs to ``step`` (see the class docstring)."""
+    def for_step(self, replans: Replans, step: list[GraphRecord]) -> "CheckpointCompiler":
+        """A fresh compiler with this one's options, no graphs planned, planning under ``replans``'
+        account and appending the graphs it runs to ``step`` (see the class docstring)."""
         return CheckpointCompiler(
             self.options,
             model=self.model,
             plan_source=self.plan_source,
             progress=self.progress,
-            account=account,
             generate_kernels=self.generate_kernels,
             step=step,
+            replans=replans,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -181,35 +199,34 @@ class CheckpointCompiler:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
         index = len(self.records)
-        if self.step_check is not None:
-            self.account = self.step_check.account  # what the backend's steps showed so far
         compiled, record = self._plan_graph(gm, example_inputs, index)
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.unused_grads).
         no_zeros = self.options.compiler == "eager" and zeros_buildable(record.joint_problem.joint.graph)
         check = self._backend_check()
-        if not no_zeros and check is None:
+        if not no_zeros and check is None and not self.track_steps:
             return compiled
         planned_under = self.account
 
         def run(*args: Any) -> Any:
             nonlocal compiled, record, planned_under
-            if check is not None:
-                if check.begin(args):
-                    self.active.clear()  # a new step: no graph of it has run yet
-                if check.account != planned_under:
-                    # The step showed what this graph's plan did not count: plan it again, from
-                    # Dynamo's graph (Dynamo's guards and bytecode stay as they are).
+            if check is not None and check.begin(args):
+                self.active.clear()  # a new step: no graph of it has run yet
+            if self.account != planned_under:
+                # The step showed what this graph's plan did not count: plan it again, from
+                # Dynamo's graph (Dynamo's guards and bytecode stay as they are).
+                if check is not None:
                     check.planned()
-                    self.account = planned_under = check.account
-                    try:
-                        compiled, record = self._plan_graph(gm, example_inputs, index)
-                    except solvers.InfeasibleBudgetError as error:
-                        refusal = check.replans.refusal(error)
-                        if refusal is error:
-                            raise
-                        raise refusal from error
+                planned_under = self.account
+                try:
+                    compiled, record = self._plan_graph(gm, example_inputs, index)
+                except solvers.InfeasibleBudgetError as error:
+                    refusal = self.replans.refusal(error)
+                    if refusal is error:
+                        raise
+                    raise refusal from error
+            if check is not None:
                 check.graph_starts(record, args)
             try:
                 outputs = compiled(*args)
@@ -274,7 +291,7 @@ class CheckpointCompiler:
         if self.track_steps or self.budget_bytes is None or not self.generate_kernels:
             return None
         if self.step_check is None:
-            self.step_check = BackendStepCheck(self.budget_bytes, self.account, self.model)
+            self.step_check = BackendStepCheck(self.replans, self.model)
         return self.step_check
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -345,7 +362,7 @@ class CheckpointCompiler:
             joint = internals.inductor_joint_passes(joint)
         annotate_costs(joint, self.options.compiler)
         if self.options.measure_scratch:
-            measure_scratch(joint)
+            measure_scratch(joint, self._scratch)
         if self.options.measure_time:
             measure_runtimes(joint)
         policies = policies_from_patterns(
@@ -377,6 +394,8 @@ class CheckpointCompiler:
             self.records[index] = record
         else:
             self.records.append(record)
+        self.planned_account = self.account
+        self.plans_made += 1
         self._just_planned = record
         steps = solvers.schedule(jp.problem, record.plan)
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)

@@ -472,7 +472,7 @@ def _signature(node: fx.Node) -> tuple:
     return (node.target, tuple(describe(a) for a in leaves))
 
 
-def measure_scratch(joint: fx.GraphModule) -> int:
+def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None) -> int:
     """Measure the temporary memory each op allocates while it runs.
 
     Kernels allocate workspace that their outputs do not show: CPU
@@ -481,7 +481,10 @@ def measure_scratch(joint: fx.GraphModule) -> int:
     argument shapes and strides) runs once on random tensors, in isolation, and
     the allocator's events give its peak above its start and end levels.  Ops
     that cannot run on random data (data-dependent ones) are skipped (0 bytes).
-    Needs :func:`annotate_costs` first.  Returns the number of distinct ops run.
+    ``known`` maps signatures measured before (by an earlier graph, or the
+    same graph planned again) to their scratch: those are not run again, and
+    what this call measures is added to it.  Needs :func:`annotate_costs`
+    first.  Returns the number of distinct ops run.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -492,9 +495,14 @@ def measure_scratch(joint: fx.GraphModule) -> int:
             if node.target.is_view:
                 continue
             by_signature.setdefault(_signature(node), []).append(node)
+    if known is not None:
+        for signature in [sig for sig in by_signature if sig in known]:
+            for node in by_signature.pop(signature):
+                node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=known[signature])
     if not by_signature:
         return 0
     labels: dict[str, list[fx.Node]] = {}
+    signatures: dict[str, tuple] = {}
     # Random ops (dropout allocates a temporary mask) run too; fork_rng keeps the
     # program's random stream as it was.
     with (
@@ -503,7 +511,7 @@ def measure_scratch(joint: fx.GraphModule) -> int:
         quiet_profiler(),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
-        for i, nodes in enumerate(by_signature.values()):
+        for i, (signature, nodes) in enumerate(by_signature.items()):
             node = nodes[0]
             try:
                 args = torch.fx.node.map_arg(node.args, lambda n: _materialize(n.meta.get("val")))
@@ -519,6 +527,7 @@ def measure_scratch(joint: fx.GraphModule) -> int:
                 log.debug("could not run %s on random data to measure its scratch memory", node.target, exc_info=True)
                 continue
             labels[label] = nodes
+            signatures[label] = signature
             del args, kwargs
     events = list(profiler_events(prof))
     windows = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels)
@@ -539,4 +548,6 @@ def measure_scratch(joint: fx.GraphModule) -> int:
         scratch = max(0, peak - max(level, 0))
         for node in labels[label]:
             node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=scratch)
+        if known is not None:
+            known[signatures[label]] = scratch
     return len(labels)

@@ -6,7 +6,8 @@
 * keeps one plan per input signature (shapes, dtypes, devices) in a bounded
   LRU cache; each plan is its own ``torch.compile`` of the model with its own
   :class:`~ckptc.compiler.CheckpointCompiler`, so one shape can be planned
-  again without touching the others;
+  again without touching the others (when its account changes, its graphs plan
+  again in place from Dynamo's kept graphs: no new ``torch.compile``);
 * tracks the *step*: it begins with the first training call after a backward
   and ends when a backward pass that reaches the call's outputs finishes (a
   hook on the outputs queues a callback on the autograd engine).  Every graph
@@ -73,18 +74,25 @@ class ShapePlan:
 
     @property
     def needs_replan(self) -> bool:
-        """The account changed since the current plans were made."""
-        return self.compiler.account != self.replans.account
+        """The account changed since the current plans were made (each graph plans again, in place,
+        when it next runs)."""
+        planned = self.compiler.planned_account
+        return planned is not None and planned != self.replans.account
 
     def compile(self, model: torch.nn.Module, template: CheckpointCompiler, step: list[GraphRecord]) -> None:
-        """A fresh compiler with ``template``'s options under :attr:`account`, appending the graphs it
-        runs to ``step``, and a ``torch.compile`` of ``model`` with it (it plans on its next call)."""
+        """A fresh compiler with ``template``'s options under :attr:`replans`' account, appending the
+        graphs it runs to ``step``, and a ``torch.compile`` of ``model`` with it (it plans on its next
+        call).  Made once per shape: when the account changes, the graphs plan again in place."""
         # Checked where a capture is prepared, not on every call: it walks every module.
         coverage.refuse_before_capture(model)
-        self.compiler = template.for_account(self.account, step=step)
+        self.compiler = template.for_step(self.replans, step)
         self.compiled = internals.compile_module(model, self.compiler)
+        self.new_plans()
+
+    def new_plans(self) -> None:
+        """The plans are made (again): nothing measured or verified under them yet."""
         self.verified_states = set()
-        self.measured_peak_bytes = None  # a new plan: nothing measured under it yet
+        self.measured_peak_bytes = None
 
     def plan_call(
         self,
@@ -96,15 +104,16 @@ class ShapePlan:
         *,
         reference: bool = True,
     ) -> Any:
-        """Run a call that plans (the compiler has planned nothing yet), again until the plans of its
-        graphs fit together (:func:`ckptc.replan.settle`); the graphs that ran are appended to ``step``.
+        """Run a call that plans (the compiler has planned nothing yet, or the account changed), again
+        until the plans of its graphs fit together (:func:`ckptc.replan.settle`); the graphs that ran
+        are appended to ``step``.
 
         Graphs after a break are captured only when the forward reaches them, so an earlier graph
         is planned without knowing what later ones need, and a graph run several times (layers
         compiled once) is planned for its first run.  A compiler planning under a budget plans a
         graph that cannot fit at its lowest peak and marks it (``defer_infeasible``); the call then
         knows every graph.  When the account changes, the forward's effects on buffers, inputs and
-        the random state are undone and the call runs again under a new compile.  ``reference``:
+        the random state are undone and the call runs again (each graph plans again as it runs).  ``reference``:
         also run the forward eagerly once (:class:`ckptc.coverage.EagerForward`, the coverage
         report's reference).
         """
@@ -119,11 +128,14 @@ class ShapePlan:
             del copies
             saved.restore()
 
+        attempts = 0
+
         def run(account: StepAccount) -> tuple[Any, list[GraphRecord]]:
-            if account != self.compiler.account:  # planned again: undo the last attempt first
+            nonlocal attempts
+            if attempts:  # the account changed: undo the last attempt first
                 del step[before:]
                 saved.restore()
-                self.compile(model, template, step)
+            attempts += 1
             return run_compiled(model, self.compiled, args, kwargs), step[before:]
 
         output = settle(run, self.replans, lambda ran: unnamed_gradient_bytes(model, ran))
@@ -220,7 +232,7 @@ class StepRuntime:
             self._step_plans.append(shape)
         self.last = shape
         before = len(self.active)
-        planned = len(shape.compiler.records)
+        planned = shape.compiler.plans_made
         try:
             try:
                 output = self._run(shape, args, kwargs)
@@ -236,7 +248,7 @@ class StepRuntime:
             if opened:
                 self._abort_step()
             raise
-        if len(shape.compiler.records) > planned:
+        if shape.compiler.plans_made > planned:
             # Planning profiles ops (scratch memory) with its own torch.profiler
             # session, which would corrupt this step's measurement: measure a later step.
             self._step_compiled = True
@@ -263,8 +275,9 @@ class StepRuntime:
             )
 
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
-        if shape.compiler.records:
+        if shape.compiler.records and not shape.needs_replan:
             return run_compiled(self.model, shape.compiled, args, kwargs)
+        shape.new_plans()
         before = len(self.active)
         try:
             # No reference forward under DDP/FSDP2: it would run collectives and leave FSDP2 expecting a backward.
@@ -304,8 +317,6 @@ class StepRuntime:
             self.plans.move_to_end(key)
             if gradients and shape.replans.counting_gradients(accumulate_in_backward=self.ranks is None):
                 log.info("step starts with gradients resident (accumulation): planning again counting them")
-        if shape.needs_replan:
-            self._compile(shape)
         return shape
 
     def _compile(self, shape: ShapePlan) -> None:

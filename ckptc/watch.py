@@ -46,8 +46,7 @@ class BackendStepCheck:
     """Tracks a backend's steps and the account its graphs are planned under (see the module docstring).
 
     Args:
-        budget_bytes: the budget of one step.
-        account: the account the graphs were first planned under.
+        replans: the compiler's account and the evidence that changes it (its budget is the step's).
         model: the model, when the backend was given it (its parameters and gradients then count).
 
     Attributes:
@@ -59,9 +58,10 @@ class BackendStepCheck:
             current plans was within the budget in.
     """
 
-    def __init__(self, budget_bytes: int, account: StepAccount, model: torch.nn.Module | None = None) -> None:
-        self.budget_bytes = budget_bytes
-        self.replans = Replans(account, budget_bytes)
+    def __init__(self, replans: Replans, model: torch.nn.Module | None = None) -> None:
+        assert replans.budget_bytes is not None
+        self.budget_bytes: int = replans.budget_bytes
+        self.replans = replans
         self.model = model
         self.measured_peak_bytes: int | None = None
         self.verified: set[bool] = set()
