@@ -105,6 +105,9 @@ class CheckpointCompiler:
         # The account of the latest plan made (None before the first).
         self.planned_account: StepAccount | None = None
         self.plans_made = 0  # graphs planned so far, counting those planned again
+        # Whether a graph has symbolic sizes (dynamic=True, length buckets): AOTAutograd run again outside
+        # Dynamo's compile would specialize it to one size, so such graphs are not planned again in place.
+        self.symbolic = False
         # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
         self._scratch: dict[tuple, int] = {}
         self.generate_kernels = generate_kernels
@@ -199,6 +202,8 @@ class CheckpointCompiler:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
         index = len(self.records)
+        symbolic = any(isinstance(a, torch.SymInt) for a in example_inputs)
+        self.symbolic = self.symbolic or symbolic
         compiled, record = self._plan_graph(gm, example_inputs, index)
         if record is None:
             return compiled  # an inference graph: nothing planned
@@ -213,7 +218,7 @@ class CheckpointCompiler:
             nonlocal compiled, record, planned_under
             if check is not None and check.begin(args):
                 self.active.clear()  # a new step: no graph of it has run yet
-            if self.account != planned_under:
+            if self.account != planned_under and not symbolic:
                 # The step showed what this graph's plan did not count: plan it again, from
                 # Dynamo's graph (Dynamo's guards and bytecode stay as they are).
                 if check is not None:

@@ -135,6 +135,8 @@ class ShapePlan:
             if attempts:  # the account changed: undo the last attempt first
                 del step[before:]
                 saved.restore()
+                if self.compiler.symbolic:
+                    self.compile(model, template, step)  # not planned again in place (see CheckpointCompiler)
             attempts += 1
             return run_compiled(model, self.compiled, args, kwargs), step[before:]
 
@@ -277,6 +279,8 @@ class StepRuntime:
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
         if shape.compiler.records and not shape.needs_replan:
             return run_compiled(self.model, shape.compiled, args, kwargs)
+        if shape.compiler.symbolic:
+            self._compile(shape)  # symbolic sizes are not planned again in place: a new torch.compile
         shape.new_plans()
         before = len(self.active)
         try:

@@ -133,3 +133,26 @@ def test_a_model_that_needs_the_exact_length_is_planned_per_length() -> None:
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.allclose(p.grad, q.grad)
     assert fast._ckptc_runtime.lengths.refused  # the bucket (16, 32] fell back to exact lengths
+
+
+def test_a_bucket_planned_again_under_accumulation_runs_every_length_of_it() -> None:
+    """Gradient accumulation over micro-batches of varying lengths: a bucket's plan (symbolic sizes) made
+    from None gradients is made again when a micro-batch starts with gradients resident.  Planned again in
+    place, AOTAutograd traced outside Dynamo's compile specialized the graph to one length, and the next
+    length of the bucket failed (``shape '[320, 32]' is invalid for input of size 8448``); a bucket is
+    therefore planned again through a new ``torch.compile``."""
+    torch.manual_seed(0)
+    layers = [torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True) for _ in range(2)]
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), *layers, torch.nn.Linear(64, 1))
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_bytes=5_000_000)
+    for step, lengths in enumerate([(64, 64), (40, 64), (33, 40), (40, 33)]):
+        batches = [torch.randn(8, n, 32, generator=torch.Generator().manual_seed(10 * step + n)) for n in lengths]
+        for trained, net in ((fast, model), (reference, reference)):
+            for p in net.parameters():
+                p.grad = None
+            torch.manual_seed(step)
+            for x in batches:
+                trained(x).mean().backward()
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5), step
