@@ -234,7 +234,7 @@ class StepRuntime:
             self._step_plans.append(shape)
         self.last = shape
         before = len(self.active)
-        planned = shape.compiler.plans_made
+        compiler, planned = shape.compiler, shape.compiler.plans_made
         try:
             try:
                 output = self._run(shape, args, kwargs)
@@ -250,7 +250,7 @@ class StepRuntime:
             if opened:
                 self._abort_step()
             raise
-        if shape.compiler.plans_made > planned:
+        if shape.compiler is not compiler or shape.compiler.plans_made > planned:
             # Planning profiles ops (scratch memory) with its own torch.profiler
             # session, which would corrupt this step's measurement: measure a later step.
             self._step_compiled = True
@@ -347,7 +347,9 @@ class StepRuntime:
         budget = self.template.budget_bytes
         self._step_state = gradients_resident(self.model)
         unverified = self._step_state not in shape.verified_states
-        if self.verify and budget is not None and unverified and shape.compiler.records:
+        # Not a step that plans (again): planning profiles ops itself, and profilers do not nest.
+        planned = shape.compiler.records and not shape.needs_replan
+        if self.verify and budget is not None and unverified and planned:
             if internals.profiler_active() and _device_of(self.model).type == "cpu":
                 self._warn_once(
                     "profiler",
