@@ -218,12 +218,13 @@ class CheckpointCompiler:
             nonlocal compiled, record, planned_under
             if check is not None and check.begin(args):
                 self.active.clear()  # a new step: no graph of it has run yet
-            if self.account != planned_under and not symbolic:
+            account = self.account
+            if account is not planned_under and account != planned_under and not symbolic:
                 # The step showed what this graph's plan did not count: plan it again, from
                 # Dynamo's graph (Dynamo's guards and bytecode stay as they are).
                 if check is not None:
                     check.planned()
-                planned_under = self.account
+                planned_under = account
                 try:
                     compiled, record = self._plan_graph(gm, example_inputs, index)
                 except solvers.InfeasibleBudgetError as error:
