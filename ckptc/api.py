@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.account import StepAccount, unnamed_gradient_bytes
+from ckptc.account import unnamed_gradient_bytes
 from ckptc.backend import backend
 from ckptc.compiler import CheckpointCompiler
 from ckptc.coverage import Coverage
@@ -28,7 +28,6 @@ from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planner import CapturedStep
 from ckptc.plans import ModelPlan, _parameter_sizes, applied_plan
 from ckptc.records import GraphRecord
-from ckptc.replan import Replans
 from ckptc.step import ForwardState, ShapePlan, StepRuntime, refuse_unplanned
 
 log = logging.getLogger("ckptc.api")
@@ -346,8 +345,7 @@ def capture(
     # Traced as the target compiler traces (the plan's node names are its graph's), run without kernels.
     template = CheckpointCompiler(checked.replace(strategy="none"), model=model, generate_kernels=False)
     ranks = rank_context(model)
-    account = StepAccount(hold_outputs=checked.hold_outputs, rank_bytes=ranks.baseline_bytes if ranks else 0)
-    shape = ShapePlan(key=(), compiler=template, compiled=None, replans=Replans(account, None))
+    shape = ShapePlan.first((), template, ranks)
     ran: list[GraphRecord] = []  # the step's graphs in the order they ran (a graph repeats for layers compiled once)
     with contextlib.ExitStack() as stack:
         inputs, kwargs = tuple(example_inputs), dict(example_kwargs or {})

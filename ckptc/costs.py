@@ -501,8 +501,7 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
                 node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=known[signature])
     if not by_signature:
         return 0
-    labels: dict[str, list[fx.Node]] = {}
-    signatures: dict[str, tuple] = {}
+    labels: dict[str, tuple[tuple, list[fx.Node]]] = {}  # label -> (signature, its nodes)
     # Random ops (dropout allocates a temporary mask) run too; fork_rng keeps the
     # program's random stream as it was.
     with (
@@ -526,8 +525,7 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
             except Exception:
                 log.debug("could not run %s on random data to measure its scratch memory", node.target, exc_info=True)
                 continue
-            labels[label] = nodes
-            signatures[label] = signature
+            labels[label] = (signature, nodes)
             del args, kwargs
     events = list(profiler_events(prof))
     windows = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels)
@@ -546,8 +544,9 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
             peak = max(peak, level)
             k += 1
         scratch = max(0, peak - max(level, 0))
-        for node in labels[label]:
+        signature, nodes = labels[label]
+        for node in nodes:
             node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=scratch)
         if known is not None:
-            known[signatures[label]] = scratch
+            known[signature] = scratch
     return len(labels)

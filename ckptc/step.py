@@ -68,6 +68,26 @@ class ShapePlan:
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
 
+    @classmethod
+    def first(
+        cls,
+        key: tuple,
+        template: CheckpointCompiler,
+        ranks: distributed.RankContext | None,
+        *,
+        gradients: bool = False,
+    ) -> "ShapePlan":
+        """A shape not planned yet, its account from ``template``'s options, this rank's extras
+        (``ranks``) and whether the step starts with gradients resident."""
+        account = StepAccount(
+            gradients_resident=gradients,
+            accumulate_in_backward=gradients and ranks is None,
+            rank_bytes=ranks.baseline_bytes if ranks else 0,
+            hold_outputs=template.options.hold_outputs,
+            defer_infeasible=template.budget_bytes is not None,
+        )
+        return cls(key=key, compiler=template, compiled=None, replans=Replans(account, template.budget_bytes))
+
     @property
     def account(self) -> StepAccount:
         return self.replans.account
@@ -308,10 +328,7 @@ class StepRuntime:
                     "up to a multiple of 64)."
                 )
             self.signatures_seen.add(digest)
-            budget = self.template.budget_bytes
-            shape = ShapePlan(
-                key=key, compiler=self.template, compiled=None, replans=Replans(self._account(gradients), budget)
-            )
+            shape = ShapePlan.first(key, self.template, self.ranks, gradients=gradients)
             self._compile(shape)
             self.plans[key] = shape
             while len(self.plans) > self.max_plans:
@@ -325,16 +342,6 @@ class StepRuntime:
 
     def _compile(self, shape: ShapePlan) -> None:
         shape.compile(self.model, self.template, self.active)
-
-    def _account(self, gradients: bool) -> StepAccount:
-        """A new plan's step account: the template's options, this rank's extras, the gradients' state."""
-        return StepAccount(
-            gradients_resident=gradients,
-            accumulate_in_backward=gradients and self.ranks is None,
-            rank_bytes=self.ranks.baseline_bytes if self.ranks else 0,
-            hold_outputs=self.template.options.hold_outputs,
-            defer_infeasible=self.template.budget_bytes is not None,
-        )
 
     # -- steps -----------------------------------------------------------------
     def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan) -> None:

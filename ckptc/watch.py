@@ -210,12 +210,11 @@ class BackendStepCheck:
         self._over_budget = peak
         log.warning(
             "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
-            "(predicted %d); %s",
+            "(predicted %d); the next call plans again with the %d bytes the prediction missed counted",
             peak,
             self.budget_bytes,
             predicted,
-            f"the next call plans again with the {missed_bytes(peak, self.budget_bytes, self._ran)} bytes "
-            "the prediction missed counted",
+            missed_bytes(peak, self.budget_bytes, self._ran),
         )
 
     def _count_repeats(self) -> bool:
