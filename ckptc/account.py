@@ -27,12 +27,14 @@ that graph runs is the graph's *baseline*, and this module computes it:
 and the planning margin (:func:`planning_margin`): solvers plan a little below
 the budget, sized from what the plan controls.
 
-A :class:`StepAccount` is built once per step state by
-:class:`ckptc.step.StepRuntime`, or by a ``torch.compile`` backend's run-time
-check (:class:`ckptc.watch.BackendStepCheck`) from the steps it sees (left at
-its defaults by :func:`ckptc.capture`), and passed to the compiler as an
-argument; :class:`~ckptc.options.CheckpointOptions` holds only
-what the user sets.
+A :class:`StepAccount` also carries the budget itself.  The budget is validated
+once, where the user gives it (:class:`~ckptc.options.CheckpointOptions`), and
+enters an account once per step: :meth:`ckptc.step.ShapePlan.first` (``optimize``,
+``capture``), :meth:`ckptc.planner.CapturedStep.plan`, or a ``torch.compile``
+backend's compiler.  From there the account is the argument that carries it: the
+replan loop (:class:`ckptc.replan.Replans`) turns evidence into the next account,
+the compiler hands the account to :func:`ckptc.planner.decide`, and the planner
+gives the solvers a planning budget (:func:`planning_budget`).
 """
 
 from __future__ import annotations
@@ -59,9 +61,13 @@ SCRATCH_UNCERTAINTY_DIVISOR = 32
 
 @dataclass(frozen=True)
 class StepAccount:
-    """What one step holds besides the activations the plans decide (see the module docstring).
+    """The budget of one step and what it holds besides the activations the plans decide (see the
+    module docstring).
 
     Attributes:
+        budget_bytes: the step's budget, as the user gave it (validated once, by
+            :class:`~ckptc.options.CheckpointOptions`; None: no limit).  Every stage below the entry
+            points reads it here, from the account it is given.
         gradients_resident: parameters' gradients are allocated while the step's
             graphs run: the step starts with them (accumulation,
             ``zero_grad(set_to_none=False)``) or a second backward of the step runs
@@ -84,6 +90,7 @@ class StepAccount:
             (:func:`repeat_bytes`): one plan serves every run.
     """
 
+    budget_bytes: int | None = None
     gradients_resident: bool = False
     correction_bytes: int = 0
     rank_bytes: int = 0
@@ -95,6 +102,13 @@ class StepAccount:
 
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)
+
+    def graph_budget(self, index: int) -> int | None:
+        """The budget graph ``index`` is planned under: the step's, or a lower one of its own
+        (:attr:`graph_budgets`)."""
+        if self.budget_bytes is None:
+            return None
+        return min(self.budget_bytes, self.graph_budgets.get(index, self.budget_bytes))
 
     def counting_repeats(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0) -> "StepAccount":
         """This account with :attr:`repeat_bytes` raised to what the step ``ran`` showed

@@ -60,11 +60,11 @@ class CheckpointCompiler:
         plan_source: replaces the strategy; given the graph index and problem,
             returns a plan (used to apply plan files).
         progress: ``(fraction, message)`` callback for long solves.
-        account: what the step holds besides each graph's activations
-            (:class:`~ckptc.account.StepAccount`; default: a step from ``None`` gradients).
-        replans: where the account comes from instead (:class:`ckptc.replan.Replans`, the step
-            runtime's for one input shape): when its account changes, each graph plans again
-            when it next runs, from Dynamo's graph (Dynamo's guards and bytecode stay).
+        replans: where the account graphs are planned under comes from (:class:`ckptc.replan.Replans`,
+            the step runtime's for one input shape; its :class:`~ckptc.account.StepAccount` holds the
+            budget and what the step holds besides each graph's activations): when its account changes,
+            each graph plans again when it next runs, from Dynamo's graph (Dynamo's guards and bytecode
+            stay).  Default: ``options``' budget, a step from ``None`` gradients.
         generate_kernels: under ``compiler="inductor"``, compile the graphs with
             Inductor (False: :func:`ckptc.capture` traces them as Inductor would
             and runs them op by op, since planning needs no kernels).
@@ -84,7 +84,6 @@ class CheckpointCompiler:
         model: torch.nn.Module | None = None,
         plan_source: PlanSource | None = None,
         progress: Callable[[float, str], None] | None = None,
-        account: StepAccount | None = None,
         generate_kernels: bool = True,
         step: list[GraphRecord] | None = None,
         replans: Replans | None = None,
@@ -99,8 +98,7 @@ class CheckpointCompiler:
         self.plan_source = plan_source
         self.progress = progress
         if replans is None:
-            account = account if account is not None else StepAccount(hold_outputs=options.hold_outputs)
-            replans = Replans(account, options.budget_bytes)
+            replans = Replans(StepAccount(budget_bytes=options.budget_bytes, hold_outputs=options.hold_outputs))
         self.replans = replans
         # The account of the latest plan made (None before the first).
         self.planned_account: StepAccount | None = None
@@ -124,7 +122,8 @@ class CheckpointCompiler:
 
     @property
     def budget_bytes(self) -> int | None:
-        return self.options.budget_bytes
+        """The step's budget, from the account graphs are planned under."""
+        return self.account.budget_bytes
 
     @property
     def account(self) -> StepAccount:
@@ -159,7 +158,7 @@ class CheckpointCompiler:
             "model": self.model,
             "plan_source": self.plan_source,
             "progress": self.progress,
-            "account": self.account,
+            "replans": Replans(self.account),
             "generate_kernels": self.generate_kernels,
             "track_steps": self.track_steps,
         }

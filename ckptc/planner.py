@@ -34,7 +34,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import solvers
 from ckptc import policies
@@ -148,20 +148,20 @@ def _choose(
     progress: Progress | None,
     unoptimized: solvers.SimResult,
     margin: int,
-    graph_budgets: Mapping[int, int],
+    account: StepAccount,
 ) -> solvers.Plan:
-    """The plan for graph ``index``; an infeasible budget is reported in the user's units.
+    """The plan for graph ``index`` under ``account``'s budget; an infeasible budget is reported in the
+    user's units.
 
     Under ``strategy="auto"`` a budget at or above the unoptimized peak keeps
     everything: nothing to recompute, and no solver's plan peaks above it.
     """
     if plan_source is not None:
-        return _within_budget(jp, plan_source(index, jp), options.budget_bytes, "the plan file's plan")
+        return _within_budget(jp, plan_source(index, jp), account.budget_bytes, "the plan file's plan")
     target = options.compiler if options.strategy == "auto" else "eager"  # presets are taken as they are
-    budget = options.budget_bytes
+    budget = account.graph_budget(index)
     if budget is None:
         return for_target_compiler(jp, candidate(jp, options, None, progress), target)
-    budget = min(budget, graph_budgets.get(index, budget))
     if options.strategy == "auto" and unoptimized.peak_bytes <= budget:
         everything = dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
         return for_target_compiler(jp, everything, target)
@@ -173,7 +173,7 @@ def _choose(
             floor = budget_for_planning_floor(floor, margin)
             if options.strategy == "auto":
                 floor = min(floor, unoptimized.peak_bytes)
-        raise solvers.InfeasibleBudgetError(options.budget_bytes, floor) from None
+        raise solvers.InfeasibleBudgetError(account.budget_bytes, floor) from None
     if options.strategy != "auto":
         return _within_budget(jp, plan, budget, f"strategy {options.strategy!r}")
     return plan
@@ -304,17 +304,14 @@ def decide(
     step_floor = max([own_floor] + [r.min_feasible_bytes for r in earlier])
     infeasible = False
     try:
-        plan = _choose(jp, options, index, plan_source, progress, keep_all, margin, account.graph_budgets)
+        plan = _choose(jp, options, index, plan_source, progress, keep_all, margin, account)
     except solvers.InfeasibleBudgetError as error:
         if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
             # Applied as they are: a preset or a plan file has no other plan to fall back to.
             raise solvers.InfeasibleBudgetError(error.budget_bytes, error.min_feasible_bytes, str(error)) from None
-        fits_alone = floor_result.peak_bytes <= planning_budget(options.budget_bytes or 0, margin)
-        if (
-            plan_source is None
-            and options.budget_bytes is not None
-            and keep_all.peak_bytes <= min(options.budget_bytes, account.graph_budgets.get(index, options.budget_bytes))
-        ):
+        fits_alone = floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin)
+        graph_budget = account.graph_budget(index)
+        if plan_source is None and graph_budget is not None and keep_all.peak_bytes <= graph_budget:
             plan = keep_everything(jp)  # within the budget, only not within the planning margin
         elif index in account.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
@@ -433,7 +430,7 @@ class CapturedStep:
         self.coverage = coverage  # what the graphs cover of the step (ckptc.coverage), the same for every budget
         self._keep_everything = self._decide_all(
             options.replace(budget_bytes=None, strategy="none"),
-            Replans(StepAccount(hold_outputs=options.hold_outputs), None),
+            Replans(StepAccount(hold_outputs=options.hold_outputs)),
         )
         for record in self._keep_everything:  # once per graph, not per budget: every plan file carries it
             fingerprint(record.joint_problem)
@@ -459,25 +456,19 @@ class CapturedStep:
             ".plan(budget_bytes=...) plans without capturing again)"
         )
 
-    def decisions(
-        self,
-        budget_gb: float | None = None,
-        *,
-        budget_bytes: int | None = None,
-        strategy: str | None = None,
-        solver: str | None = None,
-        time_limit: float | None = None,
-        plan_source: PlanSource | None = None,
-        progress: Progress | None = None,
+    def _options(self, budget_gb: float | None, budget_bytes: int | None, **overrides: Any) -> CheckpointOptions:
+        """The capture's options under a budget, with ``overrides`` that are not None (validated here, once)."""
+        changes = {name: value for name, value in overrides.items() if value is not None}
+        return self.options.replace(budget_bytes=budget_to_bytes(budget_gb, budget_bytes), **changes)
+
+    def _decide_under(
+        self, options: CheckpointOptions, plan_source: PlanSource | None, progress: Progress | None
     ) -> list[GraphRecord]:
-        """Every graph's :class:`GraphRecord` under a budget (see :meth:`plan`)."""
-        changes: dict[str, Any] = {"budget_bytes": budget_to_bytes(budget_gb, budget_bytes)}
-        for name, value in (("strategy", strategy), ("solver", solver), ("time_limit", time_limit)):
-            if value is not None:
-                changes[name] = value
-        options = self.options.replace(**changes)
-        account = StepAccount(hold_outputs=options.hold_outputs, defer_infeasible=options.budget_bytes is not None)
-        return self._decide_all(options, Replans(account, options.budget_bytes), plan_source, progress)
+        budget = options.budget_bytes
+        account = StepAccount(
+            budget_bytes=budget, hold_outputs=options.hold_outputs, defer_infeasible=budget is not None
+        )
+        return self._decide_all(options, Replans(account), plan_source, progress)
 
     def plan(
         self,
@@ -502,20 +493,13 @@ class CapturedStep:
         """
         valid = [name for name in inspect.signature(CapturedStep.plan).parameters if name not in ("self", "unknown")]
         refuse_unknown("CapturedStep.plan keyword", unknown, valid, noun="keywords")
-        records = self.decisions(
-            budget_gb,
-            budget_bytes=budget_bytes,
-            strategy=strategy,
-            solver=solver,
-            time_limit=time_limit,
-            plan_source=plan_source,
-            progress=progress,
-        )
+        options = self._options(budget_gb, budget_bytes, strategy=strategy, solver=solver, time_limit=time_limit)
+        records = self._decide_under(options, plan_source, progress)
         return ModelPlan(
             graphs=[graph_plan(r) for r in records],
-            budget_bytes=budget_to_bytes(budget_gb, budget_bytes),
-            strategy=strategy or self.options.strategy,
-            solver=solver or self.options.solver,
+            budget_bytes=options.budget_bytes,
+            strategy=options.strategy,
+            solver=options.solver,
             parameter_bytes=self.parameter_bytes,
             gradient_bytes=self.gradient_bytes,
             coverage=self.coverage,

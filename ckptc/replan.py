@@ -52,8 +52,8 @@ class Replans:
     """The account a step's plans are made under, and the evidence that changed it (module docstring).
 
     Args:
-        account: the account of the first plans.
-        budget_bytes: the step's budget (None: no limit, nothing to correct).
+        account: the account of the first plans, the step's budget in it (None: no limit, nothing
+            to correct).
 
     Attributes:
         account: the account the next plans are made under.
@@ -61,13 +61,17 @@ class Replans:
         over_budget_peak_bytes: the last measured peak above the budget (0 before one).
     """
 
-    def __init__(self, account: StepAccount, budget_bytes: int | None) -> None:
+    def __init__(self, account: StepAccount) -> None:
         self.account = account
-        self.budget_bytes = budget_bytes
         self.replans = 0
         self.over_budget_peak_bytes = 0
         self._tightened = 0
         self._repeats = 0
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The step's budget (:attr:`StepAccount.budget_bytes`): no replan changes it."""
+        return self.account.budget_bytes
 
     def __repr__(self) -> str:
         return f"Replans(budget={self.budget_bytes}, replans={self.replans}, account={self.account})"

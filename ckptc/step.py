@@ -60,7 +60,7 @@ class ShapePlan:
     compiled: Any = dataclasses.field(repr=False)
     # The account the next plans are made under and what changed it; the compiler's account
     # differs from it when the shape must be planned again.
-    replans: Replans = dataclasses.field(default_factory=lambda: Replans(StepAccount(), None))
+    replans: Replans = dataclasses.field(default_factory=lambda: Replans(StepAccount()))
     # The step states measured within the budget: False (from None gradients), True (gradients resident).
     verified_states: set[bool] = dataclasses.field(default_factory=set)
     # The current plan's measured peak (None until a step under it is measured).
@@ -79,14 +79,16 @@ class ShapePlan:
     ) -> "ShapePlan":
         """A shape not planned yet, its account from ``template``'s options, this rank's extras
         (``ranks``) and whether the step starts with gradients resident."""
+        budget = template.options.budget_bytes
         account = StepAccount(
+            budget_bytes=budget,
             gradients_resident=gradients,
             accumulate_in_backward=gradients and ranks is None,
             rank_bytes=ranks.baseline_bytes if ranks else 0,
             hold_outputs=template.options.hold_outputs,
-            defer_infeasible=template.budget_bytes is not None,
+            defer_infeasible=budget is not None,
         )
-        return cls(key=key, compiler=template, compiled=None, replans=Replans(account, template.budget_bytes))
+        return cls(key=key, compiler=template, compiled=None, replans=Replans(account))
 
     @property
     def account(self) -> StepAccount:

@@ -60,7 +60,6 @@ class BackendStepCheck:
 
     def __init__(self, replans: Replans, model: torch.nn.Module | None = None) -> None:
         assert replans.budget_bytes is not None
-        self.budget_bytes: int = replans.budget_bytes
         self.replans = replans
         self.model = model
         self.measured_peak_bytes: int | None = None
@@ -79,6 +78,12 @@ class BackendStepCheck:
     @property
     def account(self) -> StepAccount:
         return self.replans.account
+
+    @property
+    def budget_bytes(self) -> int:
+        budget = self.account.budget_bytes
+        assert budget is not None  # a check is made only under a budget
+        return budget
 
     def __repr__(self) -> str:
         return (

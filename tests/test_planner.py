@@ -233,3 +233,42 @@ def test_a_captured_step_plans_what_optimize_plans_with_breaks_and_repeated_grap
     assert fast.plan.predicted_peak_bytes == planned.predicted_peak_bytes
     assert fast.plan.recompute_flops == planned.recompute_flops
     assert [g.plan.kept for g in fast.plan.graphs] == [g.plan.kept for g in planned.graphs]
+
+
+def test_below_the_entry_points_the_budget_is_read_from_the_step_account():
+    """Issue 19 item 6: the budget is validated where the user gives it and enters one step account;
+    the compiler, the replan loop and the planner's decisions read it from the account they are given."""
+    root = Path(ckptc.__file__).parent
+    from_options: set[tuple[str, str]] = set()
+    validated: set[tuple[str, str]] = set()
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == "budget_bytes"
+                    and ast.unparse(node.value).split(".")[-1] == "options"
+                ):
+                    from_options.add((path.name, function.name))
+                if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("budget_to_bytes"):
+                    validated.add((path.name, function.name))
+    # Where an account is made (one per step, or per budget of a captured step), and where a plan records it.
+    assert from_options == {
+        ("step.py", "first"),
+        ("compiler.py", "__init__"),
+        ("planner.py", "_decide_under"),
+        ("planner.py", "plan"),
+        ("plans.py", "from_records"),
+    }
+    # The entry points where users give a budget: options, CapturedStep.plan, the CLI's arguments.
+    assert {(file, f) for file, f in validated if file != "cli.py"} == {
+        ("options.py", "__post_init__"),
+        ("options.py", "from_user"),
+        ("planner.py", "_options"),
+    }
+    from ckptc.planner import decide
+
+    assert "budget_bytes" not in inspect.signature(decide).parameters
