@@ -98,7 +98,13 @@ class CheckpointCompiler:
         self.plan_source = plan_source
         self.progress = progress
         if replans is None:
-            replans = Replans(StepAccount(budget_bytes=options.budget_bytes, hold_outputs=options.hold_outputs))
+            # A backend's own run-time check (no step tracker) sees the whole step before earlier graphs
+            # plan again for a later one that cannot fit (ckptc.watch), as the step runtime does.
+            checked = options.budget_bytes is not None and step is None and generate_kernels
+            account = StepAccount(
+                budget_bytes=options.budget_bytes, hold_outputs=options.hold_outputs, defer_infeasible=checked
+            )
+            replans = Replans(account)
         self.replans = replans
         # The account of the latest plan made (None before the first).
         self.planned_account: StepAccount | None = None
@@ -199,6 +205,8 @@ class CheckpointCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
+        if self.step_check is not None:
+            self.step_check.planned()  # a graph compiled mid-step (after a break): planning profiles ops
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
         index = len(self.records)
         symbolic = any(isinstance(a, torch.SymInt) for a in example_inputs)
@@ -260,7 +268,12 @@ class CheckpointCompiler:
                 self.model, example_inputs, placeholders, self.active, index=index
             )
             sink = self._gradient_sink(example_inputs, placeholders)
-            parts = self.partition(joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, index=index, **kw)
+            # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
+            # refused now, not run at its floor to see the whole step first.
+            final = not self.track_steps and any(isinstance(a, torch.SymInt) for a in example_inputs)
+            parts = self.partition(
+                joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, index=index, final=final, **kw
+            )
             if self._just_planned is not None:
                 self._just_planned.break_after = internals.graph_break_after(gm)
                 planned.append(self._just_planned)
@@ -350,12 +363,14 @@ class CheckpointCompiler:
         inputs: GraphInputs | None = None,
         gradient_sink: GradientSink | None = None,
         index: int | None = None,
+        final: bool = False,
         num_fwd_outputs: int,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         """AOTAutograd ``partition_fn``: plan this joint graph (``baseline_bytes`` held outside it,
         from the step account) as graph ``index`` of the step (default: the next one; a graph
-        planned again keeps its index and replaces its record) and rewrite it."""
+        planned again keeps its index and replaces its record) and rewrite it.  A ``final`` plan
+        is not made again: a graph that cannot fit is refused, never deferred."""
         start = time.perf_counter()
         if self.options.compiler == "eager":
             # Inductor cannot lower the Python calls that replay generator state,
@@ -384,10 +399,11 @@ class CheckpointCompiler:
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
         )
         index = len(self.records) if index is None else index
+        account = self.account.replace(defer_infeasible=False) if final else self.account
         record = decide(
             jp,
             self.options,
-            self.account,
+            account,
             index=index,
             earlier=self.active,
             plan_source=self.plan_source,

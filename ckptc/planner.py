@@ -363,6 +363,16 @@ def _refusal(
     if step_floor > budget:
         return solvers.InfeasibleBudgetError(budget, step_floor)
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
+    if options.strategy == "auto" and options.solver == "auto":
+        return solvers.InfeasibleBudgetError(
+            budget,
+            own,
+            f"this graph cannot fit the budget {solvers.format_bytes(budget)} ({budget} bytes) after what the "
+            f"step's earlier graphs keep; with them at their own floors the step's floor is "
+            f"{solvers.format_bytes(step_floor)} ({step_floor} bytes). What to do: give a budget of at least "
+            f"{own if own is not None else step_floor} bytes, or train through ckptc.optimize, which plans the "
+            "earlier graphs again to keep less",
+        )
     how = f"solver {options.solver!r}" if options.strategy == "auto" else f"strategy {options.strategy!r}"
     return solvers.InfeasibleBudgetError(
         budget,

@@ -371,6 +371,63 @@ def test_the_torch_compile_backend_plans_a_graph_with_dropout_again_and_trains_l
     assert not internals.profiler_active()
 
 
+def test_the_torch_compile_backend_measures_a_step_with_a_graph_break_as_it_runs() -> None:
+    """The graph after a break is compiled (planned, profiling ops) while the first call's step is open:
+    that step is not measured, and the first measured step's peak is the step's peak measured
+    independently (the step that planned measured 395,780 bytes of a 1,182,736-byte step, and counted
+    as within the budget)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = _Net(graph_break="between")
+    backend = ckptc.backend(budget_bytes=2**30)
+    compiled = torch.compile(model, backend=backend)
+    for step in range(3):
+        plain(compiled, _batches(step))
+    measured = backend.plan.measured_peak_bytes
+    independent = _peak(plain, compiled, model, _batches(5))
+    assert measured is not None and abs(measured - independent) <= independent // 100, (measured, independent)
+
+
+class _WideHalves(nn.Module):
+    """Two loops of wide layers with a graph break between them: two graphs in one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+        self.second = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.first:
+            x = torch.tanh(layer(x))
+        torch._dynamo.graph_break()
+        for layer in self.second:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_the_torch_compile_backend_plans_earlier_graphs_again_when_a_later_one_cannot_fit() -> None:
+    """Under a budget 0.7 of the way from the floor to keeping everything, the second graph cannot fit
+    after the first graph's plan, with the loss (outside the model) counted: the backend sees the whole
+    step, plans the first graph again to keep less, and trains within the budget, as ``optimize`` does
+    (it used to refuse with the measured excess: ``BudgetExceededError``)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _WideHalves()
+    captured = ckptc.capture(copy.deepcopy(reference), (torch.randn(512, 256),), loss_fn=_loss)
+    budget = int(captured.floor_bytes + 0.7 * (captured.unoptimized_peak_bytes - captured.floor_bytes))
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    backend = ckptc.backend(budget_bytes=budget)
+    compiled = torch.compile(model, backend=backend)
+    batches = [[torch.randn(512, 256, generator=torch.Generator().manual_seed(s))] for s in range(7)]
+    for step in range(6):
+        plain(eager, batches[step])
+        plain(compiled, batches[step])
+        _assert_same_gradients(model, eager)
+    measured = backend.plan.measured_peak_bytes
+    assert measured is not None and measured <= budget, backend.step_check
+    assert _peak(plain, compiled, model, batches[6]) <= budget
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic=True"])
 def test_torch_compile_backend_trains_like_eager_on_two_shapes(dynamic: bool) -> None:
     torch.manual_seed(0)
