@@ -48,6 +48,16 @@ from ckptc.watch import BackendStepCheck
 log = logging.getLogger("ckptc.compiler")
 
 
+def has_symbolic_sizes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether Dynamo's graph ``gm`` has symbolic sizes: dynamic inputs (``dynamic=True``, length
+    buckets) or sizes that depend on data (``nonzero``, MoE routing).  Such a graph is not planned again
+    in place: AOTAutograd run again outside Dynamo's compile specialized a length bucket's graph to
+    one length, and cannot trace an op with a data-dependent output size at all."""
+    return any(isinstance(a, torch.SymInt) for a in example_inputs) or any(
+        internals.binds_unbacked_symbols(n) for n in gm.graph.nodes
+    )
+
+
 class CheckpointCompiler:
     """A ``torch.compile`` backend that makes each captured graph fit a budget.
 
@@ -109,8 +119,7 @@ class CheckpointCompiler:
         # The account of the latest plan made (None before the first).
         self.planned_account: StepAccount | None = None
         self.plans_made = 0  # graphs planned so far, counting those planned again
-        # Whether a graph has symbolic sizes (dynamic=True, length buckets): AOTAutograd run again outside
-        # Dynamo's compile would specialize it to one size, so such graphs are not planned again in place.
+        # Whether a graph has symbolic sizes (:func:`has_symbolic_sizes`): not planned again in place.
         self.symbolic = False
         # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
         self._scratch: dict[tuple, int] = {}
@@ -209,7 +218,7 @@ class CheckpointCompiler:
             self.step_check.planned()  # a graph compiled mid-step (after a break): planning profiles ops
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
         index = len(self.records)
-        symbolic = any(isinstance(a, torch.SymInt) for a in example_inputs)
+        symbolic = has_symbolic_sizes(gm, example_inputs)
         self.symbolic = self.symbolic or symbolic
         compiled, record = self._plan_graph(gm, example_inputs, index)
         if record is None:
@@ -270,7 +279,7 @@ class CheckpointCompiler:
             sink = self._gradient_sink(example_inputs, placeholders)
             # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
             # refused now, not run at its floor to see the whole step first.
-            final = not self.track_steps and any(isinstance(a, torch.SymInt) for a in example_inputs)
+            final = not self.track_steps and has_symbolic_sizes(gm, example_inputs)
             parts = self.partition(
                 joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, index=index, final=final, **kw
             )

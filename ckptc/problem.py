@@ -279,7 +279,7 @@ def joint_to_problem(
         ),
         baseline_bytes=baseline_bytes,
     )
-    results = {r.name: cost_of(r).bytes for r in forward_results if _numel(r) > 1 and "ckptc" in r.meta}
+    results = _result_bytes(problem, [r for r in forward_results if _numel(r) > 1 and "ckptc" in r.meta])
     return JointProblem(
         problem=problem,
         joint=joint,
@@ -290,6 +290,20 @@ def joint_to_problem(
         results=results,
         free_tangents=frozenset(free_tangents),
     )
+
+
+def _result_bytes(problem: solvers.Problem, forward_results: list[fx.Node]) -> dict[str, int]:
+    """Forward results -> the bytes of the storage each holds: a result that views another value
+    (``view(add)``) holds that value's storage, counted once however many results view it; a view of
+    an input holds nothing more (inputs are resident)."""
+    results: dict[str, int] = {}
+    roots: set[str] = set()
+    for result in forward_results:
+        root = problem.alias_root(result.name)
+        fresh = root not in roots and problem[root].kind != "input"
+        roots.add(root)
+        results[result.name] = problem[root].bytes if fresh else 0
+    return results
 
 
 def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_outputs: int) -> set[fx.Node]:

@@ -611,8 +611,10 @@ def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, che
     peak_step = int(np.argmax(timeline))
     recomputed = node[n_fwd:][a["kind"][node[n_fwd:]] == FORWARD_CODE].tolist()
     cost = problem._cost
+    # A kept value that no backward step reads dies with the forward (the rewritten graphs free
+    # it after its last use): only storages a kept value carries into backward are kept bytes.
     kept_storages = np.zeros(n_steps, dtype=bool)
-    kept_storages[storage[forward_kept & pins]] = True
+    kept_storages[storage[forward_kept & pins & (death >= n_fwd)]] = True
     return _Core(
         peak_bytes=int(timeline[peak_step]),
         peak_step=peak_step,

@@ -39,6 +39,23 @@ def test_moe_routing_stays_in_one_graph_trains_like_eager_and_fits_the_budget() 
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
 
 
+def test_moe_routing_in_a_step_of_several_graphs_is_planned_again_by_compiling_again() -> None:
+    """Mixtral: breaks split its step into several graphs with ``nonzero`` routing in them, and the plans
+    are made again while the graphs settle.  A graph with data-dependent sizes is compiled again, not
+    planned again in place (AOTAutograd run outside Dynamo's compile cannot trace ``nonzero``: capture
+    raised ``UntraceableModelError``)."""
+    case = get_case("mixtral")
+    reference = copy.deepcopy(case.model)
+    captured = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs)
+    assert captured.graphs > 1
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    loss = step(case, fast)
+    assert_same_training(case, reference, loss, step(case, reference))
+    step(case, fast)
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+
+
 def test_coverage_names_the_graph_breaks_and_what_runs_outside_graphs() -> None:
     """A model whose forward branches on a tensor's value: Dynamo splits it there, and the report says so."""
 

@@ -754,3 +754,22 @@ def test_docstring_examples(module):
 
     failed, _ = doctest.testmod(importlib.import_module(module))
     assert failed == 0
+
+
+def test_a_kept_value_no_backward_step_reads_is_not_kept_bytes():
+    """f2 is read only by f3 in forward: keeping it (a checkpoint backward never needs) leaves nothing
+    alive after the forward, since the rewritten graphs free it after its last use; ``kept_bytes``
+    (what a graph leaves alive for later graphs of the step) must not count it."""
+    problem = Problem(
+        [
+            Node("x", 100, 0.0, "input"),
+            Node("f1", 10, 1.0, "forward", preds=("x",)),
+            Node("f2", 20, 1.0, "forward", preds=("f1",)),
+            Node("f3", 1, 1.0, "forward", preds=("f2",), output=True),
+            Node("b3", 2, 0.0, "backward", preds=("f3",)),
+            Node("b2", 4, 0.0, "backward", preds=("b3", "f1")),
+            Node("b1", 8, 0.0, "backward", preds=("b2", "x"), output=True),
+        ]
+    )
+    assert simulate(problem, Plan(kept={"f1", "f2"})).kept_bytes == 10
+    assert simulate(problem, Plan(kept={"f1"})).kept_bytes == 10

@@ -231,3 +231,26 @@ def test_training_flag_follows_the_wrapped_model() -> None:
     assert optimized.training is True
     optimized.eval()
     assert model.training is False
+
+
+class _ReturnsAView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.a(x).relu()) + 1.0  # an intermediate backward does not read
+        return h.view(-1, 8, 8)  # the caller holds its storage through a view
+
+
+def test_a_held_result_that_views_an_intermediate_counts_its_storage():
+    """A result that is a view of a value the graph made holds that value's storage: priced at the
+    storage's bytes (a view alone costs nothing, and was priced at 0: only a plan that happened to keep
+    the value counted it)."""
+    step_ = ckptc.capture(_ReturnsAView(), (torch.randn(16, 32),), loss_fn=lambda out: out.square().mean())
+    (record,) = step_.records
+    assert record.joint_problem.holds_outputs
+    result_bytes = 16 * 64 * 4
+    assert sum(record.joint_problem.results.values()) == result_bytes
+    assert record.step_bytes >= result_bytes
