@@ -226,6 +226,8 @@ class CheckpointCompiler:
         # Results nobody uses get no gradient tensor (ckptc.unused_grads).
         no_zeros = self.options.compiler == "eager" and zeros_buildable(record.joint_problem.joint.graph)
         check = self._backend_check()
+        if check is not None and symbolic:
+            check.fixed_plans = True
         if not no_zeros and check is None and not self.track_steps:
             return compiled
         planned_under = self.account

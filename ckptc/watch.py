@@ -35,6 +35,7 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.account import StepAccount, unnamed_gradient_bytes
+from ckptc.errors import BudgetExceededError
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
 from ckptc.records import GraphRecord
 from ckptc.replan import Replans, missed_bytes
@@ -74,6 +75,9 @@ class BackendStepCheck:
         self._over_budget: int | None = None  # the last measured peak above the budget, counted at the next step
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
+        # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.compiler.has_symbolic_sizes):
+        # a measured excess is then refused at once, since planning again would change nothing.
+        self.fixed_plans = False
 
     @property
     def account(self) -> StepAccount:
@@ -160,6 +164,19 @@ class BackendStepCheck:
         or refuse after MAX_REPLANS (at every step from then on: the budget does not hold)."""
         peak = self._over_budget
         assert peak is not None
+        if self.fixed_plans:
+            missed = missed_bytes(peak, self.budget_bytes, self._ran)
+            floor = max((r.min_feasible_bytes for r in self._ran), default=self.budget_bytes)
+            raise BudgetExceededError(
+                peak,
+                self.budget_bytes,
+                floor + missed,
+                self.replans.replans,
+                f"and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
+                "(dynamic=True, or sizes that depend on data). What to do: give a budget of at least "
+                f"{floor + missed} bytes, compile with dynamic=False, or train through ckptc.optimize, which "
+                "plans such a step again with the excess counted.",
+            )
         self.replans.after_measured(peak, self._ran)
         self._replanned()
 
@@ -215,11 +232,14 @@ class BackendStepCheck:
         self._over_budget = peak
         log.warning(
             "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
-            "(predicted %d); the next call plans again with the %d bytes the prediction missed counted",
+            "(predicted %d); %s",
             peak,
             self.budget_bytes,
             predicted,
-            missed_bytes(peak, self.budget_bytes, self._ran),
+            "the next call raises BudgetExceededError (graphs with symbolic sizes keep their plans)"
+            if self.fixed_plans
+            else f"the next call plans again with the {missed_bytes(peak, self.budget_bytes, self._ran)} "
+            "bytes the prediction missed counted",
         )
 
     def _count_repeats(self) -> bool:

@@ -339,6 +339,28 @@ def test_the_torch_compile_backend_refuses_a_budget_it_cannot_meet_saying_what_t
     assert not internals.profiler_active()
 
 
+def test_the_torch_compile_backend_refuses_a_measured_excess_at_once_when_its_graphs_cannot_plan_again() -> None:
+    """Under ``dynamic=True`` the graphs have symbolic sizes and keep their first plans: a step measured over
+    the budget is refused at the next call, saying why and what to do (it used to warn that the next call
+    plans again, three times over the budget, then say it had planned again three times)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _Net()
+    floor = ckptc.capture(copy.deepcopy(reference), (_batches(0)[0],), loss_fn=_loss).floor_bytes
+    backend = ckptc.backend(budget_bytes=floor + floor // 20)
+    compiled = torch.compile(reference, backend=backend, dynamic=True)
+    steps = 0
+    with pytest.raises(ckptc.BudgetExceededError, match="cannot plan again a graph with symbolic sizes") as refused:
+        for step in range(4):
+            _zero(reference)
+            unseen = torch.ones(BATCH, 4 * WIDTH, requires_grad=True)  # alive, with its gradient, in backward
+            (_loss(compiled(_batches(step)[0])) + unseen.sum()).backward()
+            steps += 1
+    assert steps <= 2, steps
+    assert "dynamic=False" in str(refused.value) and refused.value.min_feasible_bytes > refused.value.budget_bytes
+    assert not internals.profiler_active()
+
+
 def test_the_torch_compile_backend_plans_a_graph_with_dropout_again_and_trains_like_eager() -> None:
     """Accumulation over three micro-batches of a GPT-2 with dropout, seeded once: the plan made from None
     gradients is planned again (from Dynamo's kept graph) counting the resident gradients, and every
