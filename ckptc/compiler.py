@@ -335,7 +335,7 @@ class CheckpointCompiler:
             # Track which graphs run in this step, in order: graphs planned later
             # count what these keep for backward in their baseline.
             # Without a step tracker, a graph running again means a new step began.
-            if record in self.active and not self.track_steps and self.step_check is None:
+            if not self.track_steps and self.step_check is None and any(r is record for r in self.active):
                 self.active.clear()
             self.active.append(record)
             return compiled(args)

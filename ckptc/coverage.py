@@ -102,13 +102,14 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager:
     Raises:
         UntraceableModelError: naming the first such module.
     """
-    rnns = recurrent_modules(model)
+    if eager is not None:  # the RNNs it calls, without walking every module on every call
+        rnns = [(name, model.get_submodule(name)) for name in sorted(eager.recurrent_modules_run)]
+    else:
+        rnns = recurrent_modules(model)
     if not rnns:
         return
     seen: set[int] = set().union(*(r.inputs.ids for r in ran))
     for name, rnn in rnns:
-        if eager is not None and name not in eager.recurrent_modules_run:
-            continue
         trainable = [p for p in rnn.parameters() if p.requires_grad]
         if trainable and not any(id(p) in seen for p in trainable):
             raise UntraceableModelError(

@@ -247,9 +247,10 @@ class StepRuntime:
         signature = self.lengths.key(args, kwargs, _signature(args, kwargs))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
-        shape = self._plan_for(key, gradients=opened and gradients_resident(self.model))
+        resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
+        shape = self._plan_for(key, gradients=resident)
         if opened:
-            self._begin_step(args, kwargs, shape)
+            self._begin_step(args, kwargs, shape, resident)
         elif self._meter is not None:
             self._meter.add_baseline(resident_bytes(args, kwargs))
         if shape not in self._step_plans:
@@ -346,7 +347,8 @@ class StepRuntime:
         shape.compile(self.model, self.template, self.active)
 
     # -- steps -----------------------------------------------------------------
-    def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan) -> None:
+    def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan, gradients: bool) -> None:
+        """Open a step of ``shape`` (``gradients``: it starts with gradients resident)."""
         self._step_open = True
         self.active.clear()
         self._step_plans = []
@@ -354,7 +356,7 @@ class StepRuntime:
         self._meter = None
         self._step_compiled = False
         budget = self.template.budget_bytes
-        self._step_state = gradients_resident(self.model)
+        self._step_state = gradients
         unverified = self._step_state not in shape.verified_states
         # Not a step that plans (again): planning profiles ops itself, and profilers do not nest.
         planned = shape.compiler.records and not shape.needs_replan
