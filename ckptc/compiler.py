@@ -220,7 +220,9 @@ class CheckpointCompiler:
         index = len(self.records)
         symbolic = has_symbolic_sizes(gm, example_inputs)
         self.symbolic = self.symbolic or symbolic
-        compiled, record = self._plan_graph(gm, example_inputs, index)
+        # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
+        # refused now, not run at its floor to see the whole step first.
+        compiled, record = self._plan_graph(gm, example_inputs, index, final=symbolic and not self.track_steps)
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.unused_grads).
@@ -267,10 +269,11 @@ class CheckpointCompiler:
         return run
 
     def _plan_graph(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, *, final: bool = False
     ) -> tuple[Callable, GraphRecord | None]:
         """AOTAutograd on Dynamo's graph ``gm`` with ckptc's partitioner: the compiled graph, and the
-        record of its plan as graph ``index`` of the step (None for an inference graph)."""
+        record of its plan as graph ``index`` of the step (None for an inference graph).  ``final``:
+        the plan will not be made again (see :meth:`partition`)."""
         planned: list[GraphRecord] = []
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
@@ -279,9 +282,6 @@ class CheckpointCompiler:
                 self.model, example_inputs, placeholders, self.active, index=index
             )
             sink = self._gradient_sink(example_inputs, placeholders)
-            # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
-            # refused now, not run at its floor to see the whole step first.
-            final = not self.track_steps and has_symbolic_sizes(gm, example_inputs)
             parts = self.partition(
                 joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, index=index, final=final, **kw
             )

@@ -108,9 +108,10 @@ class Replans:
         log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_bytes))
         return True
 
-    def after_measured(self, peak_bytes: int, ran: Sequence[GraphRecord]) -> int:
+    def after_measured(self, peak_bytes: int, ran: Sequence[GraphRecord], *, plans_again: bool = True) -> int:
         """A step of the graphs ``ran`` under the current plans measured ``peak_bytes``, above the
-        budget: count what the prediction missed; returns it.
+        budget: count what the prediction missed; returns it.  ``plans_again=False``: the graphs keep
+        their plans (a backend's graphs with symbolic sizes), so the excess is refused at once.
 
         What the prediction missed (eager code between graphs, allocator effects) is counted in
         full: correcting by the excess over the budget alone under-counts whenever the plan did
@@ -122,9 +123,16 @@ class Replans:
         assert self.budget_bytes is not None and peak_bytes > self.budget_bytes
         missed = missed_bytes(peak_bytes, self.budget_bytes, ran)
         self.over_budget_peak_bytes = peak_bytes
-        if self.replans >= MAX_REPLANS:
+        if self.replans >= MAX_REPLANS or not plans_again:
             floor = max((r.min_feasible_bytes for r in ran), default=self.budget_bytes)
-            raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans)
+            fixed = (
+                "and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
+                "(dynamic=True, or sizes that depend on data). What to do: give a budget of at least "
+                f"{floor + missed} bytes, compile with dynamic=False, or train through ckptc.optimize, which "
+                "plans such a step again with the excess counted."
+            )
+            what_to_do = None if plans_again else fixed
+            raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans, what_to_do)
         self.replans += 1
         self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
         return missed

@@ -35,7 +35,6 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.account import StepAccount, unnamed_gradient_bytes
-from ckptc.errors import BudgetExceededError
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
 from ckptc.records import GraphRecord
 from ckptc.replan import Replans, missed_bytes
@@ -164,20 +163,7 @@ class BackendStepCheck:
         or refuse after MAX_REPLANS (at every step from then on: the budget does not hold)."""
         peak = self._over_budget
         assert peak is not None
-        if self.fixed_plans:
-            missed = missed_bytes(peak, self.budget_bytes, self._ran)
-            floor = max((r.min_feasible_bytes for r in self._ran), default=self.budget_bytes)
-            raise BudgetExceededError(
-                peak,
-                self.budget_bytes,
-                floor + missed,
-                self.replans.replans,
-                f"and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
-                "(dynamic=True, or sizes that depend on data). What to do: give a budget of at least "
-                f"{floor + missed} bytes, compile with dynamic=False, or train through ckptc.optimize, which "
-                "plans such a step again with the excess counted.",
-            )
-        self.replans.after_measured(peak, self._ran)
+        self.replans.after_measured(peak, self._ran, plans_again=not self.fixed_plans)
         self._replanned()
 
     def _uncounted(self, objects: list[Any]) -> int:
