@@ -57,8 +57,9 @@ def test_eager_backend_dropout_gradients_equal_eager(fraction: float) -> None:
     assert plan.values("kept") and (fraction > 0.5 or plan.values("recomputed"))
 
 
-@pytest.mark.parametrize("fraction", [0.2, 0.8])
-def test_inductor_backend_dropout_gradients_equal_eager(fraction: float) -> None:
+def test_inductor_backend_dropout_gradients_equal_eager() -> None:
+    # One budget low enough to recompute dropouts (the eager backend's test covers three).
+    fraction = 0.2
     case = get_case("gpt2")
     reference = copy.deepcopy(case.model)
     backend = ckptc.backend(budget_bytes=budget_bounds(case).at(fraction), compiler="inductor")
