@@ -107,12 +107,17 @@ class CheckpointCompiler:
         self.model = model
         self.plan_source = plan_source
         self.progress = progress
+        self.generate_kernels = generate_kernels
+        # Whether a caller tracks steps (ending them when backward ends); without one
+        # a graph running again means a new step began.
+        self.track_steps = step is not None
         if replans is None:
-            # A backend's own run-time check (no step tracker) sees the whole step before earlier graphs
-            # plan again for a later one that cannot fit (ckptc.watch), as the step runtime does.
-            checked = options.budget_bytes is not None and step is None and generate_kernels
+            # A backend's own run-time check sees the whole step before earlier graphs plan again
+            # for a later one that cannot fit (ckptc.watch), as the step runtime does.
             account = StepAccount(
-                budget_bytes=options.budget_bytes, hold_outputs=options.hold_outputs, defer_infeasible=checked
+                budget_bytes=options.budget_bytes,
+                hold_outputs=options.hold_outputs,
+                defer_infeasible=self._checks_own_steps(options.budget_bytes),
             )
             replans = Replans(account)
         self.replans = replans
@@ -123,10 +128,6 @@ class CheckpointCompiler:
         self.symbolic = False
         # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
         self._scratch: dict[tuple, int] = {}
-        self.generate_kernels = generate_kernels
-        # Whether a caller tracks steps (ending them when backward ends); without one
-        # a graph running again means a new step began.
-        self.track_steps = step is not None
         self.records: list[GraphRecord] = []
         # Graphs whose forward ran in the current step, in order (a graph run
         # twice before one backward appears twice when steps are tracked).
@@ -314,10 +315,15 @@ class CheckpointCompiler:
                 parameters[i] = real
         return GradientSink(parameters) if parameters else None
 
+    def _checks_own_steps(self, budget_bytes: int | None) -> bool:
+        """Whether this compiler runs a backend's run-time check of its steps: no caller tracks them
+        (``ckptc.optimize``'s step runtime does), a budget is set, and the plans run (a capture's do not)."""
+        return not self.track_steps and budget_bytes is not None and self.generate_kernels
+
     def _backend_check(self) -> BackendStepCheck | None:
         """The run-time check of a ``torch.compile`` backend's steps (one for all its graphs); none
         under ``ckptc.optimize``, whose step runtime checks and plans again, or without a budget."""
-        if self.track_steps or self.budget_bytes is None or not self.generate_kernels:
+        if not self._checks_own_steps(self.budget_bytes):
             return None
         if self.step_check is None:
             self.step_check = BackendStepCheck(self.replans, self.model)

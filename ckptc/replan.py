@@ -125,13 +125,14 @@ class Replans:
         self.over_budget_peak_bytes = peak_bytes
         if self.replans >= MAX_REPLANS or not plans_again:
             floor = max((r.min_feasible_bytes for r in ran), default=self.budget_bytes)
-            fixed = (
-                "and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
-                "(dynamic=True, or sizes that depend on data). What to do: give a budget of at least "
-                f"{floor + missed} bytes, compile with dynamic=False, or train through ckptc.optimize, which "
-                "plans such a step again with the excess counted."
-            )
-            what_to_do = None if plans_again else fixed
+            what_to_do = None  # the default: replanned MAX_REPLANS times
+            if not plans_again:
+                what_to_do = (
+                    "and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
+                    "(dynamic=True, or sizes that depend on data). What to do: give a budget of at least "
+                    f"{floor + missed} bytes, compile with dynamic=False, or train through ckptc.optimize, "
+                    "which plans such a step again with the excess counted."
+                )
             raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans, what_to_do)
         self.replans += 1
         self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
