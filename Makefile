@@ -35,8 +35,10 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Two workers, one test file each at a time (a module's fixtures, such as the DDP process group, start once):
+# most tests are single-threaded Python (Dynamo, AOTAutograd, the solvers), so two workers use both cores.
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench: setup
 	$(PY) -m bench.run
