@@ -5,7 +5,7 @@
 For each model: ``ckptc.plan(..., strategy="none")`` and its coverage report
 (graphs, share of the forward's FLOPs and activations, graph-break reasons).
 Then tiny GPT-2 trained over ``--lengths`` sequence lengths: seconds per call
-and how many plans exist after it (``ckptc.lengths`` plans one per
+and how many plans exist after it (``ckptc.runtime.lengths`` plans one per
 power-of-two bucket once the length varies).  The README's tables come from
 this script.
 """

@@ -13,7 +13,7 @@ and ``torch.compile(backend="aot_eager")`` under ``activation_memory_budget``
 0, 0.5 and 1.  Every figure is absolute: ``max_memory_allocated`` after
 ``reset_peak_memory_stats``, with the model's weights, inputs and cuBLAS
 workspaces resident, as ckptc's prediction counts them (CUDA memory model:
-``ckptc/devices.py``).  Step times are the median of ``--reps`` steps after a
+``ckptc/pricing/devices.py``).  Step times are the median of ``--reps`` steps after a
 warm-up.  Optimizer state is not part of any figure.
 
 Without CUDA it refuses (exit status 2) and says so; ``--cpu-smoke`` runs the

@@ -27,7 +27,7 @@ from ckptc.errors import (
 )
 from ckptc.inplace import applied, apply, remove
 from ckptc.options import CheckpointOptions
-from ckptc.planner import CapturedStep
+from ckptc.planning.planner import CapturedStep
 from ckptc.plans import ModelPlan, load_plan
 from solvers import InfeasibleBudgetError
 

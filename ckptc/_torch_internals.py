@@ -506,7 +506,7 @@ def compile_config():
       code again with its own backend; past Dynamo's default limit of 8 it
       would silently fall back to eager execution, dropping the plan.
     * ``allow_rnn``: ``nn.LSTM``/``GRU``/``RNN`` are traced (unrolled) instead
-      of skipped; :mod:`ckptc.coverage` refuses the cases the trace gets wrong.
+      of skipped; :mod:`ckptc.capture.coverage` refuses the cases the trace gets wrong.
     * ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops``:
       ``.item()``, ``nonzero`` and boolean indexing (MoE routing) stay in the
       graph instead of breaking it; their unbacked sizes are priced at their

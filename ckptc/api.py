@@ -17,18 +17,18 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.account import unnamed_gradient_bytes
 from ckptc.backend import backend
-from ckptc.compiler import CheckpointCompiler
-from ckptc.coverage import Coverage
+from ckptc.capture.compiler import CheckpointCompiler
+from ckptc.capture.coverage import Coverage
+from ckptc.capture.offline import offline_device, offline_step
 from ckptc.distributed import check_call_order, check_wrap_order, rank_context
 from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError
-from ckptc.offline import offline_device, offline_step
 from ckptc.options import CheckpointOptions, refuse_unknown
-from ckptc.planner import CapturedStep
+from ckptc.planning.account import unnamed_gradient_bytes
+from ckptc.planning.planner import CapturedStep
 from ckptc.plans import ModelPlan, _parameter_sizes, applied_plan
 from ckptc.records import GraphRecord
-from ckptc.step import ForwardState, ShapePlan, StepRuntime, refuse_unplanned
+from ckptc.runtime.step import ForwardState, ShapePlan, StepRuntime, refuse_unplanned
 
 log = logging.getLogger("ckptc.api")
 
@@ -73,7 +73,7 @@ class OptimizedModule(torch.nn.Module):
     has the same keys and an optimizer over either module's parameters trains
     both).  After the first training call, :attr:`plan` describes what is kept
     and what is recomputed.  Training calls run through a
-    :class:`~ckptc.step.StepRuntime` (per-shape plans, step tracking, measured
+    :class:`~ckptc.runtime.step.StepRuntime` (per-shape plans, step tracking, measured
     verification).  ``training`` is the wrapped model's flag.  Copies
     (``copy.deepcopy``, ``pickle``, ``torch.save``) keep the model and the
     options and plan again on their first training call.
@@ -116,7 +116,7 @@ class OptimizedModule(torch.nn.Module):
 
     @property
     def step_runtime(self) -> StepRuntime:
-        """The :class:`~ckptc.step.StepRuntime` that runs this module's training calls (its per-shape
+        """The :class:`~ckptc.runtime.step.StepRuntime` that runs this module's training calls (its per-shape
         plans, the records of the last step)."""
         return self._ckptc_runtime
 
@@ -304,7 +304,7 @@ def capture(
     model, given ``device``) is captured offline, for ``device`` (default: the
     fake tensors' device, else ``cpu``), under fake tensors: nothing is
     allocated, no op runs, kernels' scratch is priced at 0 and the plan is the
-    one the same model with real weights gets there (:mod:`ckptc.offline`).
+    one the same model with real weights gets there (:mod:`ckptc.capture.offline`).
 
     Runs one forward and backward pass on the example inputs (to capture every
     graph, including those after graph breaks) and restores the parameters'

@@ -14,7 +14,7 @@ Options (both ways): those of :class:`~ckptc.options.CheckpointOptions`
 
 One budget covers all graphs of one ``torch.compile`` call (graph breaks
 included): Dynamo calls the backend once per graph with the same options, and
-the graphs of one call share one :class:`~ckptc.compiler.CheckpointCompiler`.
+the graphs of one call share one :class:`~ckptc.capture.compiler.CheckpointCompiler`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from ckptc.compiler import CheckpointCompiler
+from ckptc.capture.compiler import CheckpointCompiler
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions
 from ckptc.plans import ModelPlan, applied_plan

@@ -25,7 +25,7 @@ not see, and this module adds to every graph's baseline (:class:`RankContext`):
 
 Everything else (collective scratch, eager code between graphs, a block graph
 that Dynamo compiles once and runs for every layer) is left to the closed loop
-of :mod:`ckptc.step`: the first step of every plan is measured on every rank,
+of :mod:`ckptc.runtime.step`: the first step of every plan is measured on every rank,
 the ranks agree on the largest peak (an all-reduce of the maximum), and if it
 exceeds the budget every rank plans again with the same correction.
 

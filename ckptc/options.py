@@ -6,7 +6,7 @@ backend="ckptc", options={...})``, :func:`ckptc.capture` and the CLI all build
 it with :meth:`CheckpointOptions.from_user`, which refuses an unknown name
 (naming the valid ones) and a bad value (quoting it) before anything runs.
 The compiler and the planner read the validated fields and nothing else; what a
-step holds besides its activations is :class:`ckptc.account.StepAccount`'s, not an option.
+step holds besides its activations is :class:`ckptc.planning.account.StepAccount`'s, not an option.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ GiB = 1024**3
 # units (budget_bytes given as GiB, a typo in the exponent), not a real limit.
 MAX_BUDGET_BYTES = 2**63 - 1
 
-#: Strategies (see :mod:`ckptc.planner`): ``"auto"`` solves under the budget, the others are presets.
+#: Strategies (see :mod:`ckptc.planning.planner`): ``"auto"`` solves under the budget, the others are presets.
 STRATEGY_NAMES = ("auto", "none", "layer", "segment", "selective")
 COMPILER_NAMES = ("eager", "inductor")
 #: Solvers for ``strategy="auto"``: ``"auto"`` and every method (``solvers.METHODS`` has ``"auto"`` too).

@@ -31,8 +31,8 @@ from ckptc.errors import ArgumentTypeError, CorruptPlanError, PlanMismatchError
 from ckptc.options import SOLVER_NAMES, STRATEGY_NAMES, CheckpointOptions
 
 if TYPE_CHECKING:
-    from ckptc.coverage import Coverage
-    from ckptc.problem import JointProblem
+    from ckptc.capture.coverage import Coverage
+    from ckptc.pricing.problem import JointProblem
     from ckptc.records import GraphRecord
 
 SCHEMA_VERSION = 1
@@ -130,7 +130,7 @@ class ModelPlan:
     gradient_bytes: int | None = None
     # Measured at run time (ckptc.optimize(..., verify=True)); not saved in plan files.
     measured_peak_bytes: int | None = None
-    # What the graphs cover of the step and why it is split (ckptc.coverage); not saved in plan files.
+    # What the graphs cover of the step and why it is split (ckptc.capture.coverage); not saved in plan files.
     coverage: Coverage | None = field(default=None, repr=False, compare=False)
 
     # -- summaries --------------------------------------------------------

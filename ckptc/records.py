@@ -1,9 +1,9 @@
 """The records every stage shares: what was decided for one graph, and the callbacks that shape it.
 
-:func:`ckptc.planner.decide` makes a :class:`GraphRecord`; the compiler keeps
+:func:`ckptc.planning.planner.decide` makes a :class:`GraphRecord`; the compiler keeps
 it beside the rewritten graphs, the step runtime tracks which ran, and plans,
 coverage and the distributed checks read it.  This module sits below all of
-them (it imports only :mod:`ckptc.problem` and :mod:`solvers`), so none of
+them (it imports only :mod:`ckptc.pricing.problem` and :mod:`solvers`), so none of
 them imports the stage that made the record.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import solvers
-from ckptc.problem import JointProblem
+from ckptc.pricing.problem import JointProblem
 
 #: Replaces the strategy (a plan file's decisions): given the graph index and problem, returns its plan.
 PlanSource = Callable[[int, JointProblem], solvers.Plan]
@@ -106,7 +106,7 @@ class RecordLink:
 
     def __init__(self, record: GraphRecord, gradient_sink: Any = None) -> None:
         self.record = record
-        self.gradient_sink = gradient_sink  # ckptc.lean_backward.GradientSink, or None
+        self.gradient_sink = gradient_sink  # ckptc.rewrite.lean_backward.GradientSink, or None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RecordLink:
         return self

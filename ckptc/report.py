@@ -30,7 +30,7 @@ import solvers
 from ckptc.api import _default_loss, capture, optimize, training_state_restored
 from ckptc.errors import CkptcError, InvalidArgumentError
 from ckptc.meter import measure_peak, resident_bytes
-from ckptc.planner import unoptimized_result
+from ckptc.planning.planner import unoptimized_result
 from ckptc.plans import KeptValue, ModelPlan
 from solvers import format_bytes
 

@@ -189,36 +189,59 @@ def test_tests_never_import_bench():
 
 
 def ckptc_imports(source: str, module: str, modules: set[str]) -> set[str]:
-    """The ``ckptc`` modules that ``source`` (the module ``module``) imports, anywhere in it:
-    top level, inside functions and under ``TYPE_CHECKING`` alike."""
+    """The ``ckptc`` modules that ``source`` (the module ``module``, dotted below ``ckptc``, such as
+    ``planning.planner``) imports, anywhere in it: top level, inside functions and under ``TYPE_CHECKING``
+    alike.  Names are dotted below ``ckptc`` too; a name that is not a module (a function) is not an edge."""
+    package = module.rpartition(".")[0]
     found: set[str] = set()
+
+    def imported_from(base: str, names: list[str]) -> None:
+        for name in names:  # from ckptc.pricing import costs: the module pricing.costs
+            dotted = f"{base}.{name}" if base else name
+            found.add(dotted if dotted in modules else base)
+
     for node in ast.walk(ast.parse(source, module)):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("ckptc.")}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module == "ckptc":
-                found |= {a.name for a in node.names}  # from ckptc import _torch_internals as internals
-            elif node.level == 0 and node.module and node.module.startswith("ckptc."):
-                found.add(node.module.split(".")[1])
-            elif node.level > 0:  # relative: from .planner import decide, from . import costs
-                found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+            found |= {a.name.removeprefix("ckptc.") for a in node.names if a.name.startswith("ckptc.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "ckptc" or node.module.startswith("ckptc."):
+                imported_from(node.module.removeprefix("ckptc").removeprefix("."), [a.name for a in node.names])
+        elif isinstance(node, ast.ImportFrom):  # relative: from .planner import decide, from .. import meter
+            parts = package.split(".") if package else []
+            parts = parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else [])
+            imported_from(".".join(parts), [a.name for a in node.names])
     return (found & modules) - {module}
 
 
 def test_ckptc_import_scanner():
     """The scanner itself: every form of import is an edge, lazy and TYPE_CHECKING ones included."""
     source = (
-        "import ckptc.costs\nfrom ckptc import _torch_internals as internals\nfrom ckptc.planner import decide\n"
+        "import ckptc.pricing.costs\nfrom ckptc import _torch_internals as internals\n"
+        "from ckptc.planning.planner import decide\nfrom ckptc.capture import rng\n"
         "if TYPE_CHECKING:\n    from ckptc.plans import ModelPlan\n"
-        "def f():\n    from .rng import x\n    from . import meter\n    import torch, solvers\n"
+        "def f():\n    from .devices import x\n    from .. import meter\n    import torch, solvers\n"
     )
-    names = {"costs", "_torch_internals", "planner", "plans", "rng", "meter", "api"}
-    assert ckptc_imports(source, "api", names) == names - {"api"}
+    names = {"pricing.costs", "_torch_internals", "planning.planner", "plans", "capture.rng", "meter"}
+    names |= {"pricing.devices", "pricing.problem", "api"}
+    imported = names - {"api", "pricing.problem"}
+    assert ckptc_imports(source, "pricing.problem", names) == imported
+
+
+def _ckptc_modules() -> dict[str, Path]:
+    """Every module of ``ckptc/`` by its dotted name below ``ckptc`` (``meter``, ``planning.planner``)."""
+    root = REPO / "ckptc"
+    paths = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts:
+            paths[".".join(parts)] = path
+    return paths
 
 
 def test_ckptc_imports_form_no_circle():
     """No import circle in ckptc/: each module has a floor and imports only from floors below it."""
-    paths = {path.stem: path for path in sorted((REPO / "ckptc").glob("*.py"))}
+    paths = _ckptc_modules()
     graph = nx.DiGraph()
     graph.add_nodes_from(paths)
     for module, path in paths.items():

@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ckptc.costs import annotate_costs
-from ckptc.devices import block_bytes, cublas_workspace_bytes, graph_device, memory_model
+from ckptc.pricing.costs import annotate_costs
+from ckptc.pricing.devices import block_bytes, cublas_workspace_bytes, graph_device, memory_model
 
 MiB = 1 << 20
 

@@ -464,7 +464,7 @@ def test_the_labels_path_of_causal_lms_is_captured_in_one_graph(name: str) -> No
 def test_gradients_zeroed_between_forward_and_backward_are_counted_quietly() -> None:
     """Lightning's loop zeroes gradients after the forward: the last step's gradients are alive
     through it.  A step that starts with gradients resident counts them for the whole step
-    (ckptc.account), so this is planned for, not warned about."""
+    (ckptc.planning.account), so this is planned for, not warned about."""
     torch.manual_seed(0)
     model = ckptc.apply(
         torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)), budget_gb=1

@@ -163,7 +163,7 @@ def test_ckptc_logs_reach_the_users_handlers() -> None:
     logger = logging.getLogger("ckptc")
     assert logger.propagate and not any(isinstance(h, logging.NullHandler) for h in logger.handlers)
     # Without any logging configured, Python's last-resort handler prints ckptc's warnings.
-    assert logging.getLogger("ckptc.step").getEffectiveLevel() <= logging.WARNING
+    assert logging.getLogger("ckptc.runtime.step").getEffectiveLevel() <= logging.WARNING
 
 
 # -- the floor is never above the unoptimized peak ---------------------------------------------
@@ -241,7 +241,7 @@ class _TimeStepLoop(nn.Module):
 def test_a_graph_too_large_to_plan_is_refused_before_planning_naming_the_loop(monkeypatch) -> None:
     import time
 
-    from ckptc import coverage
+    from ckptc.capture import coverage
 
     monkeypatch.setattr(coverage, "MAX_GRAPH_OPS", 300)  # the real bound, scaled down to run in seconds
     model = _TimeStepLoop()

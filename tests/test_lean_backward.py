@@ -1,4 +1,4 @@
-"""A backward that holds no more than eager's (ckptc/lean_backward.py): elementwise results written into an
+"""A backward that holds no more than eager's (ckptc/rewrite/lean_backward.py): elementwise results written into an
 operand they are the last reader of, no running statistics for BatchNorm's training-mode backward, and
 under accumulation each parameter gradient added into the resident ``.grad`` as it is made."""
 
@@ -12,8 +12,8 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 import ckptc
-from ckptc.costs import BACKWARD, FORWARD, NodeCost
-from ckptc.lean_backward import in_place_targets, reinplace
+from ckptc.pricing.costs import BACKWARD, FORWARD, NodeCost
+from ckptc.rewrite.lean_backward import in_place_targets, reinplace
 from tests.helpers import assert_same_training, get_case, measure, step
 from tests.per_block import wrap_blocks
 from tests.zoo import ModelCase

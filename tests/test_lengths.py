@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ckptc
-from ckptc.lengths import bucket_of
 from ckptc.meter import measure_peak, resident_bytes
+from ckptc.runtime.lengths import bucket_of
 from tests.zoo import get_case
 
 
@@ -55,7 +55,7 @@ def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eag
     budget = int(0.8 * eager_peak)  # below keeping everything at the bucket's top: something is recomputed
     fast = ckptc.optimize(model, budget_bytes=budget, verify=False)
     lengths = (24, 20, 32, 17, 28, 31, 18, 25)
-    with caplog.at_level(logging.INFO, logger="ckptc.lengths"):
+    with caplog.at_level(logging.INFO, logger="ckptc.runtime.lengths"):
         for length in lengths:
             run(fast, length)  # planning allocates too (it profiles ops): measure a step that does not plan
             ids = case.example_inputs[0][:, :length]
@@ -81,8 +81,8 @@ def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eag
 def test_a_bucket_that_cannot_be_planned_falls_back_to_exact_lengths() -> None:
     """Its top over the budget (or the model pinning the size): that bucket's lengths are planned one by one."""
     import solvers
-    from ckptc.lengths import LengthBuckets
-    from ckptc.step import _signature
+    from ckptc.runtime.lengths import LengthBuckets
+    from ckptc.runtime.step import _signature
 
     buckets = LengthBuckets()
 

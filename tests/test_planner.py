@@ -9,7 +9,7 @@
 * ``CheckpointOptions`` refuses unknown names (naming the valid ones) and bad
   values (quoting them), for ``optimize``, ``backend`` and ``torch.compile``'s
   ``options={...}`` alike.
-* Only ``ckptc/planner.py`` calls a solver, a preset or the floor (checked on
+* Only ``ckptc/planning/planner.py`` calls a solver, a preset or the floor (checked on
   the source, like ``tests/test_boundaries.py``).
 """
 
@@ -97,7 +97,7 @@ def test_a_captured_step_with_a_graph_break_plans_the_whole_step(caplog):
     step = ckptc.capture(copy.deepcopy(model), (x,), loss_fn=lambda out: out)
     assert step.graphs == 2
     budget = step.floor_bytes
-    with caplog.at_level(logging.INFO, logger="ckptc.replan"):
+    with caplog.at_level(logging.INFO, logger="ckptc.planning.replan"):
         planned = step.plan(budget_bytes=budget)
     assert "earlier graphs keep less" in caplog.text  # the step-wide retry ran
     assert planned.predicted_peak_bytes <= budget
@@ -159,14 +159,14 @@ def _imports_ckptc(tree: ast.AST) -> bool:
 def test_only_the_planner_decides():
     """No module that plans a model (every module of ckptc, every bench module that imports ckptc) but
     the planner calls a solver, a preset or the floor: there is one place where a plan is chosen.  The
-    policies (``ckptc/policies.py``) only say what may be kept: they neither solve nor score a plan (the
+    policies (``ckptc/planning/policies.py``) only say what may be kept: they neither solve nor score a plan (the
     planner simulates it).  Bench modules that never import ckptc time the solvers on solver problems."""
     offenders = []
-    for path in sorted([*(REPO / "ckptc").glob("*.py"), *(REPO / "bench").glob("*.py")]):
+    for path in sorted([*(REPO / "ckptc").rglob("*.py"), *(REPO / "bench").glob("*.py")]):
         tree = ast.parse(path.read_text(), str(path))
         if path.parent.name == "bench" and not _imports_ckptc(tree):
             continue
-        if path.relative_to(REPO).as_posix() == "ckptc/planner.py":
+        if path.relative_to(REPO).as_posix() == "ckptc/planning/planner.py":
             continue  # the one place
         deciding = DECIDING_CALLS | {"simulate"} if path.name == "policies.py" else DECIDING_CALLS
         for node in ast.walk(tree):
@@ -179,7 +179,7 @@ def test_only_the_planner_decides():
 def test_capture_builds_no_training_wrapper(monkeypatch):
     """``ckptc.capture`` runs its one planning call itself (``ShapePlan.plan_call``, the call that
     ``optimize``'s step runtime makes too), without an ``OptimizedModule`` or a ``StepRuntime``."""
-    from ckptc import step as step_module
+    from ckptc.runtime import step as step_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("capture built a training wrapper")
@@ -198,11 +198,11 @@ def test_capture_builds_no_training_wrapper(monkeypatch):
 
 def test_only_the_replan_loop_changes_what_a_step_showed():
     """What a step shows (graph budgets, repeats, a measured correction, resident gradients, held
-    outputs) becomes the next account in ``ckptc/replan.py`` only: the capture path, the step runtime
+    outputs) becomes the next account in ``ckptc/planning/replan.py`` only: the capture path, the step runtime
     and the backend's check hold a ``Replans`` and never write those fields of the account themselves."""
     fields = {"graph_budgets", "repeat_bytes", "correction_bytes", "gradients_resident", "hold_outputs"}
     offenders = []
-    for path in sorted((REPO / "ckptc").glob("*.py")):
+    for path in sorted((REPO / "ckptc").rglob("*.py")):
         if path.name in ("replan.py", "account.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -218,7 +218,7 @@ def test_only_the_replan_loop_changes_what_a_step_showed():
 def test_a_captured_step_plans_what_optimize_plans_with_breaks_and_repeated_graphs():
     """OPT's layer loop breaks (LayerDrop draws a random number per layer): 3 graphs, one of them run for
     both layers.  ``capture(...).plan`` and ``optimize``'s first call go through the same replan loop
-    (``ckptc.replan.settle``), so they make the same plan; they used to count repeats and tighten earlier
+    (``ckptc.planning.replan.settle``), so they make the same plan; they used to count repeats and tighten earlier
     graphs in different orders, and disagreed at this budget (969,220 against 972,036 bytes)."""
     from tests.helpers import step
     from tests.zoo import get_case
@@ -241,7 +241,7 @@ def test_below_the_entry_points_the_budget_is_read_from_the_step_account():
     root = Path(ckptc.__file__).parent
     from_options: set[tuple[str, str]] = set()
     validated: set[tuple[str, str]] = set()
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
         for function in ast.walk(tree):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -269,6 +269,6 @@ def test_below_the_entry_points_the_budget_is_read_from_the_step_account():
         ("options.py", "from_user"),
         ("planner.py", "_options"),
     }
-    from ckptc.planner import decide
+    from ckptc.planning.planner import decide
 
     assert "budget_bytes" not in inspect.signature(decide).parameters

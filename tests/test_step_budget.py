@@ -181,7 +181,7 @@ def test_a_training_call_without_a_plan_raises() -> None:
 def test_per_shape_plans_are_kept_in_a_bounded_lru_cache() -> None:
     model = _mlp(width=32, depth=2)
     optimized = ckptc.optimize(model, budget_gb=1, max_plans=2)
-    for n in (4, 8, 16, 4):  # 4 exactly, then one plan per length bucket (ckptc.lengths): (4, 8], (8, 16]
+    for n in (4, 8, 16, 4):  # 4 exactly, then one plan per length bucket (ckptc.runtime.lengths): (4, 8], (8, 16]
         optimized(torch.randn(n, 64)).sum().backward()
     runtime = optimized._ckptc_runtime
     assert len(runtime.plans) == 2

@@ -367,7 +367,7 @@ def test_the_torch_compile_backend_plans_a_graph_with_dropout_again_and_trains_l
     micro-batch draws eager's masks.  A plan that recomputes a dropout saves its input, and AOTAutograd's
     split used to copy the forward dropout into the backward too (impure, so never removed): it ran
     unused and moved the random stream, so the next micro-batch's masks and gradients differed from
-    eager's (``ckptc.rewriter._drop_stray_forward_ops``)."""
+    eager's (``ckptc.rewrite.rewriter._drop_stray_forward_ops``)."""
     from tests.helpers import budget_bounds
     from tests.zoo import get_case
 

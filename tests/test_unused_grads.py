@@ -1,4 +1,4 @@
-"""Results the loss does not use get no gradient tensor (ckptc/unused_grads.py).
+"""Results the loss does not use get no gradient tensor (ckptc/rewrite/unused_grads.py).
 
 ``loss = model(x, labels=y).loss`` leaves the logits unused; a compiled graph's
 backward would otherwise receive a full-size tensor of zeros for them and add
@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 import ckptc
-from ckptc.compiler import CheckpointCompiler
-from ckptc.unused_grads import ZERO, fold_zeros, foldable_tangents, specialize
+from ckptc.capture.compiler import CheckpointCompiler
+from ckptc.rewrite.unused_grads import ZERO, fold_zeros, foldable_tangents, specialize
 from tests.helpers import assert_same_training, budget_bounds, get_case, measure, step
 from tests.zoo import ModelCase
 

@@ -1,6 +1,6 @@
 """The run-time budget check of ``torch.compile(model, backend="ckptc")``.
 
-:class:`ckptc.step.StepRuntime` sees every training call of ``ckptc.optimize``'s
+:class:`ckptc.runtime.step.StepRuntime` sees every training call of ``ckptc.optimize``'s
 model.  A ``torch.compile`` backend sees only its graphs, so it tracks the step
 from them and plans each graph again on its next run when the step showed
 something its plan did not count (the compiler keeps Dynamo's graph and runs
@@ -13,16 +13,16 @@ AOTAutograd and the planner on it again; Dynamo's guards and bytecode stay):
   ``zero_grad(set_to_none=False)``) or a second backward of a step
   (``retain_graph=True``) makes the account count the gradients; a graph run
   several times in one step makes it count what earlier runs leave alive
-  (:meth:`~ckptc.account.StepAccount.counting_repeats`);
+  (:meth:`~ckptc.planning.account.StepAccount.counting_repeats`);
 * the first step of each plan and of each state (gradients resident at its
   start or not) is measured from its first graph's forward to the end of its
   backward (:class:`ckptc.meter.StepMeter`), unless a graph planned during it;
   above the budget, the account counts what the prediction missed and the
-  graphs plan again, at most :data:`~ckptc.replan.MAX_REPLANS` times; after
+  graphs plan again, at most :data:`~ckptc.planning.replan.MAX_REPLANS` times; after
   that the next graph run raises :class:`ckptc.BudgetExceededError` naming the
   measured peak and what to do.
 
-The account and the evidence that changes it are a :class:`ckptc.replan.Replans`,
+The account and the evidence that changes it are a :class:`ckptc.planning.replan.Replans`,
 as for every other path that plans.
 """
 
@@ -34,12 +34,12 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.account import StepAccount, unnamed_gradient_bytes
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
+from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
+from ckptc.planning.replan import Replans, missed_bytes
 from ckptc.records import GraphRecord
-from ckptc.replan import Replans, missed_bytes
 
-log = logging.getLogger("ckptc.watch")
+log = logging.getLogger("ckptc.runtime.watch")
 
 
 class BackendStepCheck:
@@ -52,7 +52,7 @@ class BackendStepCheck:
     Attributes:
         replans: the account every graph should be planned under now (``replans.account``; a graph
             planned under another plans again before it runs,
-            :meth:`ckptc.compiler.CheckpointCompiler.__call__`) and the evidence that changed it.
+            :meth:`ckptc.capture.compiler.CheckpointCompiler.__call__`) and the evidence that changed it.
         measured_peak_bytes: the peak of the last step measured under the current plans (None before one).
         verified: the step states (gradients resident at its start or not) a measured step of the
             current plans was within the budget in.
@@ -74,7 +74,7 @@ class BackendStepCheck:
         self._over_budget: int | None = None  # the last measured peak above the budget, counted at the next step
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
-        # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.compiler.has_symbolic_sizes):
+        # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
 

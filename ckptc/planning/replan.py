@@ -1,7 +1,7 @@
 """The one replan loop: what a step shows its plans did not count becomes the account of the next plans.
 
 A step is planned graph by graph, each graph under the step's
-:class:`~ckptc.account.StepAccount`.  What the whole step turns out to hold is
+:class:`~ckptc.planning.account.StepAccount`.  What the whole step turns out to hold is
 only known once its graphs ran (or were decided) together, and a measured step
 can show more still.  :class:`Replans` holds the account of one step's plans and
 turns each kind of evidence into the next account, within fixed limits:
@@ -11,7 +11,7 @@ turns each kind of evidence into the next account, within fixed limits:
   at most :data:`MAX_STEP_RETRIES` times per planning run);
 * a graph run several times in the step (identical layers compiled once, a
   model called twice): count what earlier runs leave alive at its last run
-  (:meth:`~ckptc.account.StepAccount.counting_repeats`, at most
+  (:meth:`~ckptc.planning.account.StepAccount.counting_repeats`, at most
   :data:`MAX_STEP_RETRIES` times per planning run);
 * a measured step above the budget: count what the prediction missed, at most
   :data:`MAX_REPLANS` times, then :class:`~ckptc.errors.BudgetExceededError`;
@@ -19,11 +19,11 @@ turns each kind of evidence into the next account, within fixed limits:
   results the caller holds through backward.
 
 :func:`settle` is the loop itself, for paths that can run (or decide) a step
-again at once: :class:`ckptc.planner.CapturedStep` (deciding captured graphs
-under a new budget) and a call of :class:`ckptc.step.StepRuntime` that plans.
+again at once: :class:`ckptc.planning.planner.CapturedStep` (deciding captured graphs
+under a new budget) and a call of :class:`ckptc.runtime.step.StepRuntime` that plans.
 Evidence seen only later (a measured step, a second backward) reaches the same
-:class:`Replans` from :class:`ckptc.step.StepRuntime` and from the
-``torch.compile`` backend's check (:class:`ckptc.watch.BackendStepCheck`); their
+:class:`Replans` from :class:`ckptc.runtime.step.StepRuntime` and from the
+``torch.compile`` backend's check (:class:`ckptc.runtime.watch.BackendStepCheck`); their
 next call plans under the new account.
 """
 
@@ -34,11 +34,11 @@ from collections import Counter
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import solvers
-from ckptc.account import StepAccount, budget_for_planning_floor
 from ckptc.errors import BudgetExceededError
+from ckptc.planning.account import StepAccount, budget_for_planning_floor
 from ckptc.records import GraphRecord
 
-log = logging.getLogger("ckptc.replan")
+log = logging.getLogger("ckptc.planning.replan")
 
 #: How many times one planning run tightens earlier graphs' budgets, and counts repeated graphs again.
 MAX_STEP_RETRIES = 2
@@ -174,7 +174,7 @@ def settle(
     ``account`` and returns its result with the graphs in the order they ran; it is
     called again under each new account (:meth:`Replans.after_run`), its earlier
     result dropped first.  ``unnamed_gradient_bytes(ran)`` gives the gradient bytes
-    of parameters no graph names (see :func:`ckptc.account.repeat_bytes`).
+    of parameters no graph names (see :func:`ckptc.planning.account.repeat_bytes`).
     """
     replans.new_planning_run()
     while True:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger("ckptc.devices")
+log = logging.getLogger("ckptc.pricing.devices")
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20

@@ -21,7 +21,7 @@ backward whose operand dies at that op.
 write into such an operand: the operand is a backward value that owns its
 storage, has the op's shape, dtype and strides, is read by nobody after the op
 (nor through a view), is not a graph result, and does not overlap the other
-operand.  The pricing (:func:`ckptc.problem.joint_to_problem`) counts such an
+operand.  The pricing (:func:`ckptc.pricing.problem.joint_to_problem`) counts such an
 op as an alias of that operand, and :func:`reinplace` rewrites the final
 backward graph with the in-place variants (``add_``), checking the same
 conditions on that graph, so the memory the simulator predicts is what runs.
@@ -36,7 +36,7 @@ parameter gradient to a :class:`GradientSink` right after the op that makes it:
 the sink adds it into the parameter's ``.grad`` (when one is resident, with the
 same layout, and no hook is registered on the parameter) and the graph returns
 ``None`` for it, so autograd accumulates nothing more.  The pricing
-(``accumulated_gradients`` of :func:`ckptc.problem.joint_to_problem`) lets such
+(``accumulated_gradients`` of :func:`ckptc.pricing.problem.joint_to_problem`) lets such
 a gradient die at its last read.  Only under ``ckptc.optimize`` without DDP or
 FSDP2, whose hooks on the parameters' gradient accumulators must see every
 gradient, and only for steps planned with gradients resident.
@@ -54,9 +54,9 @@ import torch
 import torch.fx as fx
 
 from ckptc._torch_internals import backward_accumulates, gradient_accumulator, has_gradient_hooks
-from ckptc.costs import BACKWARD
+from ckptc.pricing.costs import BACKWARD
 
-log = logging.getLogger("ckptc.lean_backward")
+log = logging.getLogger("ckptc.rewrite.lean_backward")
 
 aten = torch.ops.aten
 
@@ -72,7 +72,7 @@ _IN_PLACE: dict[Any, tuple[Any, bool]] = {
 def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """``op -> operand`` for every backward op of ``graph`` that may overwrite that operand.
 
-    Reads ``node.meta["ckptc"]`` (:func:`ckptc.costs.annotate_costs`) for each
+    Reads ``node.meta["ckptc"]`` (:func:`ckptc.pricing.costs.annotate_costs`) for each
     node's kind and storage.  The ops are taken in graph order and an operand
     already written into is not chosen twice, so the result is what
     :func:`reinplace` does to the same graph.  Runs in O(nodes + edges).

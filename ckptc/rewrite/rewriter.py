@@ -10,7 +10,7 @@ each saved activation after its last use in backward, so the memory the
 simulator predicts is the memory the graphs use.
 
 Random ops recomputed in backward replay the generator state captured in
-forward (see :mod:`ckptc.rng`), so they reproduce the same masks.
+forward (see :mod:`ckptc.capture.rng`), so they reproduce the same masks.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch.fx as fx
 
 import solvers
 from ckptc._torch_internals import split_joint_graph
-from ckptc.costs import FORWARD
-from ckptc.rng import replay_with_rng_state
+from ckptc.capture.rng import replay_with_rng_state
+from ckptc.pricing.costs import FORWARD
 
-log = logging.getLogger("ckptc.rewriter")
+log = logging.getLogger("ckptc.rewrite.rewriter")
 
 
 def rewrite(

@@ -3,18 +3,18 @@
 Dynamo captures the model (graph breaks split it into several graphs), and
 AOTAutograd traces each graph's joint forward+backward graph at aten level
 with fake tensors, then calls our partitioner.  The partitioner prices the
-joint graph (:mod:`ckptc.costs`), turns it into a solver problem
-(:mod:`ckptc.problem`), asks the planner (:mod:`ckptc.planner`) for a plan,
+joint graph (:mod:`ckptc.pricing.costs`), turns it into a solver problem
+(:mod:`ckptc.pricing.problem`), asks the planner (:mod:`ckptc.planning.planner`) for a plan,
 and rewrites the graph into forward and backward modules that follow the
-plan's schedule (:mod:`ckptc.rewriter`).  AOTAutograd's runtime then runs
+plan's schedule (:mod:`ckptc.rewrite.rewriter`).  AOTAutograd's runtime then runs
 them inside an ``autograd.Function``, handling input mutations (BatchNorm
 statistics are updated once per step) and aliasing.
 
 One budget covers the whole step: each graph's baseline (what the step holds
-besides the graph's own activations) is the :class:`~ckptc.account.StepAccount`'s,
+besides the graph's own activations) is the :class:`~ckptc.planning.account.StepAccount`'s,
 passed to the compiler as an argument; graphs captured later see what earlier
 graphs keep for their backward, including graphs of earlier calls of the model
-in the same step (a siamese model; :mod:`ckptc.step` tracks steps).
+in the same step (a siamese model; :mod:`ckptc.runtime.step` tracks steps).
 """
 
 from __future__ import annotations
@@ -28,24 +28,29 @@ import torch.fx as fx
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc.account import StepAccount
-from ckptc.costs import annotate_costs, measure_runtimes, measure_scratch
-from ckptc.coverage import refuse_oversized
+from ckptc.capture.coverage import refuse_oversized
+from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
-from ckptc.lean_backward import GradientSink, accumulate_into_parameters, drop_unread_batch_norm_statistics, reinplace
 from ckptc.options import CheckpointOptions
-from ckptc.planner import decide
+from ckptc.planning.account import StepAccount
+from ckptc.planning.planner import decide
+from ckptc.planning.policies import policies_from_patterns
+from ckptc.planning.replan import Replans
 from ckptc.plans import ModelPlan
-from ckptc.policies import policies_from_patterns
-from ckptc.problem import joint_to_problem
+from ckptc.pricing.costs import annotate_costs, measure_runtimes, measure_scratch
+from ckptc.pricing.problem import joint_to_problem
 from ckptc.records import GraphInputs, GraphRecord, PlanSource, RecordLink
-from ckptc.replan import Replans
-from ckptc.rewriter import rewrite
-from ckptc.rng import insert_rng_state_nodes
-from ckptc.unused_grads import ZeroGradBackward, zeros_buildable
-from ckptc.watch import BackendStepCheck
+from ckptc.rewrite.lean_backward import (
+    GradientSink,
+    accumulate_into_parameters,
+    drop_unread_batch_norm_statistics,
+    reinplace,
+)
+from ckptc.rewrite.rewriter import rewrite
+from ckptc.rewrite.unused_grads import ZeroGradBackward, zeros_buildable
+from ckptc.runtime.watch import BackendStepCheck
 
-log = logging.getLogger("ckptc.compiler")
+log = logging.getLogger("ckptc.capture.compiler")
 
 
 def has_symbolic_sizes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
@@ -70,8 +75,8 @@ class CheckpointCompiler:
         plan_source: replaces the strategy; given the graph index and problem,
             returns a plan (used to apply plan files).
         progress: ``(fraction, message)`` callback for long solves.
-        replans: where the account graphs are planned under comes from (:class:`ckptc.replan.Replans`,
-            the step runtime's for one input shape; its :class:`~ckptc.account.StepAccount` holds the
+        replans: where the account graphs are planned under comes from (:class:`ckptc.planning.replan.Replans`,
+            the step runtime's for one input shape; its :class:`~ckptc.planning.account.StepAccount` holds the
             budget and what the step holds besides each graph's activations): when its account changes,
             each graph plans again when it next runs, from Dynamo's graph (Dynamo's guards and bytecode
             stay).  Default: ``options``' budget, a step from ``None`` gradients.
@@ -79,12 +84,12 @@ class CheckpointCompiler:
             Inductor (False: :func:`ckptc.capture` traces them as Inductor would
             and runs them op by op, since planning needs no kernels).
         step: the list of graphs run in the current step, kept by a caller that
-            tracks steps (:class:`ckptc.step.StepRuntime`, :func:`ckptc.capture`);
+            tracks steps (:class:`ckptc.runtime.step.StepRuntime`, :func:`ckptc.capture`);
             the compiler appends each graph as it runs.  None: the compiler tracks
             steps itself (a graph running again begins a new step, or the run-time
-            check of :mod:`ckptc.watch` under a budget).
+            check of :mod:`ckptc.runtime.watch` under a budget).
 
-    Each graph's decision is :func:`ckptc.planner.decide`'s.
+    Each graph's decision is :func:`ckptc.planning.planner.decide`'s.
     """
 
     def __init__(
@@ -113,7 +118,7 @@ class CheckpointCompiler:
         self.track_steps = step is not None
         if replans is None:
             # A backend's own run-time check sees the whole step before earlier graphs plan again
-            # for a later one that cannot fit (ckptc.watch), as the step runtime does.
+            # for a later one that cannot fit (ckptc.runtime.watch), as the step runtime does.
             account = StepAccount(
                 budget_bytes=options.budget_bytes,
                 hold_outputs=options.hold_outputs,
@@ -133,7 +138,7 @@ class CheckpointCompiler:
         # twice before one backward appears twice when steps are tracked).
         self.active: list[GraphRecord] = step if step is not None else []
         self._just_planned: GraphRecord | None = None
-        # Under torch.compile(backend=...), what a measured step showed (ckptc.watch).
+        # Under torch.compile(backend=...), what a measured step showed (ckptc.runtime.watch).
         self.step_check: BackendStepCheck | None = None
 
     @property
@@ -226,7 +231,7 @@ class CheckpointCompiler:
         compiled, record = self._plan_graph(gm, example_inputs, index, final=symbolic and not self.track_steps)
         if record is None:
             return compiled  # an inference graph: nothing planned
-        # Results nobody uses get no gradient tensor (ckptc.unused_grads).
+        # Results nobody uses get no gradient tensor (ckptc.rewrite.unused_grads).
         no_zeros = self.options.compiler == "eager" and zeros_buildable(record.joint_problem.joint.graph)
         check = self._backend_check()
         if check is not None and symbolic:
@@ -301,7 +306,7 @@ class CheckpointCompiler:
         return compiled, (planned[-1] if planned else None)
 
     def _gradient_sink(self, example_inputs: Sequence[Any], placeholders: Sequence[Any]) -> GradientSink | None:
-        """Where the backward adds parameter gradients as they are made (``ckptc.lean_backward``),
+        """Where the backward adds parameter gradients as they are made (``ckptc.rewrite.lean_backward``),
         when the step account asks for it; the graph's inputs must line up with the joint graph's."""
         if not self.account.accumulate_in_backward or self.options.compiler != "eager":
             return None

@@ -5,7 +5,7 @@
 
 * keeps one plan per input signature (shapes, dtypes, devices) in a bounded
   LRU cache; each plan is its own ``torch.compile`` of the model with its own
-  :class:`~ckptc.compiler.CheckpointCompiler`, so one shape can be planned
+  :class:`~ckptc.capture.compiler.CheckpointCompiler`, so one shape can be planned
   again without touching the others (when its account changes, its graphs plan
   again in place from Dynamo's kept graphs: no new ``torch.compile``);
 * tracks the *step*: it begins with the first training call after a backward
@@ -17,9 +17,9 @@
   profiles ops itself), from the start of forward to the end of backward
   (:class:`ckptc.meter.StepMeter`); if the peak exceeds the
   budget, the next call of that shape plans again with the measured excess
-  added to every graph's baseline, at most :data:`~ckptc.replan.MAX_REPLANS` times, then
+  added to every graph's baseline, at most :data:`~ckptc.planning.replan.MAX_REPLANS` times, then
   raises :class:`~ckptc.errors.BudgetExceededError` (each plan's account and what
-  changed it is a :class:`ckptc.replan.Replans`, the loop every path shares);
+  changed it is a :class:`ckptc.planning.replan.Replans`, the loop every path shares);
 * refuses to run a training call without a plan: if no planned graph ran
   (Dynamo skipped the frame, hit its recompile limit, ...), it raises
   :class:`~ckptc.errors.UntraceableModelError` saying why and what to do.
@@ -37,16 +37,18 @@ import torch
 
 import solvers
 from ckptc import _torch_internals as internals
-from ckptc import coverage, distributed, policies
-from ckptc.account import StepAccount, gradients_resident, unnamed_gradient_bytes
-from ckptc.compiler import CheckpointCompiler
+from ckptc import distributed
+from ckptc.capture import coverage
+from ckptc.capture.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
-from ckptc.lengths import LengthBuckets
 from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
+from ckptc.planning import policies
+from ckptc.planning.account import StepAccount, gradients_resident, unnamed_gradient_bytes
+from ckptc.planning.replan import Replans, settle
 from ckptc.records import GraphRecord
-from ckptc.replan import Replans, settle
+from ckptc.runtime.lengths import LengthBuckets
 
-log = logging.getLogger("ckptc.step")
+log = logging.getLogger("ckptc.runtime.step")
 
 MAX_DISTINCT_SIGNATURES = 256
 
@@ -127,7 +129,7 @@ class ShapePlan:
         reference: bool = True,
     ) -> Any:
         """Run a call that plans (the compiler has planned nothing yet, or the account changed), again
-        until the plans of its graphs fit together (:func:`ckptc.replan.settle`); the graphs that ran
+        until the plans of its graphs fit together (:func:`ckptc.planning.replan.settle`); the graphs that ran
         are appended to ``step``.
 
         Graphs after a break are captured only when the forward reaches them, so an earlier graph
@@ -136,7 +138,7 @@ class ShapePlan:
         graph that cannot fit at its lowest peak and marks it (``defer_infeasible``); the call then
         knows every graph.  When the account changes, the forward's effects on buffers, inputs and
         the random state are undone and the call runs again (each graph plans again as it runs).  ``reference``:
-        also run the forward eagerly once (:class:`ckptc.coverage.EagerForward`, the coverage
+        also run the forward eagerly once (:class:`ckptc.capture.coverage.EagerForward`, the coverage
         report's reference).
         """
         before = len(step)
@@ -220,7 +222,7 @@ class StepRuntime:
         return list(self.active)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
-        """One training call of the model under its plan (its length bucket's, see :mod:`ckptc.lengths`)."""
+        """One training call of the model under its plan (its length bucket's, see :mod:`ckptc.runtime.lengths`)."""
         try:
             return self._call(args, kwargs)
         except Exception as error:
@@ -491,7 +493,7 @@ class StepRuntime:
 
     def _check_gradient_assumption(self) -> None:
         """A plan that let the results die after forward priced their gradients as absent
-        (:mod:`ckptc.unused_grads`); if the loss used them after all, plan again holding them."""
+        (:mod:`ckptc.rewrite.unused_grads`); if the loss used them after all, plan again holding them."""
         if not any(r.gradients_unexpected for r in self.active):
             return
         self._plan_again_holding_outputs(

@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.costs import op_flops
 from ckptc.errors import UntraceableModelError, warn_once
+from ckptc.pricing.costs import op_flops
 from solvers.errors import human_bytes
 
 if TYPE_CHECKING:
     from ckptc.records import GraphRecord
 
-log = logging.getLogger("ckptc.coverage")
+log = logging.getLogger("ckptc.capture.coverage")
 
 _WHAT_TO_DO = (
     "What to do: optimize only the submodules that do not contain '{name}' (each with ckptc.optimize and a "

@@ -8,7 +8,7 @@ only in some dimensions make those dimensions *varying*.  From then on a
 varying size selects a bucket of sizes, ``(2**(k-1), 2**k]``, instead of
 itself: the plan's key names the bucket, the dimension is marked dynamic for
 Dynamo with the bucket as its range, and every symbolic size in the captured
-graph is priced at the bucket's top (:func:`ckptc.costs.priced_size`), so the
+graph is priced at the bucket's top (:func:`ckptc.pricing.costs.priced_size`), so the
 plan fits the budget for every length in the bucket.  The first length of a
 family is planned exactly (a model trained at one length never pays for a
 bucket); a bucket whose top does not fit the budget falls back to exact
@@ -25,7 +25,7 @@ import torch
 import solvers
 from ckptc import _torch_internals as internals
 
-log = logging.getLogger("ckptc.lengths")
+log = logging.getLogger("ckptc.runtime.lengths")
 
 SMALLEST_BUCKETED = 3  # sizes 0, 1 and 2 stay exact (Dynamo specializes them anyway)
 
@@ -57,7 +57,7 @@ class LengthBuckets:
 
     def key(self, args: tuple, kwargs: dict, signature: tuple) -> tuple:
         """The plan key of a call: ``signature`` (one described leaf per entry after the first,
-        as :func:`ckptc.step._signature` builds it) with varying sizes replaced by their bucket.
+        as :func:`ckptc.runtime.step._signature` builds it) with varying sizes replaced by their bucket.
 
         Marks the varying dimensions of this call's tensors dynamic, ranging over their
         bucket, so the plan's graphs run for every size in it without capturing again.

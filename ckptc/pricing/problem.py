@@ -18,11 +18,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import solvers
 from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
-from ckptc.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size
-from ckptc.lean_backward import in_place_targets
-from ckptc.unused_grads import ZERO, Folding, foldable_tangents
+from ckptc.pricing.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size
+from ckptc.rewrite.lean_backward import in_place_targets
+from ckptc.rewrite.unused_grads import ZERO, Folding, foldable_tangents
 
-log = logging.getLogger("ckptc.problem")
+log = logging.getLogger("ckptc.pricing.problem")
 
 # Ops whose recomputation would read state that the forward pass has already
 # mutated are saved instead.  BatchNorm in training mode reads its running
@@ -148,7 +148,7 @@ def joint_to_problem(
     such as transposes of weights, with backward; they count as forward).
 
     Args:
-        joint: graph annotated by :func:`ckptc.costs.annotate_costs`.
+        joint: graph annotated by :func:`ckptc.pricing.costs.annotate_costs`.
         num_fwd_outputs: how many leading graph outputs belong to forward.
         baseline_bytes: memory held outside this graph for the whole step.
         mutated_inputs: placeholder names that forward mutates; forward nodes
@@ -160,16 +160,16 @@ def joint_to_problem(
             None decides from the graph (:func:`returns_own_loss`): results are
             held unless the graph computes a scalar loss of its own.
         free_unused_grads: the backward receives no tensor for the gradient of a
-            result nobody used (:mod:`ckptc.unused_grads`).  With results released
+            result nobody used (:mod:`ckptc.rewrite.unused_grads`).  With results released
             (``hold_outputs`` False), such gradients are priced as free, and
             ``add(gradient, g)`` as ``g`` itself.
         in_place_backward: the backward writes elementwise results into an
             operand they are the last reader of, as eager's gradient
-            accumulation does (:mod:`ckptc.lean_backward`); such ops are priced
+            accumulation does (:mod:`ckptc.rewrite.lean_backward`); such ops are priced
             as views of that operand.
         accumulated_gradients: positions of inputs (parameters) whose gradient the
             backward adds into the resident ``.grad`` as soon as it is made
-            (:class:`ckptc.lean_backward.GradientSink`): such a gradient dies at its
+            (:class:`ckptc.rewrite.lean_backward.GradientSink`): such a gradient dies at its
             last read instead of living to the end of backward.
     """
     policies = _spread_over_views(joint, dict(policies or {}))

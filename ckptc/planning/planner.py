@@ -3,8 +3,8 @@
 Everything that turns a captured graph and :class:`~ckptc.options.CheckpointOptions`
 into a decision lives here:
 
-* the planning margin (:func:`ckptc.account.planning_margin`,
-  :func:`~ckptc.account.planning_budget`): solvers plan a little below the user's
+* the planning margin (:func:`ckptc.planning.account.planning_margin`,
+  :func:`~ckptc.planning.account.planning_budget`): solvers plan a little below the user's
   budget, by an amount sized from what the plan controls (the activations kept
   for backward) and the model's own uncertainty (kernels' measured scratch),
   never from the whole budget; a budget at or above the unoptimized peak keeps
@@ -17,10 +17,10 @@ into a decision lives here:
 * what the compiler that runs the plan makes cheaper to recompute than to keep
   (:func:`for_target_compiler`: Inductor's fused pointwise chains);
 * what to do when a graph cannot fit (:func:`decide`: refuse, or mark it so
-  that :mod:`ckptc.replan` plans the step again with earlier graphs keeping less).
+  that :mod:`ckptc.planning.replan` plans the step again with earlier graphs keeping less).
 
 :func:`decide` is called by the compiler at capture time
-(:mod:`ckptc.compiler`) and by :class:`CapturedStep`, which plans a step
+(:mod:`ckptc.capture.compiler`) and by :class:`CapturedStep`, which plans a step
 captured once under any number of budgets without capturing again
 (:func:`ckptc.capture`, :func:`ckptc.plan`, the CLI's ``pareto`` and the bench).
 """
@@ -37,18 +37,18 @@ import time
 from typing import Any, Callable, Sequence
 
 import solvers
-from ckptc import policies
-from ckptc.account import StepAccount, budget_for_planning_floor, planning_budget, planning_margin
-from ckptc.costs import FORWARD, FUSING_COMPILERS
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
+from ckptc.planning import policies
+from ckptc.planning.account import StepAccount, budget_for_planning_floor, planning_budget, planning_margin
+from ckptc.planning.replan import Replans, settle
 from ckptc.plans import ModelPlan, fingerprint, graph_plan
-from ckptc.problem import JointProblem
+from ckptc.pricing.costs import FORWARD, FUSING_COMPILERS
+from ckptc.pricing.problem import JointProblem
 from ckptc.records import GraphInputs, GraphRecord, PlanSource, Progress
-from ckptc.replan import Replans, settle
 from solvers.simulator import honour_policies
 
-log = logging.getLogger("ckptc.planner")
+log = logging.getLogger("ckptc.planning.planner")
 
 
 def _scored(jp: JointProblem, plan: solvers.Plan, method: str, budget_bytes: int | None) -> solvers.Plan:
@@ -76,7 +76,7 @@ def _applied(policy: Callable[[JointProblem], solvers.Plan], method: str) -> Pre
     return preset
 
 
-#: No ckptc: what the model does by itself (:func:`ckptc.policies.everything_saveable`), scored.
+#: No ckptc: what the model does by itself (:func:`ckptc.planning.policies.everything_saveable`), scored.
 keep_everything = _applied(policies.everything_saveable, "none")
 
 
@@ -206,7 +206,7 @@ def for_target_compiler(jp: JointProblem, plan: solvers.Plan, compiler: str) -> 
     Under a fusing compiler (Inductor) a kept output of a pointwise op costs a
     write in forward and a read in backward (``NodeCost.keep_cost``), while
     recomputing it inside its consumer's fused kernel costs only the reads of
-    its inputs (``NodeCost.cost``, :func:`ckptc.costs.fused_flops`).  So every
+    its inputs (``NodeCost.cost``, :func:`ckptc.pricing.costs.fused_flops`).  So every
     kept pointwise output that is cheaper to recompute than to keep, and whose
     inputs backward has anyway (kept values, inputs, views of them), is
     recomputed instead, as PyTorch's min-cut partitioner does; the solvers
@@ -432,12 +432,14 @@ class CapturedStep:
         # The graphs in the order the step ran them, by position in ``records`` (a graph repeats when
         # identical layers are compiled once).
         self.sequence = list(range(len(self.records))) if sequence is None else list(sequence)
-        self.unnamed_gradient_bytes = unnamed_gradient_bytes  # see ckptc.account.repeat_bytes
+        self.unnamed_gradient_bytes = unnamed_gradient_bytes  # see ckptc.planning.account.repeat_bytes
         self.options = options
         self.parameter_bytes = parameter_bytes
         self.gradient_bytes = gradient_bytes
         self.model_name = model_name
-        self.coverage = coverage  # what the graphs cover of the step (ckptc.coverage), the same for every budget
+        self.coverage = (
+            coverage  # what the graphs cover of the step (ckptc.capture.coverage), the same for every budget
+        )
         self._keep_everything = self._decide_all(
             options.replace(budget_bytes=None, strategy="none"),
             Replans(StepAccount(hold_outputs=options.hold_outputs)),
@@ -522,7 +524,7 @@ class CapturedStep:
         plan_source: PlanSource | None = None,
         progress: Progress | None = None,
     ) -> list[GraphRecord]:
-        """Every graph decided in step order, again until the plans fit together (:func:`ckptc.replan.settle`):
+        """Every graph decided in step order, again until the plans fit together (:func:`ckptc.planning.replan.settle`):
         a graph the step runs several times is decided for its last run, with what its earlier runs keep
         under the new plans counted."""
 

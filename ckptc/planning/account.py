@@ -20,7 +20,7 @@ that graph runs is the graph's *baseline*, and this module computes it:
 * a small reserve for results of graphs after a break (the loss, a few scalars),
   not known yet when earlier graphs are planned;
 * per-rank extras under DDP/FSDP2 (:class:`ckptc.distributed.RankContext`);
-* the device's own step overhead (cuBLAS workspaces, :mod:`ckptc.devices`);
+* the device's own step overhead (cuBLAS workspaces, :mod:`ckptc.pricing.devices`);
 * a correction measured at run time: what a measured step showed the
   prediction missed (eager code between graphs, allocator effects);
 
@@ -29,11 +29,11 @@ the budget, sized from what the plan controls.
 
 A :class:`StepAccount` also carries the budget itself.  The budget is validated
 once, where the user gives it (:class:`~ckptc.options.CheckpointOptions`), and
-enters an account once per step: :meth:`ckptc.step.ShapePlan.first` (``optimize``,
-``capture``), :meth:`ckptc.planner.CapturedStep.plan`, or a ``torch.compile``
+enters an account once per step: :meth:`ckptc.runtime.step.ShapePlan.first` (``optimize``,
+``capture``), :meth:`ckptc.planning.planner.CapturedStep.plan`, or a ``torch.compile``
 backend's compiler.  From there the account is the argument that carries it: the
-replan loop (:class:`ckptc.replan.Replans`) turns evidence into the next account,
-the compiler hands the account to :func:`ckptc.planner.decide`, and the planner
+replan loop (:class:`ckptc.planning.replan.Replans`) turns evidence into the next account,
+the compiler hands the account to :func:`ckptc.planning.planner.decide`, and the planner
 gives the solvers a planning budget (:func:`planning_budget`).
 """
 
@@ -47,9 +47,9 @@ import torch
 
 import solvers
 from ckptc._torch_internals import made_by_compiled_graph
-from ckptc.devices import graph_device, memory_model
 from ckptc.distributed import local_nbytes
 from ckptc.meter import resident_bytes
+from ckptc.pricing.devices import graph_device, memory_model
 from ckptc.records import GraphInputs, GraphRecord
 
 #: Results of graphs after a break (the loss, a few scalars) that earlier graphs cannot see yet.
@@ -76,13 +76,13 @@ class StepAccount:
         correction_bytes: what a measured step showed the prediction missed.
         rank_bytes: what this rank holds outside the graphs' view (DDP buckets, FSDP2 buffers).
         hold_outputs: whether the caller holds forward results until backward
-            ends (None: decided per graph, see :func:`ckptc.problem.joint_to_problem`).
+            ends (None: decided per graph, see :func:`ckptc.pricing.problem.joint_to_problem`).
         graph_budgets: budgets of single graphs by index, lower than the step's
             (earlier graphs keeping less for later ones; set by the replan loop).
         defer_infeasible: plan a graph that cannot fit at its lowest peak and
             mark it, so the whole step is seen before deciding.
         accumulate_in_backward: the backward adds each parameter gradient into the
-            resident ``.grad`` as it is made (:class:`ckptc.lean_backward.GradientSink`;
+            resident ``.grad`` as it is made (:class:`ckptc.rewrite.lean_backward.GradientSink`;
             with gradients resident, not under DDP/FSDP2).
         repeat_bytes: by graph index, for a graph run several times in one step
             (identical layers compiled once, a break inside the layer loop), how
@@ -266,7 +266,7 @@ def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) ->
 
 
 def planning_budget(budget_bytes: int, margin: int) -> int:
-    """The budget solvers plan for: ``margin`` (:func:`ckptc.account.planning_margin`) below the user's.
+    """The budget solvers plan for: ``margin`` (:func:`ckptc.planning.account.planning_margin`) below the user's.
 
     Plans that fill the budget exactly would sometimes exceed it by a few
     kilobytes (kernels' scratch memory varies a little between runs).

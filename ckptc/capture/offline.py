@@ -11,7 +11,7 @@ model with real weights there.  Nothing is allocated; the model is left as it
 was (its parameters and buffers are put back, meta or fake as they were).
 
 What is not known offline: kernels' scratch memory, which ckptc otherwise
-measures by running each op once on random data (:func:`ckptc.costs.measure_scratch`)
+measures by running each op once on random data (:func:`ckptc.pricing.costs.measure_scratch`)
 and which offline capture prices at 0 bytes (running full-size ops is what
 offline planning avoids; the run-time check measures what that leaves out on
 the first training step), and measured run times (``measure_time``).
@@ -28,7 +28,7 @@ import torch
 from ckptc._torch_internals import fake_tensor_mode, is_fake, tensor_registries, tree_map
 from ckptc.errors import UntraceableModelError
 
-log = logging.getLogger("ckptc.offline")
+log = logging.getLogger("ckptc.capture.offline")
 
 
 def offline_device(

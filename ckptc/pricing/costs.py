@@ -17,7 +17,7 @@ The prices depend on the compiler that will run the plan (``compiler``):
   chain (the chain's intermediates never reach memory), and keeping a value
   costs its traffic (``keep_cost``: written in forward, read in backward),
   which the planner weighs against recomputing it
-  (:func:`ckptc.planner.for_target_compiler`); and a pointwise output that
+  (:func:`ckptc.planning.planner.for_target_compiler`); and a pointwise output that
   only one fused op or reduction of its own phase reads never reaches memory
   (0 bytes, :func:`inlined_in_kernels`).
 """
@@ -52,11 +52,11 @@ from ckptc._torch_internals import (
     tree_map,
     upper_bound,
 )
-from ckptc.devices import memory_model
 from ckptc.errors import UntraceableModelError
 from ckptc.meter import quiet_profiler
+from ckptc.pricing.devices import memory_model
 
-log = logging.getLogger("ckptc.costs")
+log = logging.getLogger("ckptc.pricing.costs")
 
 INPUT, FORWARD, BACKWARD = "input", "forward", "backward"
 

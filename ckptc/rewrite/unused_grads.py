@@ -16,7 +16,7 @@ This module keeps the mechanism apart from the decision:
   another node (``add(zero, g)`` is ``g``).  It also says whether the zeros
   vanish completely, that is, whether no other op needs them as real tensors.
 * :func:`foldable_tangents` names the tangents that vanish completely.
-  :func:`ckptc.problem.joint_to_problem` prices them as free when the caller
+  :func:`ckptc.pricing.problem.joint_to_problem` prices them as free when the caller
   drops the graph's results after forward (the ``hold_outputs`` assumption).
 * :class:`ZeroGradBackward` is the runtime.  The forward asks autograd to pass
   ``None`` for missing gradients (:func:`ckptc._torch_internals.
@@ -25,7 +25,7 @@ This module keeps the mechanism apart from the decision:
   pattern of missing tangents.  A tangent that does not fold gets real zeros,
   exactly as before.  When a tangent that the plan priced as free arrives as a
   real tensor, the gradient is still exact, but memory may exceed the plan; the
-  record is marked, and :mod:`ckptc.step` plans again with the results held.
+  record is marked, and :mod:`ckptc.runtime.step` plans again with the results held.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch.fx as fx
 from ckptc._torch_internals import is_tangent, is_view_op, mark_boxed
 from ckptc.errors import CkptcError, UntraceableModelError
 
-log = logging.getLogger("ckptc.unused_grads")
+log = logging.getLogger("ckptc.rewrite.unused_grads")
 
 aten = torch.ops.aten
 

@@ -1,9 +1,9 @@
 """Presets as small named policies, and the user's patterns.
 
 As JAX's ``checkpoint_policies``, a policy only says what may be kept: each
-takes a :class:`~ckptc.problem.JointProblem` and returns the forward values it
+takes a :class:`~ckptc.pricing.problem.JointProblem` and returns the forward values it
 keeps, as an unscored :class:`solvers.Plan` (a kept set and a method name).
-It neither solves nor simulates.  :mod:`ckptc.planner` is the one place that
+It neither solves nor simulates.  :mod:`ckptc.planning.planner` is the one place that
 applies them (under which strategy name, at which budget), solves (``"auto"``,
 and ``"segment"``, Chen's solver), and scores every plan with the one
 simulator, :func:`solvers.simulate`.
@@ -17,11 +17,11 @@ from typing import Iterable
 
 import solvers
 from ckptc.errors import InvalidArgumentError
-from ckptc.problem import JointProblem
+from ckptc.pricing.problem import JointProblem
 from solvers.chen import keep_all_plan
 from solvers.hierarchical import per_block_plan
 
-log = logging.getLogger("ckptc.policies")
+log = logging.getLogger("ckptc.planning.policies")
 
 
 def everything_saveable(jp: JointProblem) -> solvers.Plan:

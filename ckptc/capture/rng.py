@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ckptc._torch_internals import is_tangent
-from ckptc.costs import is_random
+from ckptc.pricing.costs import is_random
 
 
 def _generator(device: torch.device) -> torch.Generator:
