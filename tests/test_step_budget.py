@@ -98,6 +98,28 @@ def test_model_called_twice_before_one_backward_fits_the_budget() -> None:
     assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
 
 
+def test_a_call_without_gradients_before_backward_belongs_to_the_step_and_it_is_verified() -> None:
+    """A call under ``no_grad`` between a training call and its backward (a metric on a held-out batch)
+    neither ends the step nor keeps it from being measured: the step ends with its backward, and its
+    first step after planning is verified within the budget."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x, held_out = torch.randn(512, 64), torch.randn(512, 64)
+    optimized = ckptc.optimize(model, budget_gb=1)
+    for _ in range(3):
+        for net in (optimized, reference):
+            loss = net(x).square().mean()
+            with torch.no_grad():
+                metric = net(held_out).abs().mean()
+            loss.backward()
+        assert torch.equal(metric, reference(held_out).abs().mean().detach())
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+            a.grad = b.grad = None
+    assert optimized.plan.measured_peak_bytes is not None
+    assert optimized.plan.measured_peak_bytes <= optimized.plan.budget_bytes
+
+
 # -- 2: closed loop ----------------------------------------------------------------
 class _EagerHoldsMemory(nn.Module):
     """Eager code between two graphs keeps a tensor alive for backward that no graph sees."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
 
@@ -41,12 +40,13 @@ from ckptc import distributed
 from ckptc.capture import coverage
 from ckptc.capture.compiler import CheckpointCompiler
 from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
-from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
+from ckptc.meter import MemoryMeasurement, resident_bytes
 from ckptc.planning import policies
 from ckptc.planning.account import StepAccount, gradients_resident, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans, settle
 from ckptc.records import GraphRecord
 from ckptc.runtime.lengths import LengthBuckets
+from ckptc.runtime.tracker import StepTracker
 
 log = logging.getLogger("ckptc.runtime.step")
 
@@ -95,6 +95,11 @@ class ShapePlan:
     @property
     def account(self) -> StepAccount:
         return self.replans.account
+
+    @property
+    def planned(self) -> bool:
+        """Its graphs are planned under its current account: a call runs them without planning."""
+        return bool(self.compiler.records) and not self.needs_replan
 
     @property
     def needs_replan(self) -> bool:
@@ -193,20 +198,13 @@ class StepRuntime:
         self.signatures_seen: set[int] = set()
         self.active: list[GraphRecord] = []  # every graph run in the current step, in order
         self.last: ShapePlan | None = None
-        self._step_open = False
+        self._tracker = StepTracker(self._end_step, self._second_backward)
         self._step_plans: list[ShapePlan] = []
         self._step_keys: list[tuple] = []
         self._step_compiled = False
-        self._outputs: list[weakref.ref] = []
-        self._handles: list[Any] = []
-        self._meter: StepMeter | None = None
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
-        self._end_scheduled = False  # the step ends on the first Python event after backward returns
-        # After a step's backward ends its hooks stay until the next call: a second backward of
-        # the same step (retain_graph=True) then runs with the first one's gradients resident.
-        self._ended_backward: int | None = None  # the autograd graph task that ended the step
-        self._ended_plans: list[ShapePlan] = []
+        self._ended_plans: list[ShapePlan] = []  # the plans of the last step a backward ended
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -235,11 +233,9 @@ class StepRuntime:
             error, self._pending = self._pending, None
             raise error
         self._refuse_dispatch_modes()
-        if self._step_open and self._outputs and all(ref() is None for ref in self._outputs):
-            self._end_step(measured=False)  # the last step's results died without a backward
-        opened = not self._step_open
-        if opened:
-            self._forget_ended_step()
+        if self._tracker.results_died():
+            self._tracker.end(measured=False)  # the last step's results died without a backward
+        opened = not self._tracker.open
         if not self._ranks_known:
             self.ranks, self._ranks_known = distributed.rank_context(self.model), True
         if opened:
@@ -250,11 +246,17 @@ class StepRuntime:
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
         resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
+        fresh = key not in self.plans
         shape = self._plan_for(key, gradients=resident)
         if opened:
             self._begin_step(args, kwargs, shape, resident)
-        elif self._meter is not None:
-            self._meter.add_baseline(resident_bytes(args, kwargs))
+        elif self._tracker.measuring:
+            self._tracker.add_baseline(resident_bytes(args, kwargs))
+        if fresh or shape.needs_replan:
+            # Planning profiles ops (scratch memory) with its own torch.profiler session,
+            # and profilers do not nest: this step is not measured, a later one is.
+            self._step_compiled = True
+            self._tracker.unmeasured()
         if shape not in self._step_plans:
             self._step_plans.append(shape)
         self.last = shape
@@ -273,19 +275,15 @@ class StepRuntime:
             refuse_unplanned(self.model, self.active[before:], shape.eager)
         except BaseException:
             if opened:
-                self._abort_step()
+                self._tracker.abort()
             raise
         if shape.compiler is not compiler or shape.compiler.plans_made > planned:
-            # Planning profiles ops (scratch memory) with its own torch.profiler
-            # session, which would corrupt this step's measurement: measure a later step.
-            self._step_compiled = True
+            self._step_compiled = True  # planned after all (a length bucket fell back to exact sizes)
+            self._tracker.unmeasured()
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if not tensors:
-            self._end_step(measured=False)  # nothing to run backward on: the step is over
-            return output
-        self._outputs.extend(weakref.ref(t) for t in tensors)
-        self._handles.append(internals.on_backward_end(tensors, self._backward_ended))
-        self._check_output_assumption(output, shape, self.active[before:])
+        self._tracker.returned(tensors)
+        if tensors:
+            self._check_output_assumption(output, shape, self.active[before:])
         return output
 
     def _refuse_dispatch_modes(self) -> None:
@@ -302,7 +300,7 @@ class StepRuntime:
             )
 
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
-        if shape.compiler.records and not shape.needs_replan:
+        if shape.planned:
             return run_compiled(self.model, shape.compiled, args, kwargs)
         if shape.compiler.symbolic:
             self._compile(shape)  # symbolic sizes are not planned again in place: a new torch.compile
@@ -351,18 +349,16 @@ class StepRuntime:
     # -- steps -----------------------------------------------------------------
     def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan, gradients: bool) -> None:
         """Open a step of ``shape`` (``gradients``: it starts with gradients resident)."""
-        self._step_open = True
+        self._tracker.begin()
         self.active.clear()
         self._step_plans = []
-        self._outputs = []
-        self._meter = None
+        self._ended_plans = []
         self._step_compiled = False
         budget = self.template.budget_bytes
         self._step_state = gradients
         unverified = self._step_state not in shape.verified_states
         # Not a step that plans (again): planning profiles ops itself, and profilers do not nest.
-        planned = shape.compiler.records and not shape.needs_replan
-        if self.verify and budget is not None and unverified and planned:
+        if self.verify and budget is not None and unverified and shape.planned:
             if internals.profiler_active() and _device_of(self.model).type == "cpu":
                 self._warn_once(
                     "profiler",
@@ -371,66 +367,18 @@ class StepRuntime:
                 )
                 return
             baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
-            self._meter = StepMeter(_device_of(self.model), baseline).start()
-
-    def _abort_step(self) -> None:
-        if self._meter is not None:
-            self._meter.abort()
-            self._meter = None
-        self._end_step(measured=False)
-
-    def _backward_ended(self) -> None:
-        """Runs on the autograd engine when backward ends.
-
-        The engine runs callbacks under the thread-local state captured when
-        backward began and restores it afterwards, so a CPU profiler stopped
-        here would come back as a stale "enabled" profiler.  With a CPU meter
-        running, the step therefore ends on the first Python event after the
-        engine returns (a one-shot ``sys.setprofile`` hook).
-        """
-        task = internals.current_graph_task_id()
-        if not self._step_open:
-            if self._ended_backward is not None and task != self._ended_backward:
-                self._second_backward()
-            return  # otherwise a second call's outputs reach the same backward: one end per step
-        if self._end_scheduled:
-            return
-        self._ended_backward, self._ended_plans = task, list(self._step_plans)
-        if self._meter is None or self._meter.device.type != "cpu":
-            self._end_step(measured=True)
-            return
-        if not after_backward_returns(self._end_scheduled_step):
-            self._end_step(measured=False)  # someone else profiles Python calls: do not interfere
-            return
-        self._end_scheduled = True
-
-    def _end_scheduled_step(self) -> None:
-        if self._step_open:
-            self._end_step(measured=True)
+            self._tracker.measure(_device_of(self.model), baseline)
 
     def _second_backward(self) -> None:
         """A backward of a step that already ended its first: plan again counting the gradients."""
-        self._ended_backward = None  # once per step
         for shape in self._ended_plans:
             if shape.replans.counting_gradients(accumulate_in_backward=False):
                 log.info("a second backward of the step ran with the first one's gradients: planning again")
 
-    def _forget_ended_step(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._ended_backward, self._ended_plans = None, []
-
-    def _end_step(self, *, measured: bool) -> None:
-        self._step_open = False
-        self._end_scheduled = False
-        if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
-            self._forget_ended_step()
-        self._outputs = []
-        meter, self._meter = self._meter, None
-        measurement = meter.stop() if meter is not None else None
-        if not measured or self._step_compiled:
-            measurement = None
+    def _end_step(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
+        """The step ended (:class:`~ckptc.runtime.tracker.StepTracker`): ``measured``, a backward ended it
+        undisturbed; ``measurement``, its peak when it was measured."""
+        self._ended_plans = list(self._step_plans)  # a second backward of this step counts their gradients
         if self.ranks is not None and measured and (self._step_compiled or measurement is not None):
             # Steps that plan or are measured: every rank checks that all ran the same plans and
             # decides from the largest peak of any rank (steady-state steps add no collective).

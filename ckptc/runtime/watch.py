@@ -8,7 +8,8 @@ AOTAutograd and the planner on it again; Dynamo's guards and bytecode stay):
 
 * a step begins with the first graph run after the last step's backward ended
   (a second call before one backward belongs to the same step) and ends when
-  that backward ends;
+  that backward ends (:class:`ckptc.runtime.tracker.StepTracker`, as for
+  ``optimize``);
 * a step that starts with gradients resident (accumulation,
   ``zero_grad(set_to_none=False)``) or a second backward of a step
   (``retain_graph=True``) makes the account count the gradients; a graph run
@@ -34,10 +35,11 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.meter import StepMeter, after_backward_returns, resident_bytes
+from ckptc.meter import MemoryMeasurement, resident_bytes
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans, missed_bytes
 from ckptc.records import GraphRecord
+from ckptc.runtime.tracker import StepTracker
 
 log = logging.getLogger("ckptc.runtime.watch")
 
@@ -65,15 +67,11 @@ class BackendStepCheck:
         self.measured_peak_bytes: int | None = None
         self.verified: set[bool] = set()
         self._state = False
-        self._open = False
         self._measure = False
-        self._meter: StepMeter | None = None
+        self._tracker = StepTracker(self._ended, self._second_backward)
         self._counted: set[Any] = set()  # storages already in the meter's baseline
-        self._handles: list[Any] = []
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
         self._over_budget: int | None = None  # the last measured peak above the budget, counted at the next step
-        self._end_scheduled = False  # the step ends on the first Python event after backward returns
-        self._ended_backward: int | None = None  # the autograd graph task that ended the last step
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
@@ -98,7 +96,7 @@ class BackendStepCheck:
         """Before a graph runs on ``args`` (the real tensors Dynamo passes, parameters included):
         open a step if none is open, counting what the last one showed (or raising
         :class:`~ckptc.BudgetExceededError` when the replans are used up).  True when it opened one."""
-        if self._open:
+        if self._tracker.open:
             return False
         state = any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in args)
         if state and not self.account.gradients_resident:
@@ -106,46 +104,38 @@ class BackendStepCheck:
             self._count_gradients()
         if self._over_budget is not None:
             self._count_missed()
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._ran, self._ended_backward = [], [], None
-        self._open, self._state = True, state
+        self._tracker.begin()
+        self._ran = []
+        self._state = state
         self._measure = state not in self.verified and not internals.profiler_active()
         return True
 
     def planned(self) -> None:
         """A graph of the open step planned (and profiled ops): this step is not measured."""
         self._measure = False
-        if self._meter is not None:
-            self._meter.abort()
-            self._meter = None
+        self._tracker.unmeasured()
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Graph ``record`` runs on ``args`` now, under its current plan."""
         self._ran.append(record)
-        if self._measure and self._meter is None:
+        if self._measure and not self._tracker.measuring:
             self._counted = set()
-            self._meter = StepMeter(_device_of(args), 0).start()
+            self._tracker.measure(_device_of(args), 0)
             resident = [*args] if self.model is None else [self.model, *args]
-            self._meter.add_baseline(self._uncounted(resident))
-        elif self._meter is not None:
+            self._tracker.add_baseline(self._uncounted(resident))
+        elif self._tracker.measuring:
             # A later graph's parameters were resident from the start; its other inputs were made in the step.
-            self._meter.add_baseline(self._uncounted([a for a in args if isinstance(a, torch.nn.Parameter)]))
+            self._tracker.add_baseline(self._uncounted([a for a in args if isinstance(a, torch.nn.Parameter)]))
 
     def graph_returned(self, outputs: Any) -> None:
         """After a graph ran: its results' backward ends the step."""
-        tensors = [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            self._handles.append(internals.on_backward_end(tensors, self._backward_ended))
-        elif not self._handles:
-            self._end(measured=False)  # no backward will come (an inference call)
+        self._tracker.returned(
+            [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        )
 
     def abort(self) -> None:
         """Forget the step in progress (its call failed)."""
-        if self._meter is not None:
-            self._meter.abort()
-            self._meter = None
-        self._end(measured=False)
+        self._tracker.abort()
 
     def _count_gradients(self, *, accumulate: bool = True) -> None:
         if self.replans.counting_gradients(accumulate_in_backward=accumulate):
@@ -172,42 +162,17 @@ class BackendStepCheck:
         grads = [a.grad for a in objects if isinstance(a, torch.Tensor) and a.grad is not None]
         return resident_bytes(*objects, *grads, seen=self._counted)
 
-    def _backward_ended(self) -> None:
-        task = internals.current_graph_task_id()
-        if not self._open:
-            if self._ended_backward is not None and task != self._ended_backward:
-                # A second backward of the last step (retain_graph=True) ran with the first one's gradients.
-                self._ended_backward = None
-                if not self.account.gradients_resident:
-                    log.info("torch.compile(backend='ckptc'): a second backward of a step; planning again")
-                    self._count_gradients(accumulate=False)
-            return
-        if self._end_scheduled:
-            return  # a second call's results reach the same backward: one end per step
-        self._ended_backward = task
-        if self._meter is None or self._meter.device.type != "cpu":
-            self._end(measured=True)
-        elif after_backward_returns(lambda: self._end(measured=True)):
-            self._end_scheduled = True
-        else:
-            self._end(measured=False)
+    def _second_backward(self) -> None:
+        """A second backward of the last step (retain_graph=True) ran with the first one's gradients."""
+        if not self.account.gradients_resident:
+            log.info("torch.compile(backend='ckptc'): a second backward of a step; planning again")
+            self._count_gradients(accumulate=False)
 
-    def _end(self, *, measured: bool) -> None:
-        if not self._open:
-            return
-        self._open = False
-        self._end_scheduled = False
-        if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
+    def _ended(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
         repeats = self._count_repeats()
-        meter, self._meter = self._meter, None
-        if meter is None:
-            return
-        peak = meter.stop().peak_bytes
-        if not measured or repeats:
+        if measurement is None or repeats:
             return  # planned again anyway: measured under the new plan
+        peak = measurement.peak_bytes
         self.measured_peak_bytes = peak
         if peak <= self.budget_bytes:
             self.verified.add(self._state)

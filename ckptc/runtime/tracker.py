@@ -1,0 +1,144 @@
+"""Where a training step begins and ends, and its measured peak: one tracker for both run-time checks.
+
+``ckptc.optimize``'s :class:`~ckptc.runtime.step.StepRuntime` sees every training call;
+``torch.compile(backend="ckptc")``'s :class:`~ckptc.runtime.watch.BackendStepCheck` sees only its
+graphs.  Both follow a step through one :class:`StepTracker`:
+
+* a step is *open* from the first call (or graph) after the last step ended until a backward that
+  reaches its results ends (a hook on the results queues a callback on the autograd engine); a second
+  call before that backward belongs to the same step, and a step whose results need no gradient
+  ends when they are returned (an inference call);
+* its owner may measure it (:class:`ckptc.meter.StepMeter`, from the owner's baseline) and stops
+  measuring it when something plans during it (planning profiles ops itself, and profilers do not
+  nest);
+* a CPU meter is stopped on the first Python event after the engine returns
+  (:func:`ckptc.meter.after_backward_returns`): stopped inside the engine's callback, the profiler
+  would come back as a stale "enabled" one;
+* after a step ended by a backward its hooks stay until the next step begins: a second backward of
+  the same step (``retain_graph=True``: another autograd graph task) is reported once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ckptc import _torch_internals as internals
+from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns
+
+
+class StepTracker:
+    """One owner's steps (see the module docstring).
+
+    Args:
+        on_end: called as ``on_end(measured, measurement)`` when a step ends: ``measured`` is True when
+            a backward ended it and nothing disturbed its measurement; ``measurement`` is the step's
+            measured peak when it was measured (else None).
+        on_second_backward: called once when a second backward of the last step runs after it ended.
+
+    Attributes:
+        open: whether a step is open.
+    """
+
+    def __init__(
+        self,
+        on_end: Callable[[bool, MemoryMeasurement | None], None],
+        on_second_backward: Callable[[], None],
+    ) -> None:
+        self.open = False
+        self._on_end = on_end
+        self._on_second_backward = on_second_backward
+        self._meter: StepMeter | None = None
+        self._handles: list[Any] = []  # backward-end hooks on the step's results
+        self._results: list[weakref.ref] = []
+        self._end_scheduled = False  # the step ends on the first Python event after backward returns
+        self._ended_backward: int | None = None  # the autograd graph task that ended the last step
+
+    def __repr__(self) -> str:
+        return f"StepTracker(open={self.open}, measuring={self.measuring})"
+
+    @property
+    def measuring(self) -> bool:
+        return self._meter is not None
+
+    def begin(self) -> None:
+        """Open a step (the last one's hooks go: a backward from now on belongs to this step)."""
+        self._forget_hooks()
+        self._results = []
+        self._meter = None
+        self.open = True
+
+    def measure(self, device: torch.device, baseline_bytes: int) -> None:
+        """Measure the open step from now on, ``baseline_bytes`` resident from its start."""
+        self._meter = StepMeter(device, baseline_bytes).start()
+
+    def add_baseline(self, nbytes: int) -> None:
+        """Bytes resident from the step's start that the baseline did not hold yet."""
+        if self._meter is not None:
+            self._meter.add_baseline(nbytes)
+
+    def unmeasured(self) -> None:
+        """Something plans during the step (and profiles ops): the step is not measured."""
+        if self._meter is not None:
+            self._meter.abort()
+            self._meter = None
+
+    def returned(self, tensors: Sequence[torch.Tensor]) -> None:
+        """A call (or graph) of the open step returned ``tensors``, the results that need a gradient:
+        the backward that reaches them ends the step.  With none, and none before in the step, no
+        backward will come (an inference call): the step ends now, unmeasured."""
+        if tensors:
+            self._results.extend(weakref.ref(t) for t in tensors)
+            self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended))
+        elif not self._handles:
+            self.end(measured=False)
+
+    def results_died(self) -> bool:
+        """The open step's results all died without a backward (a forward whose loss was dropped)."""
+        return self.open and bool(self._results) and all(ref() is None for ref in self._results)
+
+    def abort(self) -> None:
+        """Forget the step in progress (its call failed)."""
+        self.unmeasured()
+        self.end(measured=False)
+
+    def end(self, *, measured: bool) -> None:
+        """End the open step (``measured``: its measurement, if any, stands)."""
+        if not self.open:
+            return
+        self.open = False
+        self._end_scheduled = False
+        if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
+            self._forget_hooks()
+        self._results = []
+        meter, self._meter = self._meter, None
+        measurement = meter.stop() if meter is not None else None
+        self._on_end(measured, measurement if measured else None)
+
+    def _backward_ended(self) -> None:
+        task = internals.current_graph_task_id()
+        if not self.open:
+            if self._ended_backward is not None and task != self._ended_backward:
+                self._ended_backward = None  # once per step
+                self._on_second_backward()
+            return  # otherwise a second call's results reach the same backward: one end per step
+        if self._end_scheduled:
+            return
+        self._ended_backward = task
+        if self._meter is None or self._meter.device.type != "cpu":
+            self.end(measured=True)
+        elif after_backward_returns(self._end_scheduled_step):
+            self._end_scheduled = True
+        else:
+            self.end(measured=False)  # someone else profiles Python calls: do not interfere
+
+    def _end_scheduled_step(self) -> None:
+        self.end(measured=True)
+
+    def _forget_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._ended_backward = None
