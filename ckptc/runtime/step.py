@@ -204,7 +204,6 @@ class StepRuntime:
         self._step_compiled = False
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
-        self._ended_plans: list[ShapePlan] = []  # the plans of the last step a backward ended
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -253,10 +252,7 @@ class StepRuntime:
         elif self._tracker.measuring:
             self._tracker.add_baseline(resident_bytes(args, kwargs))
         if fresh or shape.needs_replan:
-            # Planning profiles ops (scratch memory) with its own torch.profiler session,
-            # and profilers do not nest: this step is not measured, a later one is.
-            self._step_compiled = True
-            self._tracker.unmeasured()
+            self._plans_in_step()
         if shape not in self._step_plans:
             self._step_plans.append(shape)
         self.last = shape
@@ -278,13 +274,18 @@ class StepRuntime:
                 self._tracker.abort()
             raise
         if shape.compiler is not compiler or shape.compiler.plans_made > planned:
-            self._step_compiled = True  # planned after all (a length bucket fell back to exact sizes)
-            self._tracker.unmeasured()
+            self._plans_in_step()  # planned after all (a length bucket fell back to exact sizes)
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         self._tracker.returned(tensors)
         if tensors:
             self._check_output_assumption(output, shape, self.active[before:])
         return output
+
+    def _plans_in_step(self) -> None:
+        """A call of the open step plans: planning profiles ops (scratch memory) with its own
+        torch.profiler session, and profilers do not nest, so this step is not measured (a later one is)."""
+        self._step_compiled = True
+        self._tracker.unmeasured()
 
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
@@ -352,7 +353,6 @@ class StepRuntime:
         self._tracker.begin()
         self.active.clear()
         self._step_plans = []
-        self._ended_plans = []
         self._step_compiled = False
         budget = self.template.budget_bytes
         self._step_state = gradients
@@ -371,14 +371,13 @@ class StepRuntime:
 
     def _second_backward(self) -> None:
         """A backward of a step that already ended its first: plan again counting the gradients."""
-        for shape in self._ended_plans:
+        for shape in self._step_plans:  # the ended step's: the tracker reports this before the next begins
             if shape.replans.counting_gradients(accumulate_in_backward=False):
                 log.info("a second backward of the step ran with the first one's gradients: planning again")
 
     def _end_step(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
         """The step ended (:class:`~ckptc.runtime.tracker.StepTracker`): ``measured``, a backward ended it
         undisturbed; ``measurement``, its peak when it was measured."""
-        self._ended_plans = list(self._step_plans)  # a second backward of this step counts their gradients
         if self.ranks is not None and measured and (self._step_compiled or measurement is not None):
             # Steps that plan or are measured: every rank checks that all ran the same plans and
             # decides from the largest peak of any rank (steady-state steps add no collective).

@@ -67,7 +67,6 @@ class StepTracker:
         """Open a step (the last one's hooks go: a backward from now on belongs to this step)."""
         self._forget_hooks()
         self._results = []
-        self._meter = None
         self.open = True
 
     def measure(self, device: torch.device, baseline_bytes: int) -> None:
