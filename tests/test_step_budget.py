@@ -52,6 +52,20 @@ def test_loss_computed_outside_the_model_fits_the_budget() -> None:
     assert measure(case, optimized).peak_bytes <= budget
 
 
+def test_the_step_that_plans_a_model_captured_as_one_graph_is_measured_like_a_later_step() -> None:
+    """Planning ends before the graph runs, so the step that plans is measured from the graph's start
+    (planning's own profiler stopped): its measurement is the step's, not one step late."""
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    case = ModelCase("mlp", _mlp(), (x,), {}, loss=lambda out: out.float().pow(2).mean())
+    budget = budget_bounds(case).at(0.5)
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    step(case, fast)  # plans
+    measured = fast.plan.measured_peak_bytes
+    assert measured is not None and measured <= budget
+    later = measure(case, fast).peak_bytes
+    assert abs(measured - later) <= 0.01 * later, (measured, later)
+
+
 # -- 1b: a second call before one backward counts what the first keeps --------
 class _Siamese:
     """One step calls the model twice before a single backward (contrastive loss)."""

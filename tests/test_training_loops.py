@@ -4,6 +4,8 @@ Each loop runs the same steps on an eager copy of the model and on ``ckptc.optim
 (and, where it applies, ``torch.compile(model, backend="ckptc")``) and checks, after every step:
 
 * gradients equal eager's;
+* a step on plans made before it is measured by ckptc's own check and within the budget (a step
+  that planned may measure above it: the next call plans again with the excess counted);
 * after ckptc's own check has verified the plan (``plan.measured_peak_bytes`` set, at most the
   budget), the peak of the same loop measured independently of ckptc's check
   (:func:`ckptc.meter.measure_peak`: allocator events plus the tensors resident at the start) is
@@ -169,6 +171,11 @@ def _eager_and_optimized(reference: nn.Module, budget: int) -> tuple[nn.Module, 
     return eager, model, ckptc.optimize(model, budget_bytes=budget)
 
 
+def _plans_made(fast: Any) -> int:
+    """How many graph plans ckptc has made for ``fast`` so far, counting those made again."""
+    return sum(shape.compiler.plans_made for shape in fast.step_runtime.plans.values())
+
+
 def _assert_same_gradients(model: nn.Module, reference: nn.Module) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
@@ -189,11 +196,15 @@ def test_the_budget_holds_from_the_first_verified_step(name: str, loss_inside: b
         batches = _batches(step)
         loop(eager, batches)
         if verified_at is None:
+            made = _plans_made(fast)
             loop(fast, batches)
             measured = fast.plan.measured_peak_bytes
-            if measured is not None:
+            if _plans_made(fast) == made:  # a step on plans made before it: ckptc measures it, within the budget
+                assert measured is not None and measured <= budget, (name, step, measured, budget)
+            # A step that planned may measure above the budget (planning showed the plan misses memory):
+            # the next call plans again with the excess counted.
+            if measured is not None and measured <= budget:
                 verified_at = step
-                assert measured <= budget, (name, measured, budget)
         else:
             peak = _peak(loop, fast, model, batches)
             assert peak <= budget, (name, step, peak, budget, fast.plan.predicted_peak_bytes)

@@ -48,6 +48,7 @@ from ckptc.rewrite.lean_backward import (
 )
 from ckptc.rewrite.rewriter import rewrite
 from ckptc.rewrite.unused_grads import ZeroGradBackward, zeros_buildable
+from ckptc.runtime.tracker import StepEvents
 from ckptc.runtime.watch import BackendStepCheck
 
 log = logging.getLogger("ckptc.capture.compiler")
@@ -102,6 +103,7 @@ class CheckpointCompiler:
         generate_kernels: bool = True,
         step: list[GraphRecord] | None = None,
         replans: Replans | None = None,
+        step_events: StepEvents | None = None,
         **option_values: Any,
     ) -> None:
         if not isinstance(options, CheckpointOptions):
@@ -140,6 +142,8 @@ class CheckpointCompiler:
         self._just_planned: GraphRecord | None = None
         # Under torch.compile(backend=...), what a measured step showed (ckptc.runtime.watch).
         self.step_check: BackendStepCheck | None = None
+        # Under ckptc.optimize, the step runtime's side of the same events (ckptc.runtime.step).
+        self.step_events = step_events
 
     @property
     def budget_bytes(self) -> int | None:
@@ -159,9 +163,12 @@ class CheckpointCompiler:
     def solver(self) -> str:
         return self.options.solver
 
-    def for_step(self, replans: Replans, step: list[GraphRecord]) -> "CheckpointCompiler":
+    def for_step(
+        self, replans: Replans, step: list[GraphRecord], events: StepEvents | None = None
+    ) -> "CheckpointCompiler":
         """A fresh compiler with this one's options, no graphs planned, planning under ``replans``'
-        account and appending the graphs it runs to ``step`` (see the class docstring)."""
+        account, appending the graphs it runs to ``step`` and telling ``events`` when a graph plans
+        or starts (see the class docstring)."""
         return CheckpointCompiler(
             self.options,
             model=self.model,
@@ -170,6 +177,7 @@ class CheckpointCompiler:
             generate_kernels=self.generate_kernels,
             step=step,
             replans=replans,
+            step_events=events,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -220,8 +228,9 @@ class CheckpointCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
-        if self.step_check is not None:
-            self.step_check.planned()  # a graph compiled mid-step (after a break): planning profiles ops
+        events = self.step_check or self.step_events
+        if events is not None:
+            events.planned()  # planning profiles ops
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
         index = len(self.records)
         symbolic = has_symbolic_sizes(gm, example_inputs)
@@ -239,6 +248,7 @@ class CheckpointCompiler:
         if not no_zeros and check is None and not self.track_steps:
             return compiled
         planned_under = self.account
+        events = check or self.step_events
 
         def run(*args: Any) -> Any:
             nonlocal compiled, record, planned_under
@@ -248,8 +258,8 @@ class CheckpointCompiler:
             if account is not planned_under and account != planned_under and not symbolic:
                 # The step showed what this graph's plan did not count: plan it again, from
                 # Dynamo's graph (Dynamo's guards and bytecode stay as they are).
-                if check is not None:
-                    check.planned()
+                if events is not None:
+                    events.planned()
                 planned_under = account
                 try:
                     compiled, record = self._plan_graph(gm, example_inputs, index)
@@ -258,8 +268,8 @@ class CheckpointCompiler:
                     if refusal is error:
                         raise
                     raise refusal from error
-            if check is not None:
-                check.graph_starts(record, args)
+            if events is not None:
+                events.graph_starts(record, args)
             try:
                 outputs = compiled(*args)
             except BaseException:

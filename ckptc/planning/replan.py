@@ -13,8 +13,10 @@ turns each kind of evidence into the next account, within fixed limits:
   model called twice): count what earlier runs leave alive at its last run
   (:meth:`~ckptc.planning.account.StepAccount.counting_repeats`, at most
   :data:`MAX_STEP_RETRIES` times per planning run);
-* a measured step above the budget: count what the prediction missed, at most
-  :data:`MAX_REPLANS` times, then :class:`~ckptc.errors.BudgetExceededError`;
+* a measured step above the budget: count what the prediction missed when the
+  next step begins, at most :data:`MAX_REPLANS` times, then
+  :class:`~ckptc.errors.BudgetExceededError` (unless the same step changed the
+  account first: its new plans are measured again, not corrected on top);
 * gradients resident while the step runs (accumulation, a second backward) and
   results the caller holds through backward.
 
@@ -65,6 +67,7 @@ class Replans:
         self.account = account
         self.replans = 0
         self.over_budget_peak_bytes = 0
+        self._measured: tuple[int, tuple[GraphRecord, ...]] | None = None  # an excess not counted yet
         self._tightened = 0
         self._repeats = 0
 
@@ -108,10 +111,23 @@ class Replans:
         log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_bytes))
         return True
 
-    def after_measured(self, peak_bytes: int, ran: Sequence[GraphRecord], *, plans_again: bool = True) -> int:
+    def measured_above_budget(self, peak_bytes: int, ran: Sequence[GraphRecord]) -> int:
         """A step of the graphs ``ran`` under the current plans measured ``peak_bytes``, above the
-        budget: count what the prediction missed; returns it.  ``plans_again=False``: the graphs keep
-        their plans (a backend's graphs with symbolic sizes), so the excess is refused at once.
+        budget; returns what the prediction missed.  It is counted when the next step begins
+        (:meth:`count_measured`), unless the account changes first for something the same step
+        showed (a second backward's gradients, results held through backward): the new plans are
+        then measured again rather than corrected on top of a correction that may cover the same bytes.
+        """
+        assert self.budget_bytes is not None and peak_bytes > self.budget_bytes
+        self.over_budget_peak_bytes = peak_bytes
+        self._measured = (peak_bytes, tuple(ran))
+        return missed_bytes(peak_bytes, self.budget_bytes, ran)
+
+    def count_measured(self, *, plans_again: bool = True) -> None:
+        """Before a step begins: count what the last step measured above the budget showed its plans
+        missed (:meth:`measured_above_budget`), if nothing changed the account since.
+        ``plans_again=False``: the graphs keep their plans (a backend's graphs with symbolic sizes),
+        so the excess is refused at once.
 
         What the prediction missed (eager code between graphs, allocator effects) is counted in
         full: correcting by the excess over the budget alone under-counts whenever the plan did
@@ -120,9 +136,11 @@ class Replans:
         Raises:
             BudgetExceededError: :data:`MAX_REPLANS` corrections were counted already.
         """
-        assert self.budget_bytes is not None and peak_bytes > self.budget_bytes
+        if self._measured is None:
+            return
+        peak_bytes, ran = self._measured  # kept while refused: every later step is refused too
+        assert self.budget_bytes is not None
         missed = missed_bytes(peak_bytes, self.budget_bytes, ran)
-        self.over_budget_peak_bytes = peak_bytes
         if self.replans >= MAX_REPLANS or not plans_again:
             floor = max((r.min_feasible_bytes for r in ran), default=self.budget_bytes)
             what_to_do = None  # the default: replanned MAX_REPLANS times
@@ -134,14 +152,15 @@ class Replans:
                     "which plans such a step again with the excess counted."
                 )
             raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans, what_to_do)
+        self._measured = None
         self.replans += 1
         self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
-        return missed
 
     def counting_gradients(self, *, accumulate_in_backward: bool) -> bool:
         """Gradients are resident while the step runs (whether the account changed)."""
         if self.account.gradients_resident:
             return False
+        self._measured = None
         self.account = self.account.replace(
             gradients_resident=True, accumulate_in_backward=accumulate_in_backward, graph_budgets={}
         )
@@ -151,6 +170,7 @@ class Replans:
         """The caller holds forward results through backward (whether the account changed)."""
         if self.account.hold_outputs is True:
             return False
+        self._measured = None
         self.account = self.account.replace(hold_outputs=True)
         return True
 

@@ -13,9 +13,11 @@
   hook on the outputs queues a callback on the autograd engine).  Every graph
   run in between, of any shape and any number of calls, shares one account
   (``active``), so a second call before backward counts what the first keeps;
-* measures the first step of every plan after the one that planned it (planning
-  profiles ops itself), from the start of forward to the end of backward
-  (:class:`ckptc.meter.StepMeter`); if the peak exceeds the
+* measures the first step of every plan, from the start of forward to the end
+  of backward (:class:`ckptc.meter.StepMeter`): the step that planned it when
+  every graph planned before the first one ran (a model captured as one graph),
+  from the start of that graph (planning profiles ops itself, and profilers do
+  not nest), else the next step; if the peak exceeds the
   budget, the next call of that shape plans again with the measured excess
   added to every graph's baseline, at most :data:`~ckptc.planning.replan.MAX_REPLANS` times, then
   raises :class:`~ckptc.errors.BudgetExceededError` (each plan's account and what
@@ -30,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -46,7 +48,7 @@ from ckptc.planning.account import StepAccount, gradients_resident, unnamed_grad
 from ckptc.planning.replan import Replans, settle
 from ckptc.records import GraphRecord
 from ckptc.runtime.lengths import LengthBuckets
-from ckptc.runtime.tracker import StepTracker
+from ckptc.runtime.tracker import StepEvents, StepTracker
 
 log = logging.getLogger("ckptc.runtime.step")
 
@@ -108,13 +110,20 @@ class ShapePlan:
         planned = self.compiler.planned_account
         return planned is not None and planned != self.replans.account
 
-    def compile(self, model: torch.nn.Module, template: CheckpointCompiler, step: list[GraphRecord]) -> None:
+    def compile(
+        self,
+        model: torch.nn.Module,
+        template: CheckpointCompiler,
+        step: list[GraphRecord],
+        events: StepEvents | None = None,
+    ) -> None:
         """A fresh compiler with ``template``'s options under :attr:`replans`' account, appending the
-        graphs it runs to ``step``, and a ``torch.compile`` of ``model`` with it (it plans on its next
-        call).  Made once per shape: when the account changes, the graphs plan again in place."""
+        graphs it runs to ``step`` and telling ``events`` when they plan and start, and a
+        ``torch.compile`` of ``model`` with it (it plans on its next call).  Made once per shape: when
+        the account changes, the graphs plan again in place."""
         # Checked where a capture is prepared, not on every call: it walks every module.
         coverage.refuse_before_capture(model)
-        self.compiler = template.for_step(self.replans, step)
+        self.compiler = template.for_step(self.replans, step, events)
         self.compiled = internals.compile_module(model, self.compiler)
         self.new_plans()
 
@@ -165,7 +174,8 @@ class ShapePlan:
                 del step[before:]
                 saved.restore()
                 if self.compiler.symbolic:
-                    self.compile(model, template, step)  # not planned again in place (see CheckpointCompiler)
+                    # Not planned again in place (see CheckpointCompiler).
+                    self.compile(model, template, step, self.compiler.step_events)
             attempts += 1
             return run_compiled(model, self.compiled, args, kwargs), step[before:]
 
@@ -204,6 +214,7 @@ class StepRuntime:
         self._step_compiled = False
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
+        self._step_inputs: tuple[tuple, dict] | None = None  # the open step's first call's inputs
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -245,19 +256,16 @@ class StepRuntime:
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
         resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
-        fresh = key not in self.plans
         shape = self._plan_for(key, gradients=resident)
         if opened:
+            self._count_measured()
             self._begin_step(args, kwargs, shape, resident)
         elif self._tracker.measuring:
             self._tracker.add_baseline(resident_bytes(args, kwargs))
-        if fresh or shape.needs_replan:
-            self._plans_in_step()
         if shape not in self._step_plans:
             self._step_plans.append(shape)
         self.last = shape
         before = len(self.active)
-        compiler, planned = shape.compiler, shape.compiler.plans_made
         try:
             try:
                 output = self._run(shape, args, kwargs)
@@ -273,19 +281,30 @@ class StepRuntime:
             if opened:
                 self._tracker.abort()
             raise
-        if shape.compiler is not compiler or shape.compiler.plans_made > planned:
-            self._plans_in_step()  # planned after all (a length bucket fell back to exact sizes)
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         self._tracker.returned(tensors)
         if tensors:
             self._check_output_assumption(output, shape, self.active[before:])
         return output
 
-    def _plans_in_step(self) -> None:
-        """A call of the open step plans: planning profiles ops (scratch memory) with its own
-        torch.profiler session, and profilers do not nest, so this step is not measured (a later one is)."""
+    # -- the compiler's events (ckptc.runtime.tracker.StepEvents) -------------------
+    def planned(self) -> None:
+        """A graph of the open step plans (again) now: planning profiles ops (scratch memory) with its
+        own torch.profiler session, and profilers do not nest, so the step is not measured across it
+        (:meth:`graph_starts` may measure it from its first graph's start)."""
         self._step_compiled = True
         self._tracker.unmeasured()
+
+    def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
+        """A graph of the open step starts.  When the step planned before any of its graphs ran (the
+        first call of a shape whose model is one graph, or its graphs planned again from the first),
+        the step is measured from here: nothing it holds was allocated yet beyond what the baseline
+        counts, so this is the measurement of the whole step, made on the step that planned instead
+        of the one after it (which then runs verified plans, or plans again with the excess counted)."""
+        if self.active or not self._step_compiled or not self._tracker.open or self._tracker.measuring:
+            return
+        if self._step_inputs is not None and self.last is not None:
+            self._measure(self.last, *self._step_inputs)
 
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
@@ -345,7 +364,7 @@ class StepRuntime:
         return shape
 
     def _compile(self, shape: ShapePlan) -> None:
-        shape.compile(self.model, self.template, self.active)
+        shape.compile(self.model, self.template, self.active, self)
 
     # -- steps -----------------------------------------------------------------
     def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan, gradients: bool) -> None:
@@ -354,20 +373,36 @@ class StepRuntime:
         self.active.clear()
         self._step_plans = []
         self._step_compiled = False
-        budget = self.template.budget_bytes
         self._step_state = gradients
-        unverified = self._step_state not in shape.verified_states
+        self._step_inputs = (args, kwargs)
         # Not a step that plans (again): planning profiles ops itself, and profilers do not nest.
-        if self.verify and budget is not None and unverified and shape.planned:
-            if internals.profiler_active() and _device_of(self.model).type == "cpu":
-                self._warn_once(
-                    "profiler",
-                    "ckptc cannot verify this step's peak memory while torch.profiler runs (profilers do not "
-                    "nest); the step runs on the predicted plan. Verification resumes on a later step.",
-                )
-                return
-            baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
-            self._tracker.measure(_device_of(self.model), baseline)
+        if shape.planned:
+            self._measure(shape, args, kwargs)
+
+    def _measure(self, shape: ShapePlan, args: tuple, kwargs: dict) -> None:
+        """Measure the open step from now on if it is the first of ``shape``'s plans in its state
+        (gradients resident or not); ``args``, ``kwargs``: the inputs of its first call."""
+        if not self.verify or self.template.budget_bytes is None or self._step_state in shape.verified_states:
+            return
+        if internals.profiler_active() and _device_of(self.model).type == "cpu":
+            self._warn_once(
+                "profiler",
+                "ckptc cannot verify this step's peak memory while torch.profiler runs (profilers do not "
+                "nest); the step runs on the predicted plan. Verification resumes on a later step.",
+            )
+            return
+        baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
+        self._tracker.measure(_device_of(self.model), baseline)
+
+    def _count_measured(self) -> None:
+        """Before a step begins: what the last step measured above the budget showed its plans missed is
+        counted (they plan again on their next call), or refused after the replans are used up."""
+        for shape in self._step_plans:  # the last step's: _begin_step starts the new list
+            try:
+                shape.replans.count_measured()
+            except BudgetExceededError:
+                self.plans.pop(shape.key, None)
+                raise
 
     def _second_backward(self) -> None:
         """A backward of a step that already ended its first: plan again counting the gradients."""
@@ -378,6 +413,7 @@ class StepRuntime:
     def _end_step(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
         """The step ended (:class:`~ckptc.runtime.tracker.StepTracker`): ``measured``, a backward ended it
         undisturbed; ``measurement``, its peak when it was measured."""
+        self._step_inputs = None  # the step's batch is the caller's to free
         if self.ranks is not None and measured and (self._step_compiled or measurement is not None):
             # Steps that plan or are measured: every rank checks that all ran the same plans and
             # decides from the largest peak of any rank (steady-state steps add no collective).
@@ -409,11 +445,7 @@ class StepRuntime:
         for shape in self._step_plans:
             if shape.needs_replan:
                 continue  # planned again anyway (its outputs turned out to be held)
-            try:
-                missed = shape.replans.after_measured(peak, self.active)
-            except BudgetExceededError as error:
-                self._pending = error
-                self.plans.pop(shape.key, None)
+            missed = shape.replans.measured_above_budget(peak, self.active)
         message = (
             f"ckptc: the measured training step of {type(self.model).__name__} peaked at {peak} bytes, "
             f"{peak - budget} bytes above the budget of {budget} bytes (predicted {predicted} bytes); the next "

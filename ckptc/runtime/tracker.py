@@ -21,12 +21,24 @@ graphs.  Both follow a step through one :class:`StepTracker`:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns
+from ckptc.records import GraphRecord
+
+
+class StepEvents(Protocol):
+    """What a run-time check hears from the compiler about the graphs of a step."""
+
+    def planned(self) -> None:
+        """A graph plans (again) now: planning profiles ops, so the step is not measured across it."""
+
+    def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
+        """Graph ``record`` runs now on ``args`` (Dynamo's real inputs, parameters included),
+        under its current plan."""
 
 
 class StepTracker:

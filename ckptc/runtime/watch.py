@@ -17,7 +17,8 @@ AOTAutograd and the planner on it again; Dynamo's guards and bytecode stay):
   (:meth:`~ckptc.planning.account.StepAccount.counting_repeats`);
 * the first step of each plan and of each state (gradients resident at its
   start or not) is measured from its first graph's forward to the end of its
-  backward (:class:`ckptc.meter.StepMeter`), unless a graph planned during it;
+  backward (:class:`ckptc.meter.StepMeter`), unless a graph planned after its
+  first graph ran (planning profiles ops, and profilers do not nest);
   above the budget, the account counts what the prediction missed and the
   graphs plan again, at most :data:`~ckptc.planning.replan.MAX_REPLANS` times; after
   that the next graph run raises :class:`ckptc.BudgetExceededError` naming the
@@ -37,7 +38,7 @@ import torch
 from ckptc import _torch_internals as internals
 from ckptc.meter import MemoryMeasurement, resident_bytes
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
-from ckptc.planning.replan import Replans, missed_bytes
+from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
 from ckptc.runtime.tracker import StepTracker
 
@@ -71,7 +72,6 @@ class BackendStepCheck:
         self._tracker = StepTracker(self._ended, self._second_backward)
         self._counted: set[Any] = set()  # storages already in the meter's baseline
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
-        self._over_budget: int | None = None  # the last measured peak above the budget, counted at the next step
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
@@ -102,8 +102,7 @@ class BackendStepCheck:
         if state and not self.account.gradients_resident:
             log.info("torch.compile(backend='ckptc'): a step starts with gradients resident; planning again")
             self._count_gradients()
-        if self._over_budget is not None:
-            self._count_missed()
+        self._count_missed()
         self._tracker.begin()
         self._ran = []
         self._state = state
@@ -111,8 +110,10 @@ class BackendStepCheck:
         return True
 
     def planned(self) -> None:
-        """A graph of the open step planned (and profiled ops): this step is not measured."""
-        self._measure = False
+        """A graph plans (and profiles ops) now: a step one of whose graphs ran already is not measured;
+        one that plans before its first graph runs is measured from that graph's start."""
+        if self._ran:
+            self._measure = False
         self._tracker.unmeasured()
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
@@ -142,19 +143,17 @@ class BackendStepCheck:
             self._replanned()
 
     def _replanned(self) -> None:
-        """The account changed for a reason the step showed: what the last measurement missed is measured
-        again under the new plans rather than counted on top."""
+        """The account changed: nothing is measured or verified under the new plans yet."""
         self.verified.clear()
         self.measured_peak_bytes = None
-        self._over_budget = None
 
     def _count_missed(self) -> None:
-        """Count what the last measured step (``_ran``, not reset yet) showed the prediction missed,
-        or refuse after MAX_REPLANS (at every step from then on: the budget does not hold)."""
-        peak = self._over_budget
-        assert peak is not None
-        self.replans.after_measured(peak, self._ran, plans_again=not self.fixed_plans)
-        self._replanned()
+        """Count what the last step measured above the budget showed the prediction missed, or refuse
+        after MAX_REPLANS (at every step from then on: the budget does not hold)."""
+        account = self.replans.account
+        self.replans.count_measured(plans_again=not self.fixed_plans)
+        if self.replans.account is not account:
+            self._replanned()
 
     def _uncounted(self, objects: list[Any]) -> int:
         """Bytes of ``objects`` (tensors, a module) and of their gradients resident at the start (they
@@ -180,7 +179,7 @@ class BackendStepCheck:
             return
         predicted = max((r.result.peak_bytes for r in self._ran), default=0)
         # Counted when the next step begins, unless the account changes before (a second backward).
-        self._over_budget = peak
+        missed = self.replans.measured_above_budget(peak, self._ran)
         log.warning(
             "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
             "(predicted %d); %s",
@@ -189,8 +188,7 @@ class BackendStepCheck:
             predicted,
             "the next call raises BudgetExceededError (graphs with symbolic sizes keep their plans)"
             if self.fixed_plans
-            else f"the next call plans again with the {missed_bytes(peak, self.budget_bytes, self._ran)} "
-            "bytes the prediction missed counted",
+            else f"the next call plans again with the {missed} bytes the prediction missed counted",
         )
 
     def _count_repeats(self) -> bool:
