@@ -1,15 +1,21 @@
 """How close the first verified step comes to the prediction, on every model of the zoo.
 
-    python -m bench.first_step [--models gpt2 llama ...] [--size tiny] [--at 0.5] [--out bench/results/first_step.md]
+    python -m bench.first_step [--models gpt2 llama ...] [--size tiny] [--at 0.5] [--loss outside]
+                               [--out bench/results/first_step.md]
 
 For each model: :func:`ckptc.capture` gives the step's floor and unoptimized
 peak; ``ckptc.optimize`` at a budget ``--at`` of the way from the floor to the
 unoptimized peak trains until ckptc's own run-time check has measured a step
-(the first call plans, the next is measured).  The table gives that first
-measured step's peak against the plan's prediction and the budget, whether ckptc
-planned again (a measured step over the budget), and the peak of a later step
-measured independently of ckptc's check (allocator events plus the resident
-parameters and inputs, :func:`tests.helpers.measure`).
+(the call that plans, when the model is one graph; else the next).  The table
+gives that first measured step (0: the one that planned), its peak against the
+plan's prediction, whether ckptc planned again (a measured step over the
+budget), and the peak of a later step measured independently of ckptc's check
+(allocator events plus the resident parameters and inputs,
+:func:`tests.helpers.measure`).
+
+``--loss outside``: models given ``labels=`` compute no loss of their own; the
+caller computes cross-entropy on their logits, as many training loops do (a loss
+ckptc does not capture, so only the measured step shows what it takes).
 """
 
 from __future__ import annotations
@@ -20,27 +26,45 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import ckptc
 from tests.helpers import measure, step
-from tests.zoo import MODELS, get_case
+from tests.zoo import MODELS, ModelCase, get_case
 
 MAX_STEPS = 4
 
 
-def first_verified_step(name: str, size: str, at: float) -> dict:
+def loss_outside(case: ModelCase) -> ModelCase:
+    """``case`` with its labels taken out of the model's call: cross-entropy on the logits, computed by
+    the caller (``case`` itself when its model gets no labels)."""
+    kwargs = dict(case.example_kwargs)
+    labels = kwargs.pop("labels", None)
+    if labels is None:
+        return case
+
+    def loss(output) -> torch.Tensor:
+        logits = output.logits
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100)
+
+    return ModelCase(case.name, case.model, case.example_inputs, kwargs, loss=loss)
+
+
+def first_verified_step(name: str, size: str, at: float, outside: bool = False) -> dict:
     """One model's row (see the module docstring)."""
     case = get_case(name, size=size)
+    if outside:
+        case = loss_outside(case)
     captured = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
     floor, unoptimized = captured.floor_bytes, captured.unoptimized_peak_bytes
     budget = int(floor + at * (unoptimized - floor))
     fast = ckptc.optimize(case.model, budget_bytes=budget)
-    measured = predicted = None
-    for _ in range(MAX_STEPS):
-        predicted = fast.plan.predicted_peak_bytes if fast.plan is not None else None
+    measured = predicted = at_step = None
+    for i in range(MAX_STEPS):
         step(case, fast)
         if fast.plan.measured_peak_bytes is not None:
-            measured = fast.plan.measured_peak_bytes
+            # The plan the measured step ran: the next call makes a new one if it was over the budget.
+            measured, predicted, at_step = fast.plan.measured_peak_bytes, fast.plan.predicted_peak_bytes, i
             break
     replans = max(shape.replans.replans for shape in fast.step_runtime.plans.values())
     later = measure(case, fast).peak_bytes
@@ -49,6 +73,7 @@ def first_verified_step(name: str, size: str, at: float) -> dict:
         "budget": budget,
         "predicted": predicted,
         "measured": measured,
+        "step": at_step,
         "replans": replans,
         "later": later,
     }
@@ -60,14 +85,15 @@ def _mib(n: int | None) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| model | budget MiB | predicted MiB | first measured MiB | measured / predicted | replanned | "
-        "later step (independent) / budget |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| model | budget MiB | first measured step | predicted MiB | measured MiB | measured / predicted | "
+        "replanned | later step (independent) / budget |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for r in rows:
         ratio = "-" if r["measured"] is None or not r["predicted"] else f"{r['measured'] / r['predicted']:.4f}"
         lines.append(
-            f"| {r['model']} | {_mib(r['budget'])} | {_mib(r['predicted'])} | {_mib(r['measured'])} | {ratio} | "
+            f"| {r['model']} | {_mib(r['budget'])} | {'-' if r['step'] is None else r['step']} | "
+            f"{_mib(r['predicted'])} | {_mib(r['measured'])} | {ratio} | "
             f"{'yes' if r['replans'] else 'no'} | {r['later'] / r['budget']:.4f} |"
         )
     return "\n".join(lines)
@@ -78,20 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="models of tests.zoo (default: all)")
     parser.add_argument("--size", default="tiny", help="zoo size (default: %(default)s)")
     parser.add_argument("--at", type=float, default=0.5, help="budget between floor (0) and unoptimized (1)")
+    parser.add_argument(
+        "--loss", choices=("model", "outside"), default="model", help="who computes the loss (default: %(default)s)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for name in args.models:
         try:
-            rows.append(first_verified_step(name, args.size, args.at))
+            rows.append(first_verified_step(name, args.size, args.at, outside=args.loss == "outside"))
         except ckptc.CkptcError as error:
             print(f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
             continue
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = (
         f"First verified step against the prediction (`python -m bench.first_step --size {args.size} "
-        f"--at {args.at}`; budget {args.at} of the way from the floor to the unoptimized peak)\n\n{table(rows)}\n"
+        f"--at {args.at} --loss {args.loss}`; budget {args.at} of the way from the floor to the unoptimized "
+        f"peak)\n\n{table(rows)}\n"
     )
     print(text)
     if args.out is not None:

@@ -185,6 +185,30 @@ def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
     return found
 
 
+def profiler_mark(name: str) -> None:
+    """Put an instant named ``name`` in the running ``torch.profiler`` session's events (nothing
+    when none runs): a point in the step that :func:`cpu_marks` finds again."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            pass
+
+
+def cpu_marks(prof: Any, names: frozenset[str]) -> list[tuple[int, str]]:
+    """The instants :func:`profiler_mark` put in a finished profiler run, as ``(time_ns, name)`` in
+    time order (the same clock as :func:`cpu_allocations`), for the names in ``names``."""
+    from torch._C._profiler import _EventType
+
+    found = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.TorchOp and event.name in names:
+            found.append((event.start_time_ns, event.name))
+    found.sort()
+    return found
+
+
 def _unbounded(top: Any) -> bool:
     """Whether a symbolic range's top is infinite: sympy's ``oo``, or torch's ``int_oo`` (whose
     ``is_finite`` says True)."""

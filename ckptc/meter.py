@@ -23,9 +23,14 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from ckptc._torch_internals import cpu_allocations, local_shard, storage_key
+from ckptc._torch_internals import cpu_allocations, cpu_marks, local_shard, storage_key
 
 log = logging.getLogger("ckptc.meter")
+
+#: Marks ckptc's compiled graphs put in a measured step (:func:`ckptc._torch_internals.profiler_mark`):
+#: where a graph's forward returned, and where a graph's backward starts.
+FORWARD_RETURNED = "ckptc::forward_returned"
+BACKWARD_STARTS = "ckptc::backward_starts"
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,18 @@ class MemoryMeasurement:
         baseline_bytes: memory resident when the call began.
         end_bytes: ``baseline_bytes`` plus what was still allocated at the end.
         timeline: allocation level after each allocator event (CPU only).
+        loss_bytes: between the last graph's forward returning and the first graph's backward
+            starting (where the caller computes the loss and runs its backward), the most the step
+            held above what it held when that forward returned; None without those marks (CPU only).
+        peak_in_loss: whether the step's peak was reached there.
     """
 
     peak_bytes: int
     baseline_bytes: int
     end_bytes: int
     timeline: tuple[int, ...] = field(default=(), repr=False)
+    loss_bytes: int | None = None
+    peak_in_loss: bool = False
 
 
 def resident_bytes(*objects: Any, seen: set[Hashable] | None = None) -> int:
@@ -101,7 +112,7 @@ def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, Memor
 
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    peak, level, timeline = _peak_of_events(prof)
+    peak, level, timeline, _ = _peak_of_events(prof)
     return result, MemoryMeasurement(
         peak_bytes=baseline_bytes + peak,
         baseline_bytes=baseline_bytes,
@@ -157,8 +168,11 @@ class StepMeter:
             self._profile.__exit__(None, None, None)
         finally:
             self._quiet.__exit__(None, None, None)
-        peak, level, timeline = _peak_of_events(self._profile)
-        return MemoryMeasurement(self.baseline_bytes + peak, self.baseline_bytes, self.baseline_bytes + level, timeline)
+        peak, level, timeline, times = _peak_of_events(self._profile)
+        loss, peak_in_loss = _loss_region(self._profile, times, timeline, peak)
+        return MemoryMeasurement(
+            self.baseline_bytes + peak, self.baseline_bytes, self.baseline_bytes + level, timeline, loss, peak_in_loss
+        )
 
     def abort(self) -> None:
         """Stop without a result (the step failed)."""
@@ -170,8 +184,9 @@ class StepMeter:
             self._profile = None
 
 
-def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...]]:
-    """The highest and the final level of what the run allocated, and the level after each event.
+def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...], list[int]]:
+    """The highest and the final level of what the run allocated, the level after each event, and
+    each event's time.
 
     A free counts only when the run allocated that block: the allocator reports
     no free of a block allocated before profiling began, and a stale size for an
@@ -180,8 +195,8 @@ def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...]]:
     """
     live: dict[int, int] = {}
     level = peak = 0
-    timeline = []
-    for _, address, nbytes in cpu_allocations(prof):
+    timeline, times = [], []
+    for time, address, nbytes in cpu_allocations(prof):
         if nbytes > 0:
             live[address] = live.get(address, 0) + nbytes
         else:
@@ -189,7 +204,30 @@ def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...]]:
         level += nbytes
         peak = max(peak, level)
         timeline.append(level)
-    return peak, level, tuple(timeline)
+        times.append(time)
+    return peak, level, tuple(timeline), times
+
+
+def _loss_region(prof: Any, times: list[int], timeline: tuple[int, ...], peak: int) -> tuple[int | None, bool]:
+    """From the level after each allocator event (``timeline``) at its time (``times``), as
+    :func:`_peak_of_events` gives them: the most held above the level at the last
+    :data:`FORWARD_RETURNED` mark before the first :data:`BACKWARD_STARTS` mark, up to that mark,
+    and whether ``peak`` was reached there."""
+    marks = cpu_marks(prof, frozenset({FORWARD_RETURNED, BACKWARD_STARTS}))
+    starts = [t for t, name in marks if name == BACKWARD_STARTS]
+    returned = [t for t, name in marks if name == FORWARD_RETURNED and starts and t < starts[0]]
+    if not returned:
+        return None, False
+    begin, end = returned[-1], starts[0]
+    at_return = 0
+    inside = []
+    for time, level in zip(times, timeline, strict=True):
+        if time <= begin:
+            at_return = level
+        elif time <= end:
+            inside.append(level)
+    highest = max(inside, default=at_return)
+    return highest - at_return, bool(inside) and highest == peak
 
 
 def _measure_accelerator(

@@ -66,6 +66,33 @@ def test_the_step_that_plans_a_model_captured_as_one_graph_is_measured_like_a_la
     assert abs(measured - later) <= 0.01 * later, (measured, later)
 
 
+def test_a_loss_outside_the_model_is_measured_where_it_runs_and_the_next_step_fits() -> None:
+    """A loss computed outside the model takes memory between the forward and the backward that no
+    captured graph shows (``square()`` and its backward: several output-sized temporaries).  The step
+    that plans measures it there (marks where the forward returned and the backward starts), the next
+    call plans again pricing it at the end of forward, and that step fits the budget: a correction
+    for the whole step would find no plan (the floor plus the excess is above the budget)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(64, 256), nn.Tanh()]
+    for _ in range(3):
+        layers += [nn.Linear(256, 256), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    x = torch.randn(2048, 64)
+    case = ModelCase("wide-output-square-loss", model, (x,), {}, loss=lambda out: out.square().mean())
+    budget = budget_bounds(case).at(0.5)
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    step(case, fast)  # plans; measured above the budget, the excess in the loss
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes > budget
+    for p in model.parameters():
+        p.grad = None
+    loss, measurement = measure_peak(lambda: step(case, fast), baseline_bytes=resident_bytes(model, x))
+    assert measurement.peak_bytes <= budget
+    shape = next(iter(fast.step_runtime.plans.values()))
+    assert shape.account.loss_bytes > 0 and shape.account.correction_bytes == 0
+    assert_same_training(case, reference, loss, step(case, reference))
+
+
 # -- 1b: a second call before one backward counts what the first keeps --------
 class _Siamese:
     """One step calls the model twice before a single backward (contrastive loss)."""

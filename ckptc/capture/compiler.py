@@ -31,6 +31,7 @@ from ckptc import _torch_internals as internals
 from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
+from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
 from ckptc.planning.planner import decide
@@ -276,6 +277,7 @@ class CheckpointCompiler:
                 if check is not None:
                     check.abort()
                 raise
+            internals.profiler_mark(FORWARD_RETURNED)  # a measured step's loss region begins (ckptc.meter)
             if no_zeros:
                 internals.pass_missing_grads_as_none(outputs, args)
             if check is not None:
@@ -364,6 +366,15 @@ class CheckpointCompiler:
         return internals.mark_boxed(forward)
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        compiled = self._backward_kernels(gm, example_inputs)
+
+        def backward(args: list[Any]) -> Any:
+            internals.profiler_mark(BACKWARD_STARTS)  # a measured step's loss region ends (ckptc.meter)
+            return compiled(args)
+
+        return internals.mark_boxed(backward)
+
+    def _backward_kernels(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if self._generates_kernels():
             return internals.inductor_compile(gm, example_inputs)
         link = gm.meta.get("ckptc_record")
@@ -429,6 +440,7 @@ class CheckpointCompiler:
             free_unused_grads=self.options.compiler == "eager",
             in_place_backward=self.options.compiler == "eager",
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
+            loss_bytes=self.account.loss_bytes,
         )
         index = len(self.records) if index is None else index
         account = self.account.replace(defer_infeasible=False) if final else self.account

@@ -24,6 +24,12 @@ that graph runs is the graph's *baseline*, and this module computes it:
 * a correction measured at run time: what a measured step showed the
   prediction missed (eager code between graphs, allocator effects);
 
+and, not for the whole step but where it happens, what a measured step held
+while the caller's loss ran between the forward and the backward (a loss
+computed outside the model, its temporaries and its backward):
+:attr:`StepAccount.loss_bytes`, priced as a transient at the end of each graph's
+forward (:func:`ckptc.pricing.problem.joint_to_problem`);
+
 and the planning margin (:func:`planning_margin`): solvers plan a little below
 the budget, sized from what the plan controls.
 
@@ -84,6 +90,9 @@ class StepAccount:
         accumulate_in_backward: the backward adds each parameter gradient into the
             resident ``.grad`` as it is made (:class:`ckptc.rewrite.lean_backward.GradientSink`;
             with gradients resident, not under DDP/FSDP2).
+        loss_bytes: what a measured step held, above its forward's end, between its last graph's
+            forward and its first graph's backward (the caller's loss and its backward,
+            :attr:`ckptc.meter.MemoryMeasurement.loss_bytes`): priced at the end of forward.
         repeat_bytes: by graph index, for a graph run several times in one step
             (identical layers compiled once, a break inside the layer loop), how
             much more earlier runs leave alive at its last run than at its first
@@ -99,6 +108,7 @@ class StepAccount:
     defer_infeasible: bool = False
     repeat_bytes: Mapping[int, int] = field(default_factory=dict)
     accumulate_in_backward: bool = False
+    loss_bytes: int = 0
 
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)

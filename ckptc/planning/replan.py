@@ -17,8 +17,9 @@ turns each kind of evidence into the next account, within fixed limits:
   next step begins, at most :data:`MAX_REPLANS` times, then
   :class:`~ckptc.errors.BudgetExceededError` (unless the same step changed the
   account first: its new plans are measured again, not corrected on top);
-* gradients resident while the step runs (accumulation, a second backward) and
-  results the caller holds through backward.
+* gradients resident while the step runs (accumulation, a second backward),
+  results the caller holds through backward, and what a measured step's loss
+  held between forward and backward where its peak was.
 
 :func:`settle` is the loop itself, for paths that can run (or decide) a step
 again at once: :class:`ckptc.planning.planner.CapturedStep` (deciding captured graphs
@@ -164,6 +165,16 @@ class Replans:
         self.account = self.account.replace(
             gradients_resident=True, accumulate_in_backward=accumulate_in_backward, graph_budgets={}
         )
+        return True
+
+    def counting_loss(self, nbytes: int) -> bool:
+        """A measured step's caller held ``nbytes`` for its loss between forward and backward, where
+        its peak was (:attr:`ckptc.meter.MemoryMeasurement.loss_bytes`): price them there (whether
+        the account changed).  Counted in place of the step's excess, which they explain."""
+        if nbytes <= self.account.loss_bytes:
+            return False
+        self._measured = None
+        self.account = self.account.replace(loss_bytes=nbytes)
         return True
 
     def holding_outputs(self) -> bool:

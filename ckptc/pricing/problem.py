@@ -28,6 +28,8 @@ log = logging.getLogger("ckptc.pricing.problem")
 # mutated are saved instead.  BatchNorm in training mode reads its running
 # statistics only to produce their new values, so its output may be recomputed.
 RETURN_PREFIX = "return:"
+#: The node that prices the caller's loss between forward and backward (``loss_bytes``).
+LOSS_NODE = "loss:outside"
 # Nodes inside the model's own torch.utils.checkpoint regions carry these tags.
 _RECOMPUTED_BY_THE_MODEL = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -140,6 +142,7 @@ def joint_to_problem(
     free_unused_grads: bool = False,
     in_place_backward: bool = False,
     accumulated_gradients: frozenset[int] = frozenset(),
+    loss_bytes: int = 0,
 ) -> JointProblem:
     """Build the solver problem of an annotated joint graph.
 
@@ -171,6 +174,9 @@ def joint_to_problem(
             backward adds into the resident ``.grad`` as soon as it is made
             (:class:`ckptc.rewrite.lean_backward.GradientSink`): such a gradient dies at its
             last read instead of living to the end of backward.
+        loss_bytes: memory the caller's loss takes between this graph's forward and backward
+            (:attr:`ckptc.planning.account.StepAccount.loss_bytes`): a transient node at the end of
+            forward, after the results are released, that no backward node reads.
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
@@ -266,6 +272,17 @@ def joint_to_problem(
             reads[marker] = [result.name]
             forward.append(marker)
             stable_names[marker] = RETURN_PREFIX + stable_names[result.name]
+    if loss_bytes > 0 and forward_results:
+        # Computed after every result and freed at once: it raises the end of forward by what the
+        # loss takes there and nothing else.  Never kept ("recompute": no backward node reads it).
+        loss = LOSS_NODE
+        fields[loss] = dict(bytes=loss_bytes, cost=0.0, kind=FORWARD, policy="recompute")
+        reads[loss] = [forward_results[0].name]
+        marker = RETURN_PREFIX + loss
+        fields[marker] = dict(bytes=0, cost=0.0, kind=FORWARD, output=True)
+        reads[marker] = [loss]
+        forward += [loss, marker]
+        stable_names[loss], stable_names[marker] = loss, marker
 
     # Tangents are backward nodes without predecessors: put them first in backward.
     backward.sort(key=lambda name: nodes[name].op != "placeholder")

@@ -178,17 +178,24 @@ class BackendStepCheck:
             log.info("measured step peak %d bytes, within the budget of %d bytes", peak, self.budget_bytes)
             return
         predicted = max((r.result.peak_bytes for r in self._ran), default=0)
-        # Counted when the next step begins, unless the account changes before (a second backward).
-        missed = self.replans.measured_above_budget(peak, self._ran)
+        loss = measurement.loss_bytes if measurement.peak_in_loss and not self.fixed_plans else None
+        if loss and self.replans.counting_loss(loss):
+            self._replanned()
+            then = f"the next call plans again with the {loss} bytes the loss held between forward and backward"
+        elif self.fixed_plans:
+            self.replans.measured_above_budget(peak, self._ran)  # refused when the next step begins
+            then = "the next call raises BudgetExceededError (graphs with symbolic sizes keep their plans)"
+        else:
+            # Counted when the next step begins, unless the account changes before (a second backward).
+            missed = self.replans.measured_above_budget(peak, self._ran)
+            then = f"the next call plans again with the {missed} bytes the prediction missed counted"
         log.warning(
             "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
             "(predicted %d); %s",
             peak,
             self.budget_bytes,
             predicted,
-            "the next call raises BudgetExceededError (graphs with symbolic sizes keep their plans)"
-            if self.fixed_plans
-            else f"the next call plans again with the {missed} bytes the prediction missed counted",
+            then,
         )
 
     def _count_repeats(self) -> bool:
