@@ -171,7 +171,12 @@ class StepMeter:
         peak, level, timeline, times = _peak_of_events(self._profile)
         loss, peak_in_loss = _loss_region(self._profile, times, timeline, peak)
         return MemoryMeasurement(
-            self.baseline_bytes + peak, self.baseline_bytes, self.baseline_bytes + level, timeline, loss, peak_in_loss
+            peak_bytes=self.baseline_bytes + peak,
+            baseline_bytes=self.baseline_bytes,
+            end_bytes=self.baseline_bytes + level,
+            timeline=timeline,
+            loss_bytes=loss,
+            peak_in_loss=peak_in_loss,
         )
 
     def abort(self) -> None:
@@ -214,11 +219,11 @@ def _loss_region(prof: Any, times: list[int], timeline: tuple[int, ...], peak: i
     :data:`FORWARD_RETURNED` mark before the first :data:`BACKWARD_STARTS` mark, up to that mark,
     and whether ``peak`` was reached there."""
     marks = cpu_marks(prof, frozenset({FORWARD_RETURNED, BACKWARD_STARTS}))
-    starts = [t for t, name in marks if name == BACKWARD_STARTS]
-    returned = [t for t, name in marks if name == FORWARD_RETURNED and starts and t < starts[0]]
+    end = next((t for t, name in marks if name == BACKWARD_STARTS), None)
+    returned = [t for t, name in marks if name == FORWARD_RETURNED and end is not None and t < end]
     if not returned:
         return None, False
-    begin, end = returned[-1], starts[0]
+    begin = returned[-1]
     at_return = 0
     inside = []
     for time, level in zip(times, timeline, strict=True):
