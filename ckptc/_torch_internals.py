@@ -48,6 +48,7 @@ __all__ = [
     "storage_key",
     "profiler_events",
     "cpu_allocations",
+    "profiler_mark",
     "made_by_compiled_graph",
     "current_graph_task_id",
     "has_gradient_hooks",
@@ -160,9 +161,13 @@ def made_by_compiled_graph(tensor: torch.Tensor) -> bool:
     return node is not None and type(node).__name__.startswith("CompiledFunction")
 
 
-def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
+def cpu_allocations(
+    prof: Any, marks: frozenset[str] = frozenset()
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, str]]]:
     """The CPU allocator's events of a finished ``torch.profiler.profile(profile_memory=True)``
-    run as ``(time_ns, address, nbytes)`` in time order (``nbytes`` negative for a free).
+    run as ``(time_ns, address, nbytes)`` in time order (``nbytes`` negative for a free), and the
+    instants :func:`profiler_mark` put there under the names in ``marks``, as ``(time_ns, name)``
+    in time order (one walk of the run's events for both, on the same clock).
 
     The address matters: the CPU allocator reports a free with the size it
     recorded when the block was allocated under *some* profiler session,
@@ -172,7 +177,7 @@ def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
     """
     from torch._C._profiler import _EventType
 
-    found = []
+    allocations, found = [], []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
@@ -180,33 +185,20 @@ def cpu_allocations(prof: Any) -> list[tuple[int, int, int]]:
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
             if fields.device.type == "cpu":
-                found.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+                allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        elif event.tag == _EventType.TorchOp and event.name in marks:
+            found.append((event.start_time_ns, event.name))
+    allocations.sort()
     found.sort()
-    return found
+    return allocations, found
 
 
 def profiler_mark(name: str) -> None:
     """Put an instant named ``name`` in the running ``torch.profiler`` session's events (nothing
-    when none runs): a point in the step that :func:`cpu_marks` finds again."""
+    when none runs): a point in the step that :func:`cpu_allocations` finds again."""
     if torch._C._autograd._profiler_enabled():
         with torch.profiler.record_function(name):
             pass
-
-
-def cpu_marks(prof: Any, names: frozenset[str]) -> list[tuple[int, str]]:
-    """The instants :func:`profiler_mark` put in a finished profiler run, as ``(time_ns, name)`` in
-    time order (the same clock as :func:`cpu_allocations`), for the names in ``names``."""
-    from torch._C._profiler import _EventType
-
-    found = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.TorchOp and event.name in names:
-            found.append((event.start_time_ns, event.name))
-    found.sort()
-    return found
 
 
 def _unbounded(top: Any) -> bool:

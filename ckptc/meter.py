@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from ckptc._torch_internals import cpu_allocations, cpu_marks, local_shard, storage_key
+from ckptc._torch_internals import cpu_allocations, local_shard, storage_key
 
 log = logging.getLogger("ckptc.meter")
 
@@ -112,7 +112,7 @@ def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, Memor
 
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    peak, level, timeline, _ = _peak_of_events(prof)
+    peak, level, timeline = _peak_of_events(cpu_allocations(prof)[0])
     return result, MemoryMeasurement(
         peak_bytes=baseline_bytes + peak,
         baseline_bytes=baseline_bytes,
@@ -168,8 +168,9 @@ class StepMeter:
             self._profile.__exit__(None, None, None)
         finally:
             self._quiet.__exit__(None, None, None)
-        peak, level, timeline, times = _peak_of_events(self._profile)
-        loss, peak_in_loss = _loss_region(self._profile, times, timeline, peak)
+        allocations, marks = cpu_allocations(self._profile, frozenset({FORWARD_RETURNED, BACKWARD_STARTS}))
+        peak, level, timeline = _peak_of_events(allocations)
+        loss, peak_in_loss = _loss_region(marks, [time for time, _, _ in allocations], timeline, peak)
         return MemoryMeasurement(
             peak_bytes=self.baseline_bytes + peak,
             baseline_bytes=self.baseline_bytes,
@@ -189,9 +190,9 @@ class StepMeter:
             self._profile = None
 
 
-def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...], list[int]]:
-    """The highest and the final level of what the run allocated, the level after each event, and
-    each event's time.
+def _peak_of_events(allocations: list[tuple[int, int, int]]) -> tuple[int, int, tuple[int, ...]]:
+    """The highest and the final level of what a run allocated (its allocator's events,
+    :func:`ckptc._torch_internals.cpu_allocations`), and the level after each event.
 
     A free counts only when the run allocated that block: the allocator reports
     no free of a block allocated before profiling began, and a stale size for an
@@ -200,8 +201,8 @@ def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...], list[int]]:
     """
     live: dict[int, int] = {}
     level = peak = 0
-    timeline, times = [], []
-    for time, address, nbytes in cpu_allocations(prof):
+    timeline = []
+    for _, address, nbytes in allocations:
         if nbytes > 0:
             live[address] = live.get(address, 0) + nbytes
         else:
@@ -209,16 +210,16 @@ def _peak_of_events(prof: Any) -> tuple[int, int, tuple[int, ...], list[int]]:
         level += nbytes
         peak = max(peak, level)
         timeline.append(level)
-        times.append(time)
-    return peak, level, tuple(timeline), times
+    return peak, level, tuple(timeline)
 
 
-def _loss_region(prof: Any, times: list[int], timeline: tuple[int, ...], peak: int) -> tuple[int | None, bool]:
-    """From the level after each allocator event (``timeline``) at its time (``times``), as
-    :func:`_peak_of_events` gives them: the most held above the level at the last
-    :data:`FORWARD_RETURNED` mark before the first :data:`BACKWARD_STARTS` mark, up to that mark,
-    and whether ``peak`` was reached there."""
-    marks = cpu_marks(prof, frozenset({FORWARD_RETURNED, BACKWARD_STARTS}))
+def _loss_region(
+    marks: list[tuple[int, str]], times: list[int], timeline: tuple[int, ...], peak: int
+) -> tuple[int | None, bool]:
+    """From the level after each allocator event (``timeline``) at its time (``times``): the most
+    held above the level at the last :data:`FORWARD_RETURNED` mark before the first
+    :data:`BACKWARD_STARTS` mark (``marks``, ``(time, name)``), up to that mark, and whether ``peak``
+    was reached there."""
     end = next((t for t, name in marks if name == BACKWARD_STARTS), None)
     returned = [t for t, name in marks if name == FORWARD_RETURNED and end is not None and t < end]
     if not returned:

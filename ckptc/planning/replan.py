@@ -38,6 +38,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 
 import solvers
 from ckptc.errors import BudgetExceededError
+from ckptc.meter import MemoryMeasurement
 from ckptc.planning.account import StepAccount, budget_for_planning_floor
 from ckptc.records import GraphRecord
 
@@ -68,7 +69,8 @@ class Replans:
         self.account = account
         self.replans = 0
         self.over_budget_peak_bytes = 0
-        self._measured: tuple[int, tuple[GraphRecord, ...]] | None = None  # an excess not counted yet
+        # A measured excess not counted yet: peak, the graphs of its step, whether they can plan again.
+        self._measured: tuple[int, tuple[GraphRecord, ...], bool] | None = None
         self._tightened = 0
         self._repeats = 0
 
@@ -112,23 +114,36 @@ class Replans:
         log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_bytes))
         return True
 
-    def measured_above_budget(self, peak_bytes: int, ran: Sequence[GraphRecord]) -> int:
-        """A step of the graphs ``ran`` under the current plans measured ``peak_bytes``, above the
-        budget; returns what the prediction missed.  It is counted when the next step begins
+    def measured_above_budget(
+        self, measurement: MemoryMeasurement, ran: Sequence[GraphRecord], *, plans_again: bool = True
+    ) -> str:
+        """A step of the graphs ``ran`` under the current plans measured ``measurement``, its peak above
+        the budget; returns what the next plans count, in words.
+
+        If the peak was reached while the caller's loss ran between forward and backward, what the
+        loss held there is priced there at once (:meth:`counting_loss`).  Otherwise what the
+        prediction missed is counted for the whole step when the next step begins
         (:meth:`count_measured`), unless the account changes first for something the same step
         showed (a second backward's gradients, results held through backward): the new plans are
-        then measured again rather than corrected on top of a correction that may cover the same bytes.
+        then measured again rather than corrected on top of a correction that may cover the same
+        bytes.  ``plans_again=False``: the graphs keep their plans (a backend's graphs with symbolic
+        sizes), so the excess is refused when the next step begins.
         """
+        peak_bytes = measurement.peak_bytes
         assert self.budget_bytes is not None and peak_bytes > self.budget_bytes
         self.over_budget_peak_bytes = peak_bytes
-        self._measured = (peak_bytes, tuple(ran))
-        return missed_bytes(peak_bytes, self.budget_bytes, ran)
+        loss = measurement.loss_bytes
+        if plans_again and measurement.peak_in_loss and loss and self.counting_loss(loss):
+            return f"the {loss} bytes the loss held between forward and backward (a loss computed outside the model)"
+        self._measured = (peak_bytes, tuple(ran), plans_again)
+        if not plans_again:
+            return "nothing: graphs with symbolic sizes keep their plans, so the next call raises BudgetExceededError"
+        return f"the {missed_bytes(peak_bytes, self.budget_bytes, ran)} bytes the prediction missed"
 
-    def count_measured(self, *, plans_again: bool = True) -> None:
+    def count_measured(self) -> None:
         """Before a step begins: count what the last step measured above the budget showed its plans
-        missed (:meth:`measured_above_budget`), if nothing changed the account since.
-        ``plans_again=False``: the graphs keep their plans (a backend's graphs with symbolic sizes),
-        so the excess is refused at once.
+        missed (:meth:`measured_above_budget`), if nothing changed the account since, or refuse it
+        when its graphs cannot plan again.
 
         What the prediction missed (eager code between graphs, allocator effects) is counted in
         full: correcting by the excess over the budget alone under-counts whenever the plan did
@@ -139,7 +154,7 @@ class Replans:
         """
         if self._measured is None:
             return
-        peak_bytes, ran = self._measured  # kept while refused: every later step is refused too
+        peak_bytes, ran, plans_again = self._measured  # kept while refused: every later step is refused too
         assert self.budget_bytes is not None
         missed = missed_bytes(peak_bytes, self.budget_bytes, ran)
         if self.replans >= MAX_REPLANS or not plans_again:

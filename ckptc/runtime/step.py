@@ -441,24 +441,14 @@ class StepRuntime:
             log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
             return
         predicted = max((r.result.peak_bytes for r in self.active), default=0)
-        loss = measurement.loss_bytes if measurement.peak_in_loss else None
-        missed, loss_counted = 0, False
+        counted = "nothing more"
         for shape in self._step_plans:
             if shape.needs_replan:
                 continue  # planned again anyway (its outputs turned out to be held)
-            if loss and shape.replans.counting_loss(loss):
-                loss_counted = True
-            else:
-                missed = shape.replans.measured_above_budget(peak, self.active)
-        counted = (
-            f"the {loss} bytes the loss held between forward and backward (a loss computed outside the model) "
-            "counted there"
-            if loss_counted
-            else f"the {missed} bytes the prediction missed counted"
-        )
+            counted = shape.replans.measured_above_budget(measurement, self.active)
         log.warning(
             "ckptc: the measured training step of %s peaked at %d bytes, %d bytes above the budget of %d bytes "
-            "(predicted %d bytes); the next call plans again with %s.",
+            "(predicted %d bytes); the next call plans again counting %s.",
             type(self.model).__name__,
             peak,
             peak - budget,

@@ -151,7 +151,7 @@ class BackendStepCheck:
         """Count what the last step measured above the budget showed the prediction missed, or refuse
         after MAX_REPLANS (at every step from then on: the budget does not hold)."""
         account = self.replans.account
-        self.replans.count_measured(plans_again=not self.fixed_plans)
+        self.replans.count_measured()
         if self.replans.account is not account:
             self._replanned()
 
@@ -178,24 +178,17 @@ class BackendStepCheck:
             log.info("measured step peak %d bytes, within the budget of %d bytes", peak, self.budget_bytes)
             return
         predicted = max((r.result.peak_bytes for r in self._ran), default=0)
-        loss = measurement.loss_bytes if measurement.peak_in_loss and not self.fixed_plans else None
-        if loss and self.replans.counting_loss(loss):
+        account = self.replans.account
+        counted = self.replans.measured_above_budget(measurement, self._ran, plans_again=not self.fixed_plans)
+        if self.replans.account is not account:
             self._replanned()
-            then = f"the next call plans again with the {loss} bytes the loss held between forward and backward"
-        elif self.fixed_plans:
-            self.replans.measured_above_budget(peak, self._ran)  # refused when the next step begins
-            then = "the next call raises BudgetExceededError (graphs with symbolic sizes keep their plans)"
-        else:
-            # Counted when the next step begins, unless the account changes before (a second backward).
-            missed = self.replans.measured_above_budget(peak, self._ran)
-            then = f"the next call plans again with the {missed} bytes the prediction missed counted"
         log.warning(
             "torch.compile(backend='ckptc'): the measured step peaked at %d bytes, above the budget of %d "
-            "(predicted %d); %s",
+            "(predicted %d); the next call counts %s",
             peak,
             self.budget_bytes,
             predicted,
-            then,
+            counted,
         )
 
     def _count_repeats(self) -> bool:
