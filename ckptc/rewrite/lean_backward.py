@@ -15,7 +15,14 @@ traced backward spells the same sum as ``add(running, new)``, a fresh tensor,
 so for one op the old sum, the new contribution and the new sum are all alive
 (a ``select`` inside a scan loop: three full-size tensors where eager holds
 two).  The same holds for any elementwise ``add``/``sub``/``mul``/``div`` in
-backward whose operand dies at that op.
+backward whose operand dies at that op, and for the scatters functionalization
+makes of eager's in-place writes into a slice: eager's ``slice`` backward
+writes the gradient into a slice of a zero tensor, and the traced backward
+spells it ``slice_scatter(zeros, copy(zeros[...], grad))``, two more full-size
+tensors (an FFT convolution's padding: three tensors of the padded length
+where eager holds one; a parallel scan's ``select_scatter`` chains).  Such a
+scatter writes ``src`` into the slice of its base in place, and a ``copy``
+read only by it is not made: the scatter copies the copy's source directly.
 
 :func:`in_place_targets` finds, in graph order, the backward ops that may
 write into such an operand: the operand is a backward value that owns its
@@ -69,13 +76,34 @@ _IN_PLACE: dict[Any, tuple[Any, bool]] = {
 }
 
 
-def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """``op -> operand`` for every backward op of ``graph`` that may overwrite that operand.
+def _write_slice(
+    base: torch.Tensor, src: torch.Tensor, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1
+) -> torch.Tensor:
+    """``aten.slice_scatter`` written into ``base`` (see :func:`reinplace`)."""
+    aten.slice.Tensor(base, dim, start, end, step).copy_(src)
+    return base
 
-    Reads ``node.meta["ckptc"]`` (:func:`ckptc.pricing.costs.annotate_costs`) for each
-    node's kind and storage.  The ops are taken in graph order and an operand
-    already written into is not chosen twice, so the result is what
-    :func:`reinplace` does to the same graph.  Runs in O(nodes + edges).
+
+def _write_select(base: torch.Tensor, src: torch.Tensor, dim: int, index: int) -> torch.Tensor:
+    """``aten.select_scatter`` written into ``base`` (see :func:`reinplace`)."""
+    aten.select.int(base, dim, index).copy_(src)
+    return base
+
+
+# A scatter -> the function that writes its source into its base (the operand written into) in place.
+_SCATTERS: dict[Any, Any] = {aten.slice_scatter.default: _write_slice, aten.select_scatter.default: _write_select}
+
+
+def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """``op -> operand`` for every backward op of ``graph`` whose result lives in that operand's storage.
+
+    An elementwise op or a scatter maps to the operand it overwrites; a ``copy``
+    read only by such a scatter maps to its source (the scatter copies the source
+    itself, see the module docstring).  Reads ``node.meta["ckptc"]``
+    (:func:`ckptc.pricing.costs.annotate_costs`) for each node's kind and storage.
+    The ops are taken in graph order and an operand already written into is not
+    chosen twice, so the result is what :func:`reinplace` does to the same graph.
+    Runs in O(nodes + edges).
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
     parent: dict[fx.Node, fx.Node] = {}  # a view -> what it views; an op written in place -> its operand
@@ -98,14 +126,24 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         for arg in node.all_input_nodes:  # the output node reads the results: they are never written into
             last_read[storage(arg)] = order[node]
 
+    # A copy read only by a scatter is not made if the scatter is written in place: its source is then
+    # read at the scatter, so nothing before the scatter may write into the source.
+    copies = {node: next(iter(node.users)) for node in graph.nodes if _foldable_copy(node)}
+    for copied, scatter in copies.items():
+        source = storage(copied.args[1])
+        last_read[source] = max(last_read.get(source, -1), order[scatter])
+
     chosen: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        entry = _IN_PLACE.get(node.target) if node.op == "call_function" else None
-        if entry is None or not _is_backward(node) or len(node.args) < 2:
+        if node.op != "call_function" or len(node.args) < 2 or not _is_backward(node):
             continue
-        candidates = node.args[:2] if entry[1] else node.args[:1]
+        entry = _IN_PLACE.get(node.target)
+        if entry is None and node.target not in _SCATTERS:
+            continue
+        copied = node.args[1] if node.target in _SCATTERS and node.args[1] in copies else None
+        candidates = node.args[:2] if entry is not None and entry[1] else node.args[:1]
         for i, operand in enumerate(candidates):
-            other = node.args[1 - i]
+            other = copied.args[1] if copied is not None else node.args[1 - i]
             if (
                 isinstance(operand, fx.Node)
                 and operand not in views
@@ -119,15 +157,33 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
                 own = storage(operand)
                 last_read[own] = max(order[node], last_read.get(node, order[node]))
                 parent[node] = own
+                if copied is not None:
+                    chosen[copied] = copied.args[1]
                 break
     return chosen
+
+
+def _foldable_copy(node: fx.Node) -> bool:
+    """A backward ``copy(dst, src)`` read only as the source of a scatter, casting to the scatter's dtype:
+    the scatter may copy ``src`` itself."""
+    if node.op != "call_function" or node.target != aten.copy.default or not _is_backward(node):
+        return False
+    if len(node.users) != 1 or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+        return False
+    (scatter,) = node.users
+    if scatter.target not in _SCATTERS or len(scatter.args) < 2 or scatter.args[1] is not node:
+        return False
+    copied, into = node.meta.get("val"), scatter.meta.get("val")
+    return isinstance(copied, torch.Tensor) and isinstance(into, torch.Tensor) and copied.dtype == into.dtype
 
 
 def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with each op of :func:`in_place_targets` replaced by its in-place variant.
 
     The written operand becomes the op's first argument (``add``/``mul`` are
-    commutative; ``sub``/``div`` are only ever written into their first).
+    commutative; ``sub``/``div`` are only ever written into their first); a
+    scatter becomes a copy into the slice of its base, from its copy's source
+    where that copy was folded (the copy is erased).
     ``gm`` is left unchanged when there is nothing to rewrite; otherwise a new
     module is returned.
     """
@@ -139,11 +195,23 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(graph.graph_copy(gm.graph, env))
     for node, operand in targets.items():
         new = env[node]
+        if node.target == aten.copy.default:
+            continue  # its scatter copies ``operand`` itself; the copy is erased below
+        if node.target in _SCATTERS:
+            source = node.args[1]
+            if isinstance(source, fx.Node) and source.target == aten.copy.default and source in targets:
+                source = targets[source]  # the folded copy's source
+            new.target = _SCATTERS[node.target]
+            new.args = fx.node.map_arg((operand, source, *node.args[2:]), lambda n: env[n])
+            continue
         in_place, _ = _IN_PLACE[node.target]
         first, second = node.args[0], node.args[1]
         args = (operand, second if first is operand else first, *node.args[2:])
         new.target = in_place
         new.args = fx.node.map_arg(args, lambda n: env[n])
+    for node in targets:
+        if node.target == aten.copy.default:
+            graph.erase_node(env[node])
     graph.lint()
     log.debug("backward: %d elementwise ops write into an operand they are the last reader of", len(targets))
     return fx.GraphModule(gm, graph)
