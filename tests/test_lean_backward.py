@@ -148,6 +148,50 @@ def test_a_scatter_whose_base_is_read_later_is_not_written_in_place() -> None:
     torch.testing.assert_close(reinplace(gm)(torch.ones(4, 8)), gm(torch.ones(4, 8)))
 
 
+def _nested_update(a, y, back_to=1):
+    """Functionalized ``x.view(2, 4, 8)[1].view(4, 2, 4)[:, 0].mul_(y)`` on a backward value ``x``: the
+    update scattered into the inner view, then that result scattered back into the outer one."""
+    x = aten.mul.Tensor(a, 2.0)
+    outer = aten.view.default(x, [2, 4, 8])
+    row = aten.select.int(outer, 0, 1)
+    inner = aten.view.default(row, [4, 2, 4])
+    updated = aten.mul.Tensor(aten.select.int(inner, 1, 0), y)
+    inner_done = aten.select_scatter.default(inner, updated, 1, 0)
+    outer_done = aten.select_scatter.default(outer, aten.view.default(inner_done, [4, 8]), 0, back_to)
+    return aten.mul.Tensor(aten.view.default(outer_done, [64]), 3.0)
+
+
+_NESTED_VIEWS = {
+    "view_default": "mul_tensor",
+    "select_int": "view_default",
+    "view_default_1": "select_int",
+    "select_int_1": "view_default_1",
+    "view_default_2": "select_scatter_default",
+    "view_default_3": "select_scatter_default_1",
+}
+
+
+def _nested_where(back_to: int):
+    def nested(a, y):
+        return _nested_update(a, y, back_to)
+
+    return nested
+
+
+@pytest.mark.parametrize("back_to, in_place", [(1, True), (0, False)], ids=["written-back", "elsewhere"])
+def test_a_scatter_written_back_into_its_outer_view_is_written_in_place(back_to: int, in_place: bool) -> None:
+    """A scan's in-place update of a view of a view: the inner scatter's storage is read again only by
+    the scatter that writes the same elements back, so both are written in place.  Written back
+    somewhere else, the storage is read where the inner scatter changed it: only the outer one is."""
+    gm = _trace(_nested_where(back_to), (64,), (4, 4))
+    _annotate(gm.graph, kinds={"a": FORWARD, "y": FORWARD}, views=_NESTED_VIEWS)
+    targets = {n.name: o.name for n, o in in_place_targets(gm.graph).items()}
+    assert ("select_scatter_default" in targets) is in_place
+    assert targets["select_scatter_default_1"] == "view_default"
+    args = [torch.randn(64), torch.randn(4, 4)]
+    torch.testing.assert_close(reinplace(gm)(*args), gm(*args))
+
+
 def test_an_fft_convolutions_padded_gradient_costs_what_eager_holds() -> None:
     """HyenaDNA-style long convolutions pad to twice the length for the FFT; the traced backward of that
     padding scatters the gradient into zeros (as above).  Every such scatter of the real model is written

@@ -53,6 +53,7 @@ Only the eager compiler gets these: Inductor plans its own buffer reuse.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import weakref
 from typing import Any, Mapping
@@ -114,17 +115,21 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         return node
 
     views: set[fx.Node] = set()
+    view_base: dict[fx.Node, fx.Node] = {}  # a view -> the node it views directly
     last_read: dict[fx.Node, int] = {}  # storage -> position of its last reader, through any view
+    reads: dict[fx.Node, list[int]] = {}  # storage -> positions of its readers, in order
     for node in graph.nodes:
         cost = node.meta.get("ckptc")
         alias_of = cost.alias_of if cost is not None else None
         if alias_of is not None:
             views.add(node)  # even when what it views is not in this graph (a saved activation)
-        base = next((n for n in node.all_input_nodes if n.name == alias_of), None) if alias_of else None
+        base = _viewed(node, alias_of) if alias_of else None
         if base is not None:
             parent[node] = storage(base)
+            view_base[node] = base
         for arg in node.all_input_nodes:  # the output node reads the results: they are never written into
             last_read[storage(arg)] = order[node]
+            reads.setdefault(storage(arg), []).append(order[node])
 
     # A copy read only by a scatter is not made if the scatter is written in place: its source is then
     # read at the scatter, so nothing before the scatter may write into the source.
@@ -134,6 +139,7 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         last_read[source] = max(last_read.get(source, -1), order[scatter])
 
     chosen: dict[fx.Node, fx.Node] = {}
+    write_backs: set[fx.Node] = set()  # scatters that copy a region onto itself (see _write_backs)
     for node in graph.nodes:
         if node.op != "call_function" or len(node.args) < 2 or not _is_backward(node):
             continue
@@ -144,23 +150,141 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         candidates = node.args[:2] if entry is not None and entry[1] else node.args[:1]
         for i, operand in enumerate(candidates):
             other = copied.args[1] if copied is not None else node.args[1 - i]
+            if not isinstance(operand, fx.Node):
+                continue
+            own = storage(operand)
+            dies_here = last_read.get(own) == order[node]
+            if not dies_here and entry is None:
+                backs = _write_backs(node, own, chosen, view_base, order, reads[own])
+                if backs and last_read.get(own) == order[backs[-1]]:
+                    dies_here = True
+                    write_backs.update(backs)
             if (
-                isinstance(operand, fx.Node)
-                and operand not in views
-                and _is_backward(storage(operand))
-                and storage(operand).op == "call_function"
-                and last_read.get(storage(operand)) == order[node]
-                and not (isinstance(other, fx.Node) and other is not operand and storage(other) is storage(operand))
-                and _same_layout(operand, node)
+                # A scatter may write through a view (a scan's nested in-place updates): its result is
+                # that view, whose layout the traced result has (checked below), gaps included.
+                (operand not in views or (entry is None and operand in parent))
+                and own not in views
+                and _is_backward(own)
+                and own.op == "call_function"
+                and dies_here
+                and (
+                    node in write_backs
+                    or not (isinstance(other, fx.Node) and other is not operand and storage(other) is own)
+                )
+                and _same_layout(operand, node, dense=entry is not None)
             ):
                 chosen[node] = operand
-                own = storage(operand)
                 last_read[own] = max(order[node], last_read.get(node, order[node]))
+                reads[own] = list(heapq.merge(reads.get(own, []), reads.pop(node, [])))
                 parent[node] = own
                 if copied is not None:
                     chosen[copied] = copied.args[1]
                 break
     return chosen
+
+
+def _write_backs(
+    scatter: fx.Node,
+    own: fx.Node,
+    chosen: Mapping[fx.Node, fx.Node],
+    view_base: Mapping[fx.Node, fx.Node],
+    order: Mapping[fx.Node, int],
+    reads: list[int],
+) -> list[fx.Node]:
+    """The scatters that write ``scatter``'s result back where it came from, if that is all that follows.
+
+    Functionalization spells an in-place update of a view of a view (``x.view(...)[:, 0].mul_(y)``) as
+    a scatter into the inner view, then scatters of that result back into each outer one.  Written in
+    place, the first scatter changes its storage ``own`` before the others read it; that is harmless
+    when they are the only later readers of ``own`` and each copies exactly the region the one before
+    it wrote onto itself (same elements, checked on meta tensors replaying the views from ``own``).
+    Returns them in order, or ``[]``.
+    """
+    in_place = dict(chosen)
+    backs: list[fx.Node] = []
+    current = scatter
+    while True:
+        in_place[current] = current.args[0]
+        back = _written_back_by(current, own, in_place, view_base)
+        if back is None:
+            break
+        backs.append(back)
+        current = back
+    at = {order[back] for back in backs}
+    if not backs or any(p not in at for p in reads if p > order[scatter]):
+        return []  # someone else reads the storage after the first scatter
+    return backs
+
+
+def _viewed(view: fx.Node, alias_of: str) -> fx.Node | None:
+    """The node ``view`` views: its input named ``alias_of`` (the joint graph's name), or its first
+    argument where the graph was rewritten since and renamed it."""
+    named = next((n for n in view.all_input_nodes if n.name == alias_of), None)
+    if named is not None:
+        return named
+    first = view.args[0] if view.args else None
+    return first if isinstance(first, fx.Node) and len(view.all_input_nodes) == 1 else None
+
+
+def _written_back_by(
+    scatter: fx.Node, own: fx.Node, in_place: Mapping[fx.Node, fx.Node], view_base: Mapping[fx.Node, fx.Node]
+) -> fx.Node | None:
+    """The scatter that copies ``scatter``'s result (written in place) onto the same elements, if it is the
+    result's only reader (through views)."""
+    source = scatter
+    while len(source.users) == 1:
+        (user,) = source.users
+        if view_base.get(user) is not source:
+            break
+        source = user  # a view of the result
+    if len(source.users) != 1:
+        return None
+    (back,) = source.users
+    if back.target not in _SCATTERS or len(back.args) < 2 or back.args[1] is not source or not _is_backward(back):
+        return None
+    target = _region(back.args[0], own, in_place, view_base)
+    written = _region(source, own, in_place, view_base)
+    if target is None or written is None:
+        return None
+    try:
+        if back.target == aten.slice_scatter.default:
+            target = aten.slice.Tensor(target, *back.args[2:])
+        else:
+            target = aten.select.int(target, *back.args[2:])
+    except Exception:  # noqa: BLE001 - arguments a meta tensor cannot take: not a write-back
+        return None
+    same = (tuple(target.shape), target.stride(), target.storage_offset()) == (
+        tuple(written.shape),
+        written.stride(),
+        written.storage_offset(),
+    )
+    return back if same else None
+
+
+def _region(
+    node: fx.Node, own: fx.Node, in_place: Mapping[fx.Node, fx.Node], view_base: Mapping[fx.Node, fx.Node]
+) -> torch.Tensor | None:
+    """The elements of storage ``own`` that ``node`` refers to, as a meta tensor viewing a meta ``own``:
+    the views from ``own`` to ``node`` replayed (ops written in place are their operand)."""
+    chain = []
+    while node is not own:
+        if node in in_place:
+            node = in_place[node]
+        elif node in view_base and node.args and node.args[0] is view_base[node]:
+            chain.append(node)
+            node = view_base[node]
+        else:
+            return None
+    root = own.meta.get("val")
+    if not isinstance(root, torch.Tensor) or not all(isinstance(d, int) for d in (*root.shape, *root.stride())):
+        return None
+    region = torch.empty_strided(tuple(root.shape), root.stride(), dtype=root.dtype, device="meta")
+    try:
+        for view in reversed(chain):
+            region = view.target(region, *view.args[1:], **view.kwargs)
+    except Exception:  # noqa: BLE001 - a view a meta tensor cannot replay: not a known region
+        return None
+    return region if isinstance(region, torch.Tensor) else None
 
 
 def _foldable_copy(node: fx.Node) -> bool:
@@ -318,8 +442,9 @@ def _is_backward(node: fx.Node) -> bool:
     return cost is not None and cost.kind == BACKWARD and "ckptc_recompute_of" not in node.meta
 
 
-def _same_layout(operand: fx.Node, node: fx.Node) -> bool:
-    """The op's result has exactly the operand's shape, strides and dtype, all static, on one device."""
+def _same_layout(operand: fx.Node, node: fx.Node, *, dense: bool = True) -> bool:
+    """The op's result has exactly the operand's shape, strides and dtype, all static, on one device
+    (and, where ``dense``, no gaps or overlaps)."""
     a, b = operand.meta.get("val"), node.meta.get("val")
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return False
@@ -328,7 +453,7 @@ def _same_layout(operand: fx.Node, node: fx.Node) -> bool:
     sizes = (*a.shape, *b.shape, *a.stride(), *b.stride())
     if not all(isinstance(s, int) for s in sizes):
         return False
-    return tuple(a.shape) == tuple(b.shape) and tuple(a.stride()) == tuple(b.stride()) and _dense(a)
+    return tuple(a.shape) == tuple(b.shape) and tuple(a.stride()) == tuple(b.stride()) and (_dense(a) or not dense)
 
 
 def _dense(t: torch.Tensor) -> bool:
