@@ -61,7 +61,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from ckptc._torch_internals import backward_accumulates, gradient_accumulator, has_gradient_hooks
+from ckptc._torch_internals import backward_accumulates, gradient_accumulator, has_gradient_hooks, outside_fake_mode
 from ckptc.pricing.costs import BACKWARD
 
 log = logging.getLogger("ckptc.rewrite.lean_backward")
@@ -155,7 +155,9 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             own = storage(operand)
             dies_here = last_read.get(own) == order[node]
             if not dies_here and entry is None:
-                backs = _write_backs(node, own, chosen, view_base, order, reads[own])
+                # Plain meta tensors: inside AOTAutograd's fake mode each replayed view costs a fake dispatch.
+                with outside_fake_mode():
+                    backs = _write_backs(node, own, chosen, view_base, order, reads[own])
                 if backs and last_read.get(own) == order[backs[-1]]:
                     dies_here = True
                     write_backs.update(backs)
