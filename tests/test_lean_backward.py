@@ -192,6 +192,35 @@ def test_a_scatter_written_back_into_its_outer_view_is_written_in_place(back_to:
     torch.testing.assert_close(reinplace(gm)(*args), gm(*args))
 
 
+def test_a_parallel_scans_nested_updates_are_written_in_place_and_train_like_eager() -> None:
+    """mamba.py's parallel scan updates views of views in place; the traced backward re-derives those
+    updates as chains of scatters written back into outer views.  Some of them are written through a
+    view (the nested case), and the model trains like eager at its floor and keeping everything, each
+    measured within its budget."""
+    pytest.importorskip("mambapy")
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    config = MambaConfig(
+        vocab_size=16, hidden_size=32, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=4, use_mambapy=True
+    )
+    ids = torch.randint(0, 16, (2, 32))
+    case = ModelCase("mambapy", MambaForCausalLM(config).train(), (ids,), {"labels": ids}, loss=lambda out: out.loss)
+    captured = ckptc.capture(case.model, case.example_inputs, case.example_kwargs, loss_fn=case.loss)
+    graph = captured.records[0].joint_problem.joint.graph
+    written = in_place_targets(graph)
+    scatters = [n for n in written if n.target == aten.select_scatter.default]
+    through_views = [n for n in scatters if written[n].meta["ckptc"].alias_of]
+    assert through_views, "no nested update of the scan was written in place"
+    reference = copy.deepcopy(case.model)
+    for budget in (captured.floor_bytes, captured.unoptimized_peak_bytes):
+        model = copy.deepcopy(reference)
+        run = ModelCase("mambapy", model, case.example_inputs, case.example_kwargs, loss=case.loss)
+        optimized = ckptc.optimize(model, budget_bytes=budget)
+        assert_same_training(run, reference, step(run, optimized), step(run, reference))
+        assert measure(run, optimized).peak_bytes <= budget
+
+
 def test_an_fft_convolutions_padded_gradient_costs_what_eager_holds() -> None:
     """HyenaDNA-style long convolutions pad to twice the length for the FFT; the traced backward of that
     padding scatters the gradient into zeros (as above).  Every such scatter of the real model is written

@@ -157,7 +157,7 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             if not dies_here and entry is None:
                 # Plain meta tensors: inside AOTAutograd's fake mode each replayed view costs a fake dispatch.
                 with outside_fake_mode():
-                    backs = _write_backs(node, own, chosen, view_base, order, reads[own])
+                    backs = _write_backs(node, own, chosen, view_base, order, reads.get(own, []))
                 if backs and last_read.get(own) == order[backs[-1]]:
                     dies_here = True
                     write_backs.update(backs)
