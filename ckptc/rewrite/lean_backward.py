@@ -53,6 +53,7 @@ Only the eager compiler gets these: Inductor plans its own buffer reuse.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import weakref
@@ -137,6 +138,7 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     for copied, scatter in copies.items():
         source = storage(copied.args[1])
         last_read[source] = max(last_read.get(source, -1), order[scatter])
+        bisect.insort(reads.setdefault(source, []), order[scatter])
 
     chosen: dict[fx.Node, fx.Node] = {}
     write_backs: set[fx.Node] = set()  # scatters that copy a region onto itself (see _write_backs)
@@ -154,13 +156,12 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
                 continue
             own = storage(operand)
             dies_here = last_read.get(own) == order[node]
+            backs: list[fx.Node] = []
             if not dies_here and entry is None:
                 # Plain meta tensors: inside AOTAutograd's fake mode each replayed view costs a fake dispatch.
                 with outside_fake_mode():
                     backs = _write_backs(node, own, chosen, view_base, order, reads.get(own, []))
-                if backs and last_read.get(own) == order[backs[-1]]:
-                    dies_here = True
-                    write_backs.update(backs)
+                dies_here = bool(backs) and last_read.get(own) == order[backs[-1]]
             if (
                 # A scatter may write through a view (a scan's nested in-place updates): its result is
                 # that view, whose layout the traced result has (checked below), gaps included.
@@ -176,6 +177,7 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
                 and _same_layout(operand, node, dense=entry is not None)
             ):
                 chosen[node] = operand
+                write_backs.update(backs)
                 last_read[own] = max(order[node], last_read.get(node, order[node]))
                 reads[own] = list(heapq.merge(reads.get(own, []), reads.pop(node, [])))
                 parent[node] = own
