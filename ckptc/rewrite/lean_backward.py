@@ -92,8 +92,11 @@ def _write_select(base: torch.Tensor, src: torch.Tensor, dim: int, index: int) -
     return base
 
 
-# A scatter -> the function that writes its source into its base (the operand written into) in place.
-_SCATTERS: dict[Any, Any] = {aten.slice_scatter.default: _write_slice, aten.select_scatter.default: _write_select}
+# A scatter -> (the function that writes its source into its base in place, the view of the base it writes).
+_SCATTERS: dict[Any, tuple[Any, Any]] = {
+    aten.slice_scatter.default: (_write_slice, aten.slice.Tensor),
+    aten.select_scatter.default: (_write_select, aten.select.int),
+}
 
 
 def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
@@ -105,7 +108,8 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     (:func:`ckptc.pricing.costs.annotate_costs`) for each node's kind and storage.
     The ops are taken in graph order and an operand already written into is not
     chosen twice, so the result is what :func:`reinplace` does to the same graph.
-    Runs in O(nodes + edges).
+    Runs in O(nodes + edges), plus, for a scatter whose storage is read after it,
+    the views of its write-backs replayed on meta tensors.
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
     parent: dict[fx.Node, fx.Node] = {}  # a view -> what it views; an op written in place -> its operand
@@ -251,10 +255,7 @@ def _written_back_by(
     if target is None or written is None:
         return None
     try:
-        if back.target == aten.slice_scatter.default:
-            target = aten.slice.Tensor(target, *back.args[2:])
-        else:
-            target = aten.select.int(target, *back.args[2:])
+        target = _SCATTERS[back.target][1](target, *back.args[2:])
     except Exception:  # noqa: BLE001 - arguments a meta tensor cannot take: not a write-back
         return None
     same = (tuple(target.shape), target.stride(), target.storage_offset()) == (
@@ -329,7 +330,7 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
             source = node.args[1]
             if isinstance(source, fx.Node) and source.target == aten.copy.default and source in targets:
                 source = targets[source]  # the folded copy's source
-            new.target = _SCATTERS[node.target]
+            new.target = _SCATTERS[node.target][0]
             new.args = fx.node.map_arg((operand, source, *node.args[2:]), lambda n: env[n])
             continue
         in_place, _ = _IN_PLACE[node.target]
@@ -341,7 +342,7 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
         if node.target == aten.copy.default:
             graph.erase_node(env[node])
     graph.lint()
-    log.debug("backward: %d elementwise ops write into an operand they are the last reader of", len(targets))
+    log.debug("backward: %d ops write into an operand they are the last reader of", len(targets))
     return fx.GraphModule(gm, graph)
 
 
