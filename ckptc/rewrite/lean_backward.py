@@ -57,6 +57,7 @@ import bisect
 import heapq
 import logging
 import weakref
+from collections import ChainMap
 from typing import Any, Mapping
 
 import torch
@@ -121,8 +122,12 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
     views: set[fx.Node] = set()
     view_base: dict[fx.Node, fx.Node] = {}  # a view -> the node it views directly
-    last_read: dict[fx.Node, int] = {}  # storage -> position of its last reader, through any view
-    reads: dict[fx.Node, list[int]] = {}  # storage -> positions of its readers, in order
+    reads: dict[fx.Node, list[int]] = {}  # storage -> positions of its readers through any view, in order
+
+    def last_read(own: fx.Node) -> int | None:
+        positions = reads.get(own)
+        return positions[-1] if positions else None
+
     for node in graph.nodes:
         cost = node.meta.get("ckptc")
         alias_of = cost.alias_of if cost is not None else None
@@ -133,16 +138,13 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             parent[node] = storage(base)
             view_base[node] = base
         for arg in node.all_input_nodes:  # the output node reads the results: they are never written into
-            last_read[storage(arg)] = order[node]
             reads.setdefault(storage(arg), []).append(order[node])
 
     # A copy read only by a scatter is not made if the scatter is written in place: its source is then
     # read at the scatter, so nothing before the scatter may write into the source.
     copies = {node: next(iter(node.users)) for node in graph.nodes if _foldable_copy(node)}
     for copied, scatter in copies.items():
-        source = storage(copied.args[1])
-        last_read[source] = max(last_read.get(source, -1), order[scatter])
-        bisect.insort(reads.setdefault(source, []), order[scatter])
+        bisect.insort(reads.setdefault(storage(copied.args[1]), []), order[scatter])
 
     chosen: dict[fx.Node, fx.Node] = {}
     write_backs: set[fx.Node] = set()  # scatters that copy a region onto itself (see _write_backs)
@@ -159,17 +161,17 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             if not isinstance(operand, fx.Node):
                 continue
             own = storage(operand)
-            dies_here = last_read.get(own) == order[node]
+            dies_here = last_read(own) == order[node]
             backs: list[fx.Node] = []
             if not dies_here and entry is None:
                 # Plain meta tensors: inside AOTAutograd's fake mode each replayed view costs a fake dispatch.
                 with outside_fake_mode():
                     backs = _write_backs(node, own, chosen, view_base, order, reads.get(own, []))
-                dies_here = bool(backs) and last_read.get(own) == order[backs[-1]]
+                dies_here = bool(backs) and last_read(own) == order[backs[-1]]
             if (
                 # A scatter may write through a view (a scan's nested in-place updates): its result is
                 # that view, whose layout the traced result has (checked below), gaps included.
-                (operand not in views or (entry is None and operand in parent))
+                (operand not in views or (entry is None and operand in view_base))
                 and own not in views
                 and _is_backward(own)
                 and own.op == "call_function"
@@ -182,7 +184,7 @@ def in_place_targets(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             ):
                 chosen[node] = operand
                 write_backs.update(backs)
-                last_read[own] = max(order[node], last_read.get(node, order[node]))
+                # The result's readers read the operand's storage from now on.
                 reads[own] = list(heapq.merge(reads.get(own, []), reads.pop(node, [])))
                 parent[node] = own
                 if copied is not None:
@@ -208,7 +210,7 @@ def _write_backs(
     it wrote onto itself (same elements, checked on meta tensors replaying the views from ``own``).
     Returns them in order, or ``[]``.
     """
-    in_place = dict(chosen)
+    in_place = ChainMap({}, chosen)  # as if ``scatter`` and its write-backs were written in place
     backs: list[fx.Node] = []
     current = scatter
     while True:
