@@ -39,6 +39,8 @@ INPUT_CODE, FORWARD_CODE, BACKWARD_CODE = 0, 1, 2
 SAVE_CODE, RECOMPUTE_CODE = 1, 2
 _KIND_CODE = {INPUT: INPUT_CODE, FORWARD: FORWARD_CODE, BACKWARD: BACKWARD_CODE}
 _POLICY_CODE = {None: 0, SAVE: SAVE_CODE, RECOMPUTE: RECOMPUTE_CODE}
+POINTWISE_CODE, REDUCTION_CODE, ABSORBED_CODE = 1, 2, 3
+_FUSION_CODE = {"": 0, "pointwise": POINTWISE_CODE, "reduction": REDUCTION_CODE, "absorbed": ABSORBED_CODE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,16 @@ class Node:
         The model checkpoints this value itself (inside ``torch.utils.checkpoint``):
         run as written, it is recomputed in backward. The plan the user already
         had is a candidate every solver must match.
+    fusion : str
+        How a fusing compiler (Inductor) runs it: ``"pointwise"``, computed inside the
+        kernel of its reader when it has one reader and that reader fuses (so a
+        recomputation with one such reader allocates nothing); ``"reduction"``, a
+        kernel that computes the pointwise values it reads inside itself;
+        ``"absorbed"``, computed inside the kernel of its one reader (a matrix
+        product inside the add that reads it); ``""`` otherwise, and for every node
+        under compilers that do not fuse.  A pointwise or absorbed node with 0
+        bytes that is not a view never reaches memory: what it reads is read where
+        its readers run.
     """
 
     name: str
@@ -106,6 +118,7 @@ class Node:
     op: str = ""
     differentiable: bool = True
     checkpointed: bool = False
+    fusion: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -123,6 +136,7 @@ class Node:
             "op": self.op,
             "differentiable": self.differentiable,
             "checkpointed": self.checkpointed,
+            "fusion": self.fusion,
         }
 
 
@@ -204,6 +218,8 @@ class Problem:
                 raise ValueError(f"node {name!r}: cost must be >= 0, got {node.cost!r}")
             if node.policy not in POLICIES:
                 raise ValueError(f"node {name!r}: policy must be None, 'save' or 'recompute', got {node.policy!r}")
+            if node.fusion not in _FUSION_CODE:
+                raise ValueError(f"node {name!r}: fusion must be one of {sorted(_FUSION_CODE)}, got {node.fusion!r}")
             code = _KIND_CODE[node.kind]
             if node.kind == INPUT and node.preds:
                 raise ValueError(f"input node {name!r} must have no preds, got {node.preds!r}")
@@ -264,6 +280,7 @@ class Problem:
         object.__setattr__(self, "_cost", [float(n.cost) for n in nodes])
         object.__setattr__(self, "_scratch", [n.scratch for n in nodes])
         object.__setattr__(self, "_part_of", part_of)
+        object.__setattr__(self, "_fusion", bytes(_FUSION_CODE[n.fusion] for n in nodes))
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -441,6 +458,7 @@ class Problem:
                 op=str(d.get("op", "")),
                 differentiable=bool(d.get("differentiable", True)),
                 checkpointed=bool(d.get("checkpointed", False)),
+                fusion=str(d.get("fusion", "")),
             )
             for d in data["nodes"]
         )

@@ -33,11 +33,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from solvers.errors import InvalidPlanError
 from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Plan, Step
-from solvers.problem import BACKWARD_CODE, FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
+from solvers.problem import (
+    ABSORBED_CODE,
+    BACKWARD_CODE,
+    FORWARD_CODE,
+    INPUT_CODE,
+    POINTWISE_CODE,
+    RECOMPUTE_CODE,
+    REDUCTION_CODE,
+    SAVE_CODE,
+    Problem,
+)
 
 __all__ = ["SimResult", "schedule", "simulate", "honour_policies"]
 
@@ -482,6 +492,7 @@ def _arrays(problem: Problem) -> dict:
         "save": np.frombuffer(bytes(problem._policy), dtype=np.uint8) == SAVE_CODE,
         "recompute": np.frombuffer(bytes(problem._policy), dtype=np.uint8) == RECOMPUTE_CODE,
         "scratch": np.array(problem._scratch, dtype=np.int64),
+        "fusion": np.frombuffer(problem._fusion, dtype=np.uint8),
     }
     return arrays
 
@@ -541,13 +552,22 @@ def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, che
         )
     last_read = np.full(n_steps, -1, dtype=np.int64)
     np.maximum.at(last_read, inst, reader)
+    inline = _computed_inline(a, node, n_fwd, inst, last_read)
+    if inline.any():
+        # Computed inside its readers' kernels: what it reads lives until they run (chains of them too).
+        by_inline = inline[reader]
+        while True:
+            before = last_read.copy()
+            np.maximum.at(last_read, inst[by_inline], last_read[reader[by_inline]])
+            if np.array_equal(before, last_read):
+                break
 
     # The storage (root instance) each instance pins, -1 if none.  A getitem (part_of)
     # takes its bytes over from the multi-output instance it reads; extracting the same
     # output of the same instance again gives the same storage.
     alias = a["alias_of"][node]
     is_alias = alias >= 0
-    own_bytes = nbytes[node]
+    own_bytes = np.where(inline, 0, nbytes[node])
     is_part = ~is_alias & (a["part_of"][node] >= 0) & (own_bytes > 0)
     storage = np.where(~is_alias & (own_bytes > 0), step, -1)
     part_steps = step[is_part]
@@ -625,3 +645,21 @@ def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, che
         kept_bytes=int((own_bytes[kept_storages] - taken[kept_storages]).sum()),
         recompute_steps=len(recomputed),
     )
+
+
+def _computed_inline(arrays: dict[str, Any], node: Any, n_fwd: int, inst: Any, last_read: Any) -> Any:
+    """Steps that compute a pointwise value inside the kernels of its readers (``Node.fusion``): those
+    the pricing found so (no bytes, not a view), and recomputations in backward with one reader,
+    which fuses.  They allocate nothing."""
+    import numpy as np
+
+    fusion, kind = arrays["fusion"][node], arrays["kind"][node]
+    pointwise = fusion == POINTWISE_CODE
+    inline = (pointwise | (fusion == ABSORBED_CODE)) & (arrays["bytes"][node] == 0) & (arrays["alias_of"][node] < 0)
+    recomputed = pointwise & ~inline & (kind == FORWARD_CODE)
+    recomputed[:n_fwd] = False
+    if recomputed.any():
+        readers = np.bincount(inst, minlength=len(node))
+        recomputed &= (readers == 1) & (last_read >= 0)
+        recomputed[recomputed] = np.isin(fusion[last_read[recomputed]], (POINTWISE_CODE, REDUCTION_CODE))
+    return inline | recomputed

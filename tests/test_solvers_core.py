@@ -773,3 +773,54 @@ def test_a_kept_value_no_backward_step_reads_is_not_kept_bytes():
     )
     assert simulate(problem, Plan(kept={"f1", "f2"})).kept_bytes == 10
     assert simulate(problem, Plan(kept={"f1"})).kept_bytes == 10
+
+
+# -------------------------------------------------------- fusing compilers (Node.fusion)
+def _fusion_problem(*, fusion: str, readers: int) -> Problem:
+    """x -> m (a matmul, kept) -> f (pointwise, recomputed) -> backward readers of f."""
+    nodes = [
+        Node("x", 0, 0.0, "input"),
+        fwd("m", 100, ["x"], cost=10.0),
+        fwd("f", 100, ["m"], fusion=fusion),
+        fwd("loss", 1, ["f"], output=True),
+        bwd("dl", 1, []),
+    ]
+    nodes += [bwd(f"b{i}", 150, ["f", "dl"], fusion="pointwise") for i in range(readers)]
+    nodes.append(bwd("dm", 1, ["m", f"b{readers - 1}"], output=True))  # m stays alive through the readers
+    return Problem(nodes)
+
+
+def test_a_recomputed_pointwise_value_with_one_fusing_reader_allocates_nothing():
+    plan = Plan(kept={"m"})
+    unfused = simulate(_fusion_problem(fusion="", readers=1), plan)
+    fused = simulate(_fusion_problem(fusion="pointwise", readers=1), plan)
+    assert unfused.recompute_cost == fused.recompute_cost == 1.0
+    assert unfused.peak_bytes - fused.peak_bytes == 100  # f is computed inside b0's kernel
+    # Read by two kernels, it is written once and read by both.
+    twice = [simulate(_fusion_problem(fusion=fusion, readers=2), plan).peak_bytes for fusion in ("", "pointwise")]
+    assert twice[0] == twice[1] == unfused.peak_bytes
+
+
+def test_a_value_computed_inside_its_readers_kernels_keeps_what_it_reads_alive():
+    # i (pointwise, 0 bytes: never written) reads a and is read by c after b: a lives until c runs.
+    def problem(fusion: str) -> Problem:
+        return Problem(
+            [
+                Node("x", 0, 0.0, "input"),
+                fwd("a", 50, ["x"]),
+                fwd("i", 0, ["a"], fusion=fusion),
+                fwd("b", 30, ["x"]),
+                fwd("c", 5, ["i", "b"], output=True, fusion="pointwise"),
+            ]
+        )
+
+    assert simulate(problem(""), Plan(kept=())).peak_bytes == 50  # a dies at i, before b
+    assert simulate(problem("pointwise"), Plan(kept=())).peak_bytes == 85  # a is read at c
+    assert simulate(problem("absorbed"), Plan(kept=())).peak_bytes == 85
+
+
+def test_fusion_survives_the_problem_round_trip_and_is_checked():
+    p = _fusion_problem(fusion="pointwise", readers=1)
+    assert Problem.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    with pytest.raises(ValueError, match="fusion"):
+        Problem([Node("x", 0, 0.0, "input"), fwd("f", 1, ["x"], fusion="fused")])

@@ -242,7 +242,7 @@ class CheckpointCompiler:
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.rewrite.unused_grads).
-        no_zeros = self.options.compiler == "eager" and zeros_buildable(record.joint_problem.joint.graph)
+        no_zeros = zeros_buildable(record.joint_problem.joint.graph)
         check = self._backend_check()
         if check is not None and symbolic:
             check.fixed_plans = True
@@ -375,14 +375,14 @@ class CheckpointCompiler:
         return internals.mark_boxed(backward)
 
     def _backward_kernels(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        if self._generates_kernels():
-            return internals.inductor_compile(gm, example_inputs)
         link = gm.meta.get("ckptc_record")
         record = link.record if link is not None else None
         free = record.joint_problem.free_tangents if record is not None else ()
         sink = link.gradient_sink if link is not None else None
 
         def compile_graph(graph: fx.GraphModule) -> Callable:
+            if self._generates_kernels():
+                return _inductor_on_read_inputs(graph, example_inputs)
             graph = reinplace(graph)
             return internals.boxed(accumulate_into_parameters(graph, sink) if sink is not None else graph)
 
@@ -437,7 +437,7 @@ class CheckpointCompiler:
             baseline_bytes=baseline_bytes,
             policies=policies,
             hold_outputs=self.account.hold_outputs,
-            free_unused_grads=self.options.compiler == "eager",
+            free_unused_grads=True,
             in_place_backward=self.options.compiler == "eager",
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
             loss_bytes=self.account.loss_bytes,
@@ -466,3 +466,27 @@ class CheckpointCompiler:
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
         backward.meta["ckptc_record"] = RecordLink(record, gradient_sink)
         return forward, backward
+
+
+def _inductor_on_read_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """Inductor kernels for ``gm`` without the inputs it never reads (a backward specialized for
+    unused results receives ``None`` there, which Inductor's input checks cannot take); boxed,
+    called with every input."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    read = [i for i, node in enumerate(placeholders) if node.users]
+    if len(read) == len(placeholders):
+        return internals.inductor_compile(gm, example_inputs)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    for old in placeholders:
+        if not old.users:
+            graph.erase_node(env[old])
+    compiled = internals.inductor_compile(fx.GraphModule(gm, graph), [example_inputs[i] for i in read])
+
+    def run(args: list[Any]) -> Any:
+        inputs = [args[i] for i in read]
+        args.clear()  # boxed: the kernels free inputs as they go
+        return compiled(inputs)
+
+    return internals.mark_boxed(run)

@@ -19,7 +19,9 @@ The prices depend on the compiler that will run the plan (``compiler``):
   which the planner weighs against recomputing it
   (:func:`ckptc.planning.planner.for_target_compiler`); and a pointwise output that
   only one fused op or reduction of its own phase reads never reaches memory
-  (0 bytes, :func:`inlined_in_kernels`).
+  (0 bytes, :func:`inlined_in_kernels`), so it is never kept: backward recomputes
+  it inside the kernel that reads it (kept, it would be written at bytes no plan
+  counted).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -95,6 +97,12 @@ class NodeCost:
             kernel of its consumer (False under the eager compiler).
         keep_cost: what keeping its output for backward costs, in the units
             of :attr:`cost`: its elements written once and read once.
+        fusion: how a fusing compiler runs it (``solvers.Node.fusion``): ``"pointwise"`` (``fused``),
+            ``"reduction"`` (a kernel that computes the fused values it reads), ``"absorbed"`` (a
+            matrix product computed inside the add that reads it, :func:`absorbed_matmuls`), else ``""``.
+        inlined: a fused op whose output never reaches memory (:func:`inlined_in_kernels`):
+            it has no bytes, and it cannot be kept (a kept output would be written), so
+            backward recomputes it inside the kernel that reads it.
     """
 
     kind: str
@@ -110,6 +118,8 @@ class NodeCost:
     scratch_bytes: int = 0
     fused: bool = False
     keep_cost: float = 0.0
+    fusion: str = ""
+    inlined: bool = False
 
     @property
     def cost(self) -> float:
@@ -174,38 +184,116 @@ def annotate_costs(joint: fx.GraphModule, compiler: str = "eager") -> dict[fx.No
             op=op_name,
             random=is_random(node),
             fused=fused,
+            fusion="pointwise" if fused else "reduction" if fusing and _is_reduction(node) else "",
             keep_cost=2.0 * _output_elements(node) if new_bytes else 0.0,
         )
         node.meta["ckptc"] = cost
         costs[node] = cost
     if fusing:
         for node in inlined_in_kernels(costs):
-            costs[node] = node.meta["ckptc"] = replace(costs[node], bytes=0, keep_cost=0.0)
+            costs[node] = node.meta["ckptc"] = replace(costs[node], bytes=0, keep_cost=0.0, inlined=True)
+        for node in absorbed_matmuls(costs):
+            costs[node] = node.meta["ckptc"] = replace(
+                costs[node], bytes=0, keep_cost=0.0, inlined=True, fusion="absorbed"
+            )
     return costs
+
+
+def absorbed_matmuls(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
+    """Matrix products Inductor computes inside the add that reads them (``mm`` then ``add`` becomes one
+    ``addmm``, ``torch._inductor.fx_passes.post_grad.addmm``): the product is never written on its own,
+    and what it reads is read where the add runs (for the weight shared by an embedding and an output
+    layer, at the end of backward).  On GPUs Inductor keeps them apart when only pointwise ops read the sum.
+    """
+    found = []
+    for node, cost in costs.items():
+        if _op_name(node) != "mm" or len(node.users) != 1 or not cost.bytes:
+            continue
+        (add,) = node.users
+        if add.target is not torch.ops.aten.add.Tensor or add.kwargs or costs[add].kind != cost.kind:
+            continue
+        others = [a for a in add.args if a is not node]
+        product, other = node.meta.get("val"), others[0].meta.get("val") if len(others) == 1 else None
+        if not isinstance(other, torch.Tensor) or not isinstance(product, torch.Tensor):
+            continue
+        if other.dtype != product.dtype or not _expandable(other.shape, product.shape):
+            continue
+        if product.device.type != "cpu" and all(costs.get(u, cost).fused for u in add.users):
+            continue
+        found.append(node)
+    return found
+
+
+def _expandable(shape: Any, target: Any) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(target), strict=False))
 
 
 def inlined_in_kernels(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
     """Fused pointwise ops whose outputs a fusing compiler never writes to memory.
 
     Inductor computes a pointwise op inside the kernel of its consumer when that
-    consumer is a pointwise op or a reduction, so an output that one such op of its
-    own phase reads (not backward, not a view, not a graph output) stays in
-    registers.  A forward value that backward reads is written when kept, so it
-    keeps its bytes; so does a value read by several ops, which Inductor may
-    materialize (counting it keeps the prediction on the safe side).
+    consumer is a pointwise op or a reduction, so an output that only such ops of
+    its own phase read (not backward, not a view, not a graph output) stays in
+    registers, unless its expression (with the inlined values it reads) exceeds
+    :class:`ExpressionLimits`.  With several readers, each computes it again, which
+    Inductor does only for a light expression (``should_realize_on_reuse``): one
+    that reads at most :data:`REUSED_READS_LIMIT` buffers and, on CPUs, has none of
+    :data:`HEAVY_OPS`.  A forward value that backward reads is written when kept,
+    so it keeps its bytes.
     """
 
     def computes_it_inline(user: fx.Node, kind: str) -> bool:
         cost = costs.get(user)
-        if cost is None or cost.kind != kind:
-            return False
-        return cost.fused or (user.op == "call_function" and is_reduction_op(user.target))
+        return cost is not None and cost.kind == kind and cost.fusion != ""
 
-    return [
-        node
-        for node, cost in costs.items()
-        if cost.fused and cost.bytes and len(node.users) == 1 and computes_it_inline(next(iter(node.users)), cost.kind)
-    ]
+    def buffer_read(arg: fx.Node) -> fx.Node | None:
+        """The buffer a kernel reads for ``arg``: its view's base; None for what Inductor makes an
+        index expression or a constant (``iota``, ``full``)."""
+        while costs.get(arg) is not None and costs[arg].alias_of is not None and arg.all_input_nodes:
+            arg = arg.all_input_nodes[0]
+        if arg.op == "call_function" and _op_name(arg) in ("iota", "arange", "full", "scalar_tensor"):
+            return None
+        return arg
+
+    inlined: dict[fx.Node, None] = {}  # in graph order
+    reads: dict[fx.Node, frozenset[fx.Node]] = {}  # a fused value's expression: buffers read ...
+    ops: dict[fx.Node, list[str]] = {}  # ... and ops
+    for node, cost in costs.items():
+        if not cost.fused:
+            continue
+        chain = [arg for arg in node.all_input_nodes if arg in inlined]
+        buffers = {buffer_read(a) for a in node.all_input_nodes if a not in chain} - {None}
+        reads[node] = frozenset(buffers).union(*(reads[a] for a in chain))
+        ops[node] = [cost.op, *(op for a in chain for op in ops[a])]
+        if not cost.bytes or not node.users or not all(computes_it_inline(u, cost.kind) for u in node.users):
+            continue
+        cpu = all(t.device.type == "cpu" for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+        limits = CPU_EXPRESSION_LIMITS if cpu else EXPRESSION_LIMITS
+        if len(reads[node]) > limits.reads or len(ops[node]) > limits.ops:
+            continue  # Inductor writes a long expression out (``has_exceeded_max_reads``)
+        if len(node.users) == 1 or (
+            len(reads[node]) <= REUSED_READS_LIMIT and not (cpu and HEAVY_OPS.intersection(ops[node]))
+        ):
+            inlined[node] = None
+    return list(inlined)
+
+
+class ExpressionLimits(NamedTuple):
+    """How large an expression Inductor computes inside its readers' kernels before it writes it out."""
+
+    reads: int  # buffers read (``realize_acc_reads_threshold``)
+    ops: int  # ops (``realize_opcount_threshold``)
+
+
+EXPRESSION_LIMITS = ExpressionLimits(reads=8, ops=30)
+CPU_EXPRESSION_LIMITS = ExpressionLimits(reads=12, ops=50)  # ``realize_cpu_*`` thresholds
+#: A value read by several kernels is computed inside each only if its expression reads at most
+#: this many buffers (``realize_reads_threshold``) and, on CPUs, has none of :data:`HEAVY_OPS`
+#: (``should_realize_on_reuse``).
+REUSED_READS_LIMIT = 4
+HEAVY_OPS = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
 
 
 def priced_size(value: Any, what: str = "a size") -> int:
@@ -234,11 +322,21 @@ def _numel(t: torch.Tensor) -> int:
     return priced_size(t.numel(), "the number of elements of a tensor")
 
 
+def _is_reduction(node: fx.Node) -> bool:
+    return node.op == "call_function" and is_reduction_op(node.target)
+
+
 def is_fused(node: fx.Node) -> bool:
     """True for ops a fusing compiler computes inside their consumers' kernels: pointwise ops
     that draw no random numbers (those run as eager kernels under ckptc, see
-    :func:`ckptc._torch_internals.inductor_compile`)."""
-    return node.op == "call_function" and is_pointwise_op(node.target) and not is_random_op(node.target)
+    :func:`ckptc._torch_internals.inductor_compile`), and the ops Inductor lowers to pointwise
+    expressions: constants (``full``) and scatters into a slice or an index (``where`` on the index)."""
+    if node.op != "call_function" or is_random_op(node.target):
+        return False
+    return is_pointwise_op(node.target) or _op_name(node) in _LOWERED_TO_POINTWISE
+
+
+_LOWERED_TO_POINTWISE = frozenset({"full", "select_scatter", "slice_scatter"})
 
 
 def fused_flops(node: fx.Node) -> int:
@@ -248,6 +346,11 @@ def fused_flops(node: fx.Node) -> int:
     return sum(
         _output_elements(arg) for arg in node.all_input_nodes if not (arg.op == "call_function" and is_fused(arg))
     )
+
+
+def written_bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s outputs once written to memory (an inlined value's, when it is kept)."""
+    return sum(_numel(t) * t.element_size() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
 
 
 def _output_elements(node: fx.Node) -> int:

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import solvers
 from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
-from ckptc.pricing.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size
+from ckptc.pricing.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size, written_bytes
 from ckptc.rewrite.lean_backward import in_place_targets
 from ckptc.rewrite.unused_grads import ZERO, Folding, foldable_tangents
 
@@ -243,6 +243,13 @@ def joint_to_problem(
                 )
             policy = "save"
         nbytes, alias_of = vanishing.get(node.name, (cost.bytes, cost.alias_of))
+        if cost.kind == FORWARD and cost.inlined:
+            # Computed inside its readers' kernels, it is never written unless it is kept: recomputed
+            # in backward like them, or, where it must be saved, priced at the bytes it is written at.
+            if policy == "save":
+                nbytes = written_bytes(node)
+            elif policy is None:
+                policy = "recompute"
         fields[node.name] = dict(
             bytes=nbytes,
             cost=cost.cost,
@@ -257,6 +264,7 @@ def joint_to_problem(
             op=cost.op,
             differentiable=node in differentiable,
             checkpointed=node.meta.get("recompute") in _RECOMPUTED_BY_THE_MODEL and node not in region_outputs,
+            fusion=cost.fusion,
         )
         reads[node.name] = preds
         {INPUT: inputs, FORWARD: forward, BACKWARD: backward}[cost.kind].append(node.name)
