@@ -1,7 +1,7 @@
 """How close the first verified step comes to the prediction, on every model of the zoo.
 
     python -m bench.first_step [--models gpt2 llama ...] [--size tiny] [--at 0.5] [--loss outside]
-                               [--out bench/results/first_step.md]
+                               [--compiler inductor] [--out bench/results/first_step.md]
 
 For each model: :func:`ckptc.capture` gives the step's floor and unoptimized
 peak; ``ckptc.optimize`` at a budget ``--at`` of the way from the floor to the
@@ -16,6 +16,9 @@ budget), and the peak of a later step measured independently of ckptc's check
 ``--loss outside``: models given ``labels=`` compute no loss of their own; the
 caller computes cross-entropy on their logits, as many training loops do (a loss
 ckptc does not capture, so only the measured step shows what it takes).
+
+``--compiler inductor``: capture, plans and training with Inductor kernels (the
+memory model of the compiler the plan targets).
 """
 
 from __future__ import annotations
@@ -50,15 +53,17 @@ def loss_outside(case: ModelCase) -> ModelCase:
     return ModelCase(case.name, case.model, case.example_inputs, kwargs, loss=loss)
 
 
-def first_verified_step(name: str, size: str, at: float, outside: bool = False) -> dict:
+def first_verified_step(name: str, size: str, at: float, outside: bool = False, compiler: str = "eager") -> dict:
     """One model's row (see the module docstring)."""
     case = get_case(name, size=size)
     if outside:
         case = loss_outside(case)
-    captured = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
+    captured = ckptc.capture(
+        copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss, compiler=compiler
+    )
     floor, unoptimized = captured.floor_bytes, captured.unoptimized_peak_bytes
     budget = int(floor + at * (unoptimized - floor))
-    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    fast = ckptc.optimize(case.model, budget_bytes=budget, compiler=compiler)
     measured = predicted = at_step = None
     for i in range(MAX_STEPS):
         step(case, fast)
@@ -107,21 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--loss", choices=("model", "outside"), default="model", help="who computes the loss (default: %(default)s)"
     )
+    parser.add_argument(
+        "--compiler", choices=("eager", "inductor"), default="eager", help="the plans' compiler (default: %(default)s)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for name in args.models:
         try:
-            rows.append(first_verified_step(name, args.size, args.at, outside=args.loss == "outside"))
+            rows.append(
+                first_verified_step(name, args.size, args.at, outside=args.loss == "outside", compiler=args.compiler)
+            )
         except ckptc.CkptcError as error:
             print(f"{name}: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
             continue
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = (
         f"First verified step against the prediction (`python -m bench.first_step --size {args.size} "
-        f"--at {args.at} --loss {args.loss}`; budget {args.at} of the way from the floor to the unoptimized "
-        f"peak)\n\n{table(rows)}\n"
+        f"--at {args.at} --loss {args.loss} --compiler {args.compiler}`; budget {args.at} of the way from the "
+        f"floor to the unoptimized peak)\n\n{table(rows)}\n"
     )
     print(text)
     if args.out is not None:
