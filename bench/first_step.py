@@ -71,8 +71,9 @@ def first_verified_step(name: str, size: str, at: float, outside: bool = False, 
             # The plan the measured step ran: the next call makes a new one if it was over the budget.
             measured, predicted, at_step = fast.plan.measured_peak_bytes, fast.plan.predicted_peak_bytes, i
             break
-    replans = max(shape.replans.replans for shape in fast.step_runtime.plans.values())
     later = measure(case, fast).peak_bytes
+    # Read after the later step: a measured excess is counted (and planned again) when the next step begins.
+    replans = max(shape.replans.replans for shape in fast.step_runtime.plans.values())
     return {
         "model": name,
         "budget": budget,

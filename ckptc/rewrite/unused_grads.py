@@ -232,7 +232,8 @@ class ZeroGradBackward:
         self.record = record
         self.gm = gm
         self.compile_graph = compile_graph
-        self.variants: dict[frozenset[str], Callable] = {frozenset(): compile_graph(gm)}
+        # Compiled on first use: under Inductor a variant no step runs would cost a compile.
+        self.variants: dict[frozenset[str], Callable] = {}
         mark_boxed(self)  # in the instance dict: wrappers copy it (functools.wraps), not class attributes
 
     def __repr__(self) -> str:
@@ -263,8 +264,9 @@ class ZeroGradBackward:
         key = frozenset(missing)
         run = self.variants.get(key)
         if run is None:
-            run = self.variants[key] = self.compile_graph(specialize(self.gm, key))
-            log.debug("backward specialized for unused results %s", sorted(key))
+            run = self.variants[key] = self.compile_graph(specialize(self.gm, key) if key else self.gm)
+            if key:
+                log.debug("backward specialized for unused results %s", sorted(key))
         try:
             return run(args)
         except (CkptcError, MemoryError, torch.OutOfMemoryError):
