@@ -225,7 +225,9 @@ def absorbed_matmuls(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
 
 
 def _expandable(shape: Any, target: Any) -> bool:
-    if len(shape) > len(target):
+    """``shape`` broadcasts to ``target``; False where a size is symbolic (unknown here, and comparing it
+    would put a guard on a data-dependent size)."""
+    if len(shape) > len(target) or not all(type(d) is int for d in (*shape, *target)):
         return False
     return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(target), strict=False))
 
