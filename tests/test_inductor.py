@@ -76,6 +76,17 @@ def _assert_like_torch_compile(gpt2: dict[str, Any], model: torch.nn.Module, los
         torch.testing.assert_close(p.grad, expected, rtol=1e-3, atol=1e-5)
 
 
+def _measured_peak(gpt2: dict[str, Any], model: torch.nn.Module, optimized: Any) -> int:
+    """The peak of one step from ``None`` gradients (allocator events plus resident tensors), its loss
+    and gradients checked against torch.compile's."""
+    for p in model.parameters():
+        p.grad = None
+    baseline = resident_bytes(model, gpt2["ids"])
+    loss, measured = measure_peak(lambda: _step(optimized, gpt2["ids"], ()), baseline_bytes=baseline)
+    _assert_like_torch_compile(gpt2, model, loss)
+    return measured.peak_bytes
+
+
 def test_optimize_with_inductor_trains_like_torch_compile_within_the_budget(
     gpt2: dict[str, Any], captured: ckptc.CapturedStep
 ) -> None:
@@ -84,12 +95,7 @@ def test_optimize_with_inductor_trains_like_torch_compile_within_the_budget(
     optimized = ckptc.optimize(model, budget_bytes=budget, compiler="inductor")
     _assert_like_torch_compile(gpt2, model, _step(optimized, gpt2["ids"], model.parameters()))
     _step(optimized, gpt2["ids"], model.parameters())  # verified by ckptc against the budget
-    for p in model.parameters():
-        p.grad = None
-    baseline = resident_bytes(model, gpt2["ids"])
-    loss, measured = measure_peak(lambda: _step(optimized, gpt2["ids"], ()), baseline_bytes=baseline)
-    _assert_like_torch_compile(gpt2, model, loss)
-    assert measured.peak_bytes <= budget
+    assert _measured_peak(gpt2, model, optimized) <= budget
     plan = optimized.plan
     assert plan.values("recomputed"), "a budget midway to the floor recomputes something"
 
@@ -140,13 +146,9 @@ def test_the_first_planned_step_under_inductor_is_within_the_budget(
     model = copy.deepcopy(gpt2["model"])
     optimized = ckptc.optimize(model, budget_bytes=budget, compiler="inductor", verify=False)
     _step(optimized, gpt2["ids"], model.parameters())
-    for p in model.parameters():
-        p.grad = None
-    baseline = resident_bytes(model, gpt2["ids"])
-    loss, measured = measure_peak(lambda: _step(optimized, gpt2["ids"], ()), baseline_bytes=baseline)
-    _assert_like_torch_compile(gpt2, model, loss)
-    assert measured.peak_bytes <= budget
-    assert measured.peak_bytes <= optimized.plan.predicted_peak_bytes
+    peak = _measured_peak(gpt2, model, optimized)
+    assert peak <= budget
+    assert peak <= optimized.plan.predicted_peak_bytes
 
 
 def test_moe_routing_is_planned_for_inductor() -> None:

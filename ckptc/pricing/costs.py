@@ -93,11 +93,9 @@ class NodeCost:
         scratch_bytes: memory the op allocates while it runs and frees before
             it returns (im2col buffers, oneDNN reorders), if
             :func:`measure_scratch` ran.
-        fused: a pointwise op that a fusing compiler computes inside the
-            kernel of its consumer (False under the eager compiler).
         keep_cost: what keeping its output for backward costs, in the units
             of :attr:`cost`: its elements written once and read once.
-        fusion: how a fusing compiler runs it (``solvers.Node.fusion``): ``"pointwise"`` (``fused``),
+        fusion: how a fusing compiler runs it (``solvers.Node.fusion``): ``"pointwise"`` (:attr:`fused`),
             ``"reduction"`` (a kernel that computes the fused values it reads), ``"absorbed"`` (a
             matrix product computed inside the add that reads it, :func:`absorbed_matmuls`), else ``""``.
         inlined: a fused op whose output never reaches memory (:func:`inlined_in_kernels`):
@@ -116,10 +114,15 @@ class NodeCost:
     random: bool = False
     seconds: float | None = None
     scratch_bytes: int = 0
-    fused: bool = False
     keep_cost: float = 0.0
     fusion: str = ""
     inlined: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """A pointwise op that a fusing compiler computes inside the kernel of its consumer
+        (False under the eager compiler)."""
+        return self.fusion == "pointwise"
 
     @property
     def cost(self) -> float:
@@ -183,7 +186,6 @@ def annotate_costs(joint: fx.GraphModule, compiler: str = "eager") -> dict[fx.No
             stable_name=base if ordinal == 0 else f"{base}_{ordinal}",
             op=op_name,
             random=is_random(node),
-            fused=fused,
             fusion="pointwise" if fused else "reduction" if fusing and _is_reduction(node) else "",
             keep_cost=2.0 * _output_elements(node) if new_bytes else 0.0,
         )
