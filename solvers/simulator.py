@@ -493,6 +493,7 @@ def _arrays(problem: Problem) -> dict:
         "recompute": np.frombuffer(bytes(problem._policy), dtype=np.uint8) == RECOMPUTE_CODE,
         "scratch": np.array(problem._scratch, dtype=np.int64),
         "fusion": np.frombuffer(problem._fusion, dtype=np.uint8),
+        "fuses": any(problem._fusion),
     }
     return arrays
 
@@ -653,6 +654,8 @@ def _computed_inline(arrays: dict[str, Any], node: Any, n_fwd: int, inst: Any, l
     which fuses.  They allocate nothing."""
     import numpy as np
 
+    if not arrays["fuses"]:  # a problem for a compiler that does not fuse
+        return np.zeros(len(node), dtype=bool)
     fusion, kind = arrays["fusion"][node], arrays["kind"][node]
     pointwise = fusion == POINTWISE_CODE
     inline = (pointwise | (fusion == ABSORBED_CODE)) & (arrays["bytes"][node] == 0) & (arrays["alias_of"][node] < 0)
