@@ -64,6 +64,9 @@ INPUT, FORWARD, BACKWARD = "input", "forward", "backward"
 
 #: Compilers whose kernels fuse chains of pointwise ops (priced by :func:`fused_flops`).
 FUSING_COMPILERS = ("inductor",)
+#: ``NodeCost.fusion`` of the kernels that compute the pointwise values they read inside themselves
+#: (as ``solvers.simulator`` reads ``solvers.Node.fusion``).
+FUSING_KERNELS = ("pointwise", "reduction")
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,7 @@ def absorbed_matmuls(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
 def _expandable(shape: Any, target: Any) -> bool:
     """``shape`` broadcasts to ``target``; False where a size is symbolic (unknown here, and comparing it
     would put a guard on a data-dependent size)."""
-    if len(shape) > len(target) or not all(type(d) is int for d in (*shape, *target)):
+    if len(shape) > len(target) or not all(isinstance(d, int) for d in (*shape, *target)):
         return False
     return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(target), strict=False))
 
@@ -250,7 +253,7 @@ def inlined_in_kernels(costs: dict[fx.Node, NodeCost]) -> list[fx.Node]:
 
     def computes_it_inline(user: fx.Node, kind: str) -> bool:
         cost = costs.get(user)
-        return cost is not None and cost.kind == kind and cost.fusion != ""
+        return cost is not None and cost.kind == kind and cost.fusion in FUSING_KERNELS
 
     def buffer_read(arg: fx.Node) -> fx.Node | None:
         """The buffer a kernel reads for ``arg``: its view's base; None for what Inductor makes an
