@@ -508,7 +508,54 @@ def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
         for t in [n.meta.get("val")]
         if isinstance(t, torch.Tensor)
     }
-    return _recursive_joint_graph_passes(joint, input_device=next(iter(devices), None))
+    joint = _recursive_joint_graph_passes(joint, input_device=next(iter(devices), None))
+    _channels_last_convolutions(joint)
+    return joint
+
+
+def _channels_last_convolutions(joint: fx.GraphModule) -> None:
+    """Write into the joint graph the channels-last copies Inductor's layout optimization makes.
+
+    Where Inductor decides for a graph with 2-d convolutions that they run channels-last
+    (always on CPU with oneDNN, by its heuristics elsewhere), each convolution's input and
+    weight are copied to that layout before it runs, and the copies, not the originals,
+    are what the forward saves for the backward: a copy of every convolution weight and of
+    an input image that the plan never saw.  As explicit ``clone`` nodes they are priced,
+    kept or recomputed like any value, and the convolutions' scratch is measured in the
+    layout they run in (oneDNN's channels-last weight-gradient kernel reorders the weight).
+    """
+    from torch._inductor.graph import GraphLowering
+
+    convolutions = list(joint.graph.find_nodes(op="call_function", target=torch.ops.aten.convolution.default))
+    if not convolutions or not GraphLowering.decide_layout_opt(joint, is_inference=False):
+        return
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def channels_last(value: Any, before: fx.Node) -> Any:
+        val = value.meta.get("val") if isinstance(value, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() != 4:
+            return value
+        if val.is_contiguous(memory_format=torch.channels_last):
+            return value
+        if value not in copies:
+            with joint.graph.inserting_before(before):
+                copy = joint.graph.call_function(
+                    torch.ops.aten.clone.default, (value,), {"memory_format": torch.channels_last}
+                )
+            copy.meta = {k: v for k, v in before.meta.items() if k not in ("val", "tensor_meta")}
+            copy.meta["val"] = val.clone(memory_format=torch.channels_last)
+            copies[value] = copy
+        return copies[value]
+
+    for conv in convolutions:
+        x, weight, *rest = conv.args
+        conv.args = (channels_last(x, conv), channels_last(weight, conv), *rest)
+    # Inductor's backward receives the saved copies: the weight gradient is computed from them.
+    for node in joint.graph.find_nodes(op="call_function", target=torch.ops.aten.convolution_backward.default):
+        grad, x, weight, *rest = node.args
+        node.args = (grad, copies.get(x, x), copies.get(weight, weight), *rest)
+    if copies:
+        joint.recompile()
 
 
 from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402
