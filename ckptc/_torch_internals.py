@@ -513,16 +513,23 @@ def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
     return joint
 
 
+RUN_MEMORY_FORMAT = "ckptc_memory_format"
+"""``node.meta`` key: the memory format a compiler writes the node's value in when its fake
+value says otherwise (:func:`ckptc.pricing.costs.measure_scratch` runs its readers on it)."""
+
+
 def _channels_last_convolutions(joint: fx.GraphModule) -> None:
-    """Write into the joint graph the channels-last copies Inductor's layout optimization makes.
+    """Write into the joint graph the layout Inductor's layout optimization gives convolutions.
 
     Where Inductor decides for a graph with 2-d convolutions that they run channels-last
     (always on CPU with oneDNN, by its heuristics elsewhere), each convolution's input and
-    weight are copied to that layout before it runs, and the copies, not the originals,
-    are what the forward saves for the backward: a copy of every convolution weight and of
-    an input image that the plan never saw.  As explicit ``clone`` nodes they are priced,
-    kept or recomputed like any value, and the convolutions' scratch is measured in the
-    layout they run in (oneDNN's channels-last weight-gradient kernel reorders the weight).
+    weight are made channels-last.  A graph input (an image, a weight) has a fixed layout, so
+    Inductor copies it, and the copies, not the originals, are what the forward saves for the
+    backward: copies the plan never saw.  They become explicit ``clone`` nodes here, priced,
+    kept or recomputed like any value.  A value computed in the graph is written channels-last
+    by its producer instead (no copy); it is only marked (:data:`RUN_MEMORY_FORMAT`) so that
+    the convolutions' scratch is measured in the layout they run in (oneDNN reorders what
+    comes in another layout, at up to three times the weight's size).
     """
     from torch._inductor.graph import GraphLowering
 
@@ -531,18 +538,22 @@ def _channels_last_convolutions(joint: fx.GraphModule) -> None:
         return
     copies: dict[fx.Node, fx.Node] = {}
 
-    def channels_last(value: Any, before: fx.Node) -> Any:
+    def channels_last(value: Any, reader: fx.Node) -> Any:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dim() != 4:
             return value
         if val.is_contiguous(memory_format=torch.channels_last):
             return value
+        if value.op != "placeholder":
+            if not (is_op_overload(value.target) and value.target.is_view):
+                value.meta[RUN_MEMORY_FORMAT] = torch.channels_last  # a view's layout is its base's
+            return value
         if value not in copies:
-            with joint.graph.inserting_before(before):
+            with joint.graph.inserting_before(reader):
                 copy = joint.graph.call_function(
                     torch.ops.aten.clone.default, (value,), {"memory_format": torch.channels_last}
                 )
-            copy.meta = {k: v for k, v in before.meta.items() if k not in ("val", "tensor_meta")}
+            copy.meta = {k: v for k, v in reader.meta.items() if k not in ("val", "tensor_meta")}
             copy.meta["val"] = val.clone(memory_format=torch.channels_last)
             copies[value] = copy
         return copies[value]
@@ -550,10 +561,10 @@ def _channels_last_convolutions(joint: fx.GraphModule) -> None:
     for conv in convolutions:
         x, weight, *rest = conv.args
         conv.args = (channels_last(x, conv), channels_last(weight, conv), *rest)
-    # Inductor's backward receives the saved copies: the weight gradient is computed from them.
+    # Inductor's backward receives the saved copies: the gradients are computed from them.
     for node in joint.graph.find_nodes(op="call_function", target=torch.ops.aten.convolution_backward.default):
         grad, x, weight, *rest = node.args
-        node.args = (grad, copies.get(x, x), copies.get(weight, weight), *rest)
+        node.args = (channels_last(grad, node), copies.get(x, x), copies.get(weight, weight), *rest)
     if copies:
         joint.recompile()
 

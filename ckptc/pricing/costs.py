@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ckptc._torch_internals import (
+    RUN_MEMORY_FORMAT,
     is_mutable_op,
     is_op_overload,
     is_pointwise_op,
@@ -544,15 +545,19 @@ def _measure_runtimes(joint: fx.GraphModule, repeats: int, per_element: float) -
         node.meta["ckptc"] = replace(cost, seconds=best, keep_cost=cost.keep_cost * per_element)
 
 
-def _materialize(v: Any) -> Any:
+def _materialize(v: Any, memory_format: torch.memory_format | None = None) -> Any:
     """A real tensor laid out like a fake one (same strides: kernels copy
-    non-contiguous inputs, and that copy is scratch memory too): random floats,
+    non-contiguous inputs, and that copy is scratch memory too), or in
+    ``memory_format`` where the compiler writes it so: random floats,
     zeros for integers (safe indices), ones for booleans; symbolic sizes at
     their upper bound."""
     if isinstance(v, torch.Tensor):
         shape = _priced_shape(v.shape)
         try:
-            real = torch.empty_strided(shape, _priced_shape(v.stride()), dtype=v.dtype, device=v.device)
+            if memory_format is not None:
+                real = torch.empty(shape, dtype=v.dtype, device=v.device, memory_format=memory_format)
+            else:
+                real = torch.empty_strided(shape, _priced_shape(v.stride()), dtype=v.dtype, device=v.device)
         except RuntimeError:  # layouts without strides (sparse, nested)
             real = torch.empty(shape, dtype=v.dtype, device=v.device)
         if v.dtype.is_floating_point or v.dtype.is_complex:
@@ -562,6 +567,11 @@ def _materialize(v: Any) -> Any:
         # A real op given a symbolic size would pin it to one value (the graph would lose its range).
         return priced_size(v, "a size argument")
     return v
+
+
+def _materialize_node(node: fx.Node) -> Any:
+    """:func:`_materialize` of a node's value, in the layout the compiler runs it in."""
+    return _materialize(node.meta.get("val"), node.meta.get(RUN_MEMORY_FORMAT))
 
 
 def _priced_shape(sizes: Iterable[Any]) -> tuple[int, ...]:
@@ -574,7 +584,8 @@ def _signature(node: fx.Node) -> tuple:
         if isinstance(v, fx.Node):
             val = v.meta.get("val")
             if isinstance(val, torch.Tensor):
-                return ("T", _priced_shape(val.shape), _priced_shape(val.stride()), val.dtype, val.device)
+                layout = v.meta.get(RUN_MEMORY_FORMAT) or _priced_shape(val.stride())
+                return ("T", _priced_shape(val.shape), layout, val.dtype, val.device)
             return ("V", repr(val))
         return repr(v)
 
@@ -623,8 +634,8 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
         for i, (signature, nodes) in enumerate(by_signature.items()):
             node = nodes[0]
             try:
-                args = torch.fx.node.map_arg(node.args, lambda n: _materialize(n.meta.get("val")))
-                kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: _materialize(n.meta.get("val")))
+                args = torch.fx.node.map_arg(node.args, _materialize_node)
+                kwargs = torch.fx.node.map_arg(node.kwargs, _materialize_node)
             except Exception:  # a value without fake-tensor metadata
                 continue
             label = f"ckptc_scratch_{i}"
