@@ -63,6 +63,8 @@ __all__ = [
     "is_dynamic_shape_conflict",
     "unmark_dynamic",
     "graph_break_after",
+    "saves_tensors_only",
+    "donate_no_saved_tensors",
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
     "is_fake",
@@ -407,6 +409,41 @@ def boxed(gm: fx.GraphModule) -> Callable:
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
     return make_boxed_func(gm.forward) if not getattr(gm, "_boxed_call", False) else gm
+
+
+def saves_tensors_only(forward: fx.GraphModule, num_fwd_outputs: int) -> bool:
+    """Whether AOTAutograd saves ``forward``'s outputs after the first ``num_fwd_outputs`` as one
+    open-ended run of tensors, whatever their number.
+
+    AOTAutograd's runtime saves ``fw_outs[num_forward:]`` for the backward when nothing trails the
+    saved tensors (sizes, opaque objects, tensors stashed without version checks: its
+    ``ViewAndMutationMeta.tensors_saved_for_backwards_slice``) and hands the backward
+    ``len(ctx.saved_tensors)`` of them.  Then a forward that saves another number of tensors (a
+    new plan) can run behind the same traced function, with a backward built for it.
+    """
+    if forward.graph.find_nodes(op="call_function", target=torch.ops.higher_order.with_effects):
+        return False  # effect tokens: AOTAutograd rewrites the modules it partitions around them
+    (outputs,) = (n.args[0] for n in forward.graph.find_nodes(op="output"))
+    for out in outputs[num_fwd_outputs:]:
+        if not isinstance(out, fx.Node) or out.meta.get("saved_tensor_with_no_vc_check", False):
+            return False
+        if not isinstance(out.meta.get("val"), torch.Tensor):
+            return False
+    return True
+
+
+def donate_no_saved_tensors() -> None:
+    """Tell AOTAutograd that the backward of the function it is compiling owns none of its saved tensors.
+
+    AOTAutograd marks saved tensors a backward may free or reuse (donated buffers, for
+    Inductor's backward), and then refuses a ``retain_graph`` or ``create_graph`` backward of a
+    function whose backward was compiled for a plain one.  ckptc's eager backward frees its
+    inputs as it goes anyway (boxed), and one function runs several plans
+    (:class:`ckptc.capture.compiler.GraphPlans`): nothing is donated.  Call from a forward compiler.
+    """
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.fw_metadata is not None:
+        context.fw_metadata.bw_donated_idxs = []
 
 
 def mark_boxed(fn: Any) -> Any:

@@ -107,6 +107,7 @@ class RecordLink:
     def __init__(self, record: GraphRecord, gradient_sink: Any = None) -> None:
         self.record = record
         self.gradient_sink = gradient_sink  # ckptc.rewrite.lean_backward.GradientSink, or None
+        self.plans: Any = None  # ckptc.capture.compiler.GraphPlans, where plans are swapped in place
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RecordLink:
         return self

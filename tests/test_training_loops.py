@@ -519,3 +519,36 @@ def test_planning_the_same_model_class_more_than_dynamos_recompile_limit_works()
         fast = ckptc.optimize(_Net(), budget_gb=1, measure_scratch=False)
         plain(fast, _batches(0))
         assert fast.plan is not None
+
+
+def test_a_plan_made_again_runs_behind_the_first_trace_and_a_pending_backward_keeps_its_plan() -> None:
+    """Gradients resident after a ``retain_graph`` backward make the graph plan again: the new plan is
+    swapped in behind the graph's AOTAutograd function (traced once, not again), and the retained
+    graph's second backward, pending across the new plan, runs its own plan's backward on the
+    tensors its forward saved (the other plan's backward would read another number of them)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    reference = _Net(layers=8)
+    xs = [torch.randn(8 * BATCH, WIDTH, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    captured = ckptc.capture(copy.deepcopy(reference), (xs[0],), loss_fn=_loss)
+    budget = int(captured.floor_bytes + 0.8 * (captured.unoptimized_peak_bytes - captured.floor_bytes))
+
+    def step(model: Any) -> None:
+        _zero(model)
+        first = _loss(model(xs[0]))
+        first.backward(retain_graph=True)  # gradients resident from here
+        second = _loss(model(xs[1]))  # planned again
+        first.backward()
+        second.backward()
+
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget, verify=False)
+    counters.clear()
+    step(fast)
+    step(eager)
+    _assert_same_gradients(model, eager)
+    assert counters["aot_autograd"]["total"] == 1
+    (plans,) = fast._ckptc_runtime.compiler.graph_plans.values()
+    first_plan, second_plan = (record.plan for record in plans.records)
+    assert first_plan.kept != second_plan.kept

@@ -141,6 +141,10 @@ class CheckpointCompiler:
         # twice before one backward appears twice when steps are tracked).
         self.active: list[GraphRecord] = step if step is not None else []
         self._just_planned: GraphRecord | None = None
+        # The swap slot of the graph just planned, and its backward module, for its forward compiler.
+        self._just_planned_slot: tuple[GraphPlans, fx.GraphModule] | None = None
+        # Graph index -> its plans, where they are swapped in place (GraphPlans).
+        self.graph_plans: dict[int, GraphPlans] = {}
         # Under torch.compile(backend=...), what a measured step showed (ckptc.runtime.watch).
         self.step_check: BackendStepCheck | None = None
         # Under ckptc.optimize, the step runtime's side of the same events (ckptc.runtime.step).
@@ -224,6 +228,7 @@ class CheckpointCompiler:
         """Forget the graphs planned so far (new input shapes plan again)."""
         self.records.clear()
         self.active.clear()
+        self.graph_plans.clear()
 
     # -- torch.compile backend entry point ---------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -238,7 +243,7 @@ class CheckpointCompiler:
         self.symbolic = self.symbolic or symbolic
         # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
         # refused now, not run at its floor to see the whole step first.
-        compiled, record = self._plan_graph(gm, example_inputs, index, final=symbolic and not self.track_steps)
+        compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=symbolic and not self.track_steps)
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.rewrite.unused_grads).
@@ -252,7 +257,7 @@ class CheckpointCompiler:
         events = check or self.step_events
 
         def run(*args: Any) -> Any:
-            nonlocal compiled, record, planned_under
+            nonlocal compiled, record, planned_under, plans
             if check is not None and check.begin(args):
                 self.active.clear()  # a new step: no graph of it has run yet
             account = self.account
@@ -263,7 +268,11 @@ class CheckpointCompiler:
                     events.planned()
                 planned_under = account
                 try:
-                    compiled, record = self._plan_graph(gm, example_inputs, index)
+                    again = self._plan_again(plans, gm, example_inputs, index) if plans is not None else None
+                    if again is not None:
+                        record = again
+                    else:
+                        compiled, record, plans = self._plan_graph(gm, example_inputs, index)
                 except solvers.InfeasibleBudgetError as error:
                     refusal = self.replans.refusal(error)
                     if refusal is error:
@@ -288,25 +297,41 @@ class CheckpointCompiler:
 
     def _plan_graph(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, *, final: bool = False
-    ) -> tuple[Callable, GraphRecord | None]:
-        """AOTAutograd on Dynamo's graph ``gm`` with ckptc's partitioner: the compiled graph, and the
-        record of its plan as graph ``index`` of the step (None for an inference graph).  ``final``:
-        the plan will not be made again (see :meth:`partition`)."""
+    ) -> tuple[Callable, GraphRecord | None, GraphPlans | None]:
+        """AOTAutograd on Dynamo's graph ``gm`` with ckptc's partitioner: the compiled graph, the
+        record of its plan as graph ``index`` of the step (None for an inference graph), and where
+        its later plans are swapped in (None where they cannot be: :meth:`_plan_again`).
+        ``final``: the plan will not be made again (see :meth:`partition`)."""
         planned: list[GraphRecord] = []
+        slots: list[GraphPlans] = []
 
-        def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
+        def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
             placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
             baseline, inputs = self.account.graph_baseline(
                 self.model, example_inputs, placeholders, self.active, index=index
             )
             sink = self._gradient_sink(example_inputs, placeholders)
-            parts = self.partition(
-                joint, baseline_bytes=baseline, inputs=inputs, gradient_sink=sink, index=index, final=final, **kw
+            start = time.perf_counter()
+            joint = self._price(joint)
+            forward, backward = self._plan_priced(
+                joint,
+                num_fwd_outputs,
+                baseline_bytes=baseline,
+                inputs=inputs,
+                gradient_sink=sink,
+                index=index,
+                final=final,
+                start=start,
             )
             if self._just_planned is not None:
                 self._just_planned.break_after = internals.graph_break_after(gm)
                 planned.append(self._just_planned)
-            return parts
+                if not final and self._swaps_plans(forward, num_fwd_outputs):
+                    slots.append(GraphPlans(joint, num_fwd_outputs, self._backward_kernels))
+                    self.graph_plans[index] = slots[-1]
+                    backward.meta["ckptc_record"].plans = slots[-1]
+                    self._just_planned_slot = (slots[-1], backward)
+            return forward, backward
 
         backend = internals.aot_backend(
             fw_compiler=self._compile_forward,
@@ -315,7 +340,44 @@ class CheckpointCompiler:
             for_inductor=self.options.compiler == "inductor",
         )
         compiled = backend(gm, example_inputs)
-        return compiled, (planned[-1] if planned else None)
+        return compiled, (planned[-1] if planned else None), (slots[-1] if slots else None)
+
+    def _swaps_plans(self, forward: fx.GraphModule, num_fwd_outputs: int) -> bool:
+        """Whether a graph's later plans can run behind its first AOTAutograd function
+        (:class:`GraphPlans`): under the eager compiler (Inductor compiles inside AOTAutograd's
+        context), with a forward that saves tensors only."""
+        return self.options.compiler == "eager" and internals.saves_tensors_only(forward, num_fwd_outputs)
+
+    def _plan_again(
+        self, plans: GraphPlans, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int
+    ) -> GraphRecord | None:
+        """Plan graph ``index`` again under the current account, from its priced joint graph, and
+        swap the plan in behind its AOTAutograd function: neither Dynamo's graph nor the joint graph
+        is traced again, nor priced.  None (after planning) if the new plan cannot run there."""
+        joint = plans.joint
+        placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+        baseline, inputs = self.account.graph_baseline(
+            self.model, example_inputs, placeholders, self.active, index=index
+        )
+        sink = self._gradient_sink(example_inputs, placeholders)
+        forward, backward = self._plan_priced(
+            joint,
+            plans.num_fwd_outputs,
+            baseline_bytes=baseline,
+            inputs=inputs,
+            gradient_sink=sink,
+            index=index,
+            final=False,
+            start=time.perf_counter(),
+        )
+        record, self._just_planned = self._just_planned, None
+        if record is None or not self._swaps_plans(forward, plans.num_fwd_outputs):
+            return None
+        record.break_after = internals.graph_break_after(gm)
+        backward.meta["ckptc_record"].plans = plans
+        plans.add(record, self._compile_graph(forward, example_inputs), backward)
+        log.debug("graph %d planned again in place (plan %d of it)", index, plans.version)
+        return record
 
     def _gradient_sink(self, example_inputs: Sequence[Any], placeholders: Sequence[Any]) -> GradientSink | None:
         """Where the backward adds parameter gradients as they are made (``ckptc.rewrite.lean_backward``),
@@ -349,23 +411,41 @@ class CheckpointCompiler:
     def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = self._just_planned
         self._just_planned = None
+        slot, self._just_planned_slot = self._just_planned_slot, None
         # A graph planned only to see the whole step runs once and is planned again: no kernels for it.
         compiled = self._compile_graph(gm, example_inputs, kernels=record is None or not record.infeasible)
         if record is None:  # an inference graph: nothing planned
             return compiled
+        run: Callable[[list[Any]], Any] = compiled
+        current = lambda: record  # noqa: E731
+        if slot is not None:
+            plans, backward = slot
+            plans.add(record, compiled, backward)
+            internals.donate_no_saved_tensors()  # the next plans' backwards run behind this function
+            run, current = plans.run_forward, lambda: plans.record
 
         def forward(args: list[Any]) -> Any:
             # Track which graphs run in this step, in order: graphs planned later
             # count what these keep for backward in their baseline.
             # Without a step tracker, a graph running again means a new step began.
-            if not self.track_steps and self.step_check is None and any(r is record for r in self.active):
+            running = current()
+            if not self.track_steps and self.step_check is None and any(r is running for r in self.active):
                 self.active.clear()
-            self.active.append(record)
-            return compiled(args)
+            self.active.append(running)
+            return run(args)
 
         return internals.mark_boxed(forward)
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        link = gm.meta.get("ckptc_record")
+        plans = link.plans if link is not None else None
+        if plans is not None:
+            # The backward of whichever plan's forward ran (GraphPlans): compiled on first use.
+            def backward_of_its_plan(args: list[Any]) -> Any:
+                internals.profiler_mark(BACKWARD_STARTS)  # a measured step's loss region ends (ckptc.meter)
+                return plans.run_backward(args)
+
+            return internals.mark_boxed(backward_of_its_plan)
         compiled = self._backward_kernels(gm, example_inputs)
 
         def backward(args: list[Any]) -> Any:
@@ -415,6 +495,20 @@ class CheckpointCompiler:
         planned again keeps its index and replaces its record) and rewrite it.  A ``final`` plan
         is not made again: a graph that cannot fit is refused, never deferred."""
         start = time.perf_counter()
+        return self._plan_priced(
+            self._price(joint),
+            num_fwd_outputs,
+            baseline_bytes=baseline_bytes,
+            inputs=inputs,
+            gradient_sink=gradient_sink,
+            index=index,
+            final=final,
+            start=start,
+        )
+
+    def _price(self, joint: fx.GraphModule) -> fx.GraphModule:
+        """The joint graph as the compiler will run it (random state replayed, Inductor's rewrites),
+        every node priced (``node.meta["ckptc"]``): done once per graph, whatever its plans."""
         if self.options.compiler == "eager":
             # Inductor cannot lower the Python calls that replay generator state,
             # so under Inductor random ops keep their outputs instead.
@@ -428,6 +522,21 @@ class CheckpointCompiler:
             measure_scratch(joint, self._scratch)
         if self.options.measure_time:
             measure_runtimes(joint)
+        return joint
+
+    def _plan_priced(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        *,
+        baseline_bytes: int,
+        inputs: GraphInputs | None,
+        gradient_sink: GradientSink | None,
+        index: int | None,
+        final: bool,
+        start: float,
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Plan a priced joint graph under the step account and rewrite it (see :meth:`partition`)."""
         policies = policies_from_patterns(
             {n.name: n for n in joint.graph.nodes}, self.options.must_save, self.options.must_recompute
         )
@@ -466,6 +575,73 @@ class CheckpointCompiler:
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
         backward.meta["ckptc_record"] = RecordLink(record, gradient_sink)
         return forward, backward
+
+
+class GraphPlans:
+    """The plans of one Dynamo graph, run behind the one AOTAutograd function traced for it.
+
+    A graph planned again (the step showed what its plan did not count) keeps AOTAutograd's
+    function: the new plan's forward and backward run behind it, so the call that plans again
+    neither traces nor prices the graph again (:meth:`CheckpointCompiler._plan_again`).
+    AOTAutograd saves the forward's outputs after its results as one open-ended run of tensors
+    (:func:`ckptc._torch_internals.saves_tensors_only`); the forward puts first among them an
+    empty tensor whose shape names its plan, and the backward runs that plan's backward: one
+    pending across a new plan (two calls per step, ``retain_graph``) gets the tensors its
+    forward saved.
+
+    Attributes:
+        joint: the priced joint graph every plan is made from.
+        num_fwd_outputs: how many of a forward's outputs are results (the saved tensors follow).
+        records: each plan's record, in order; the last is the current plan.
+    """
+
+    def __init__(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        compile_backward: Callable[[fx.GraphModule, Sequence[Any]], Callable],
+    ) -> None:
+        self.joint = joint
+        self.num_fwd_outputs = num_fwd_outputs
+        self.records: list[GraphRecord] = []
+        self._compile_backward = compile_backward
+        self._forwards: list[Callable] = []
+        self._backward_modules: list[fx.GraphModule] = []
+        self._backwards: dict[int, Callable] = {}
+
+    @property
+    def version(self) -> int:
+        """The current plan's index in :attr:`records`."""
+        return len(self.records) - 1
+
+    @property
+    def record(self) -> GraphRecord:
+        """The current plan's record."""
+        return self.records[-1]
+
+    def add(self, record: GraphRecord, forward: Callable, backward: fx.GraphModule) -> None:
+        """Make ``record``'s plan current: ``forward`` compiled (boxed), ``backward`` compiled on first use."""
+        self.records.append(record)
+        self._forwards.append(forward)
+        self._backward_modules.append(backward)
+
+    def run_forward(self, args: list[Any]) -> list[Any]:
+        version = self.version
+        outputs = list(self._forwards[version](args))
+        # Zero elements: the mark allocates nothing.
+        outputs.insert(self.num_fwd_outputs, torch.empty((0, version)))
+        return outputs
+
+    def run_backward(self, args: list[Any]) -> Any:
+        version = args[0].shape[1]  # the mark its forward saved first
+        del args[0]
+        backward = self._backwards.get(version)
+        if backward is None:
+            backward = self._backwards[version] = self._compile_backward(self._backward_modules[version], ())
+        return backward(args)
+
+    def __repr__(self) -> str:
+        return f"GraphPlans(plans={len(self.records)}, current=graph {self.record.index})"
 
 
 def _inductor_on_read_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
