@@ -17,6 +17,7 @@ import torch.utils._pytree as _pytree
 from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
+from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 from torch.fx.graph import _BoxedCodeGen
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 
@@ -64,6 +65,7 @@ __all__ = [
     "unmark_dynamic",
     "graph_break_after",
     "saves_tensors_only",
+    "graph_module",
     "donate_no_saved_tensors",
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
@@ -481,6 +483,16 @@ def tensor_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str
     return module._parameters, module._buffers
 
 
+def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A module running ``graph`` whose Python code is generated on its first call, not now.
+
+    A plan's graphs pass through several rewrites before they run (split, specialized,
+    written in place, boxed); generating each intermediate module's code cost a replan
+    as much as planning itself.
+    """
+    return _make_graph_module(root, graph, graph_module_cls=_LazyGraphModule)
+
+
 def split_joint_graph(
     joint: fx.GraphModule,
     saved_values: list[fx.Node],
@@ -494,12 +506,13 @@ def split_joint_graph(
     node order of ``joint`` (dead code removed), so the joint graph's order is the
     execution order.
     """
-    return _extract_fwd_bwd_modules(
-        joint,
-        saved_values,
-        saved_sym_nodes,
-        num_fwd_outputs=num_fwd_outputs,
-    )
+    with _use_lazy_graph_module(True):
+        return _extract_fwd_bwd_modules(
+            joint,
+            saved_values,
+            saved_sym_nodes,
+            num_fwd_outputs=num_fwd_outputs,
+        )
 
 
 def is_tangent(node: fx.Node) -> bool:

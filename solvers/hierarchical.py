@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -132,9 +133,15 @@ def block_options(
     rule-based options only.
     """
     menus = []
+    keep_all_values = keep_all_mask(problem)
     for members in chain.classes:
         block = chain.blocks[members[0]]
         nodes = block.nodes
+        key = (_class_signature(problem, nodes, chain.fixed, keep_all_values), work_limit, levels)
+        if key in _SOLVED_CLASSES:
+            _SOLVED_CLASSES.move_to_end(key)
+            menus.append(_SOLVED_CLASSES[key])
+            continue
         local = {v: k for k, v in enumerate(nodes)}
         found: dict[frozenset[int], str] = {}
 
@@ -160,8 +167,51 @@ def block_options(
                 kept = milp.solve(max_kept_bytes=int(level * total), work_limit=work_limit)
                 if kept is not None:
                     add(f"milp_{int(level * 100)}", kept)
-        menus.append([(name, tuple(sorted(key))) for key, name in found.items()])
+        menus.append([(name, tuple(sorted(kept))) for kept, name in found.items()])
+        _SOLVED_CLASSES[key] = menus[-1]
+        if len(_SOLVED_CLASSES) > _SOLVED_CLASSES_KEPT:
+            _SOLVED_CLASSES.popitem(last=False)
     return menus
+
+
+# Block classes whose options were found, by everything the options depend on: the same block
+# in another problem (the graph planned again under another baseline, a capture then its
+# optimize, a budget sweep) is not solved again.  Bounded; the options are deterministic.
+_SOLVED_CLASSES: OrderedDict[tuple, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
+_SOLVED_CLASSES_KEPT = 256
+
+
+def forget_solved_classes() -> None:
+    """Forget the block classes solved so far in this process (a cold start, for benchmarks)."""
+    _SOLVED_CLASSES.clear()
+
+
+def _class_signature(problem: Problem, nodes: tuple[int, ...], fixed: frozenset[int], keep_all: bytearray) -> tuple:
+    """What :func:`block_options` reads of a block: each node's bytes, cost, policy, kind, whether it is
+    an output, fixed, read by backward or kept by keep-everything, its storage and its inputs, as
+    positions in the block (-1: outside it).  Equal signatures give equal options."""
+    local = {v: k for k, v in enumerate(nodes)}
+    p = problem
+    rows = []
+    for v in nodes:
+        r = p._alias_root[v]
+        rows.append(
+            (
+                p._bytes[v],
+                p._cost[v],
+                p._policy[v],
+                p._kind[v],
+                p._output[v],
+                p._read_by_backward[v],
+                keep_all[v],
+                v in fixed,
+                local.get(r, -1),
+                p._kind[r],
+                p._bytes[r],
+                tuple(local.get(u, -1) for u in p._fwd_preds[v]),
+            )
+        )
+    return tuple(rows)
 
 
 def price_menu(problem: Problem, chain: BlockChain, options: list[list[tuple[str, tuple[int, ...]]]]) -> Menu:

@@ -63,7 +63,13 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from ckptc._torch_internals import backward_accumulates, gradient_accumulator, has_gradient_hooks, outside_fake_mode
+from ckptc._torch_internals import (
+    backward_accumulates,
+    gradient_accumulator,
+    graph_module,
+    has_gradient_hooks,
+    outside_fake_mode,
+)
 from ckptc.pricing.costs import BACKWARD
 
 log = logging.getLogger("ckptc.rewrite.lean_backward")
@@ -345,7 +351,7 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(env[node])
     graph.lint()
     log.debug("backward: %d ops write into an operand they are the last reader of", len(targets))
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 class GradientSink:
@@ -423,7 +429,7 @@ def accumulate_into_parameters(gm: fx.GraphModule, sink: GradientSink) -> fx.Gra
     output.args = (type(output.args[0])(results),)
     graph.lint()
     log.debug("backward: %d parameter gradients added into the resident .grad as they are made", rewritten)
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def drop_unread_batch_norm_statistics(graph: fx.Graph) -> int:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 import solvers
-from ckptc._torch_internals import split_joint_graph
+from ckptc._torch_internals import graph_module, split_joint_graph
 from ckptc.capture.rng import replay_with_rng_state
 from ckptc.pricing.costs import FORWARD
 
@@ -92,7 +92,7 @@ def rewrite(
     new_output.meta = dict(old_output.meta)
 
     saved_values, saved_sym_nodes = _saved_for_backward(new, created_in_forward)
-    new_joint = fx.GraphModule(joint, new)
+    new_joint = graph_module(joint, new)
     fw, bw = split_joint_graph(new_joint, saved_values, saved_sym_nodes, num_fwd_outputs)
     _drop_stray_forward_ops(bw)
     log.debug(

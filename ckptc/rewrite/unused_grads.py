@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import torch.fx as fx
 
-from ckptc._torch_internals import is_tangent, is_view_op, mark_boxed
+from ckptc._torch_internals import graph_module, is_tangent, is_view_op, mark_boxed
 from ckptc.errors import CkptcError, UntraceableModelError
 
 log = logging.getLogger("ckptc.rewrite.unused_grads")
@@ -197,7 +197,7 @@ def specialize(gm: fx.GraphModule, zero_names: Iterable[str]) -> fx.GraphModule:
         if node in folding.replaced and node.op != "placeholder" and not node.users:
             graph.erase_node(node)
     graph.lint()
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 class WatchedGraph(Protocol):
