@@ -8,7 +8,9 @@ joint graph (:mod:`ckptc.pricing.costs`), turns it into a solver problem
 and rewrites the graph into forward and backward modules that follow the
 plan's schedule (:mod:`ckptc.rewrite.rewriter`).  AOTAutograd's runtime then runs
 them inside an ``autograd.Function``, handling input mutations (BatchNorm
-statistics are updated once per step) and aliasing.
+statistics are updated once per step) and aliasing.  A graph planned again
+keeps its priced joint graph and that function: the new plan is swapped in
+behind it (:class:`GraphPlans`), nothing traced or priced again.
 
 One budget covers the whole step: each graph's baseline (what the step holds
 besides the graph's own activations) is the :class:`~ckptc.planning.account.StepAccount`'s,
@@ -301,7 +303,7 @@ class CheckpointCompiler:
         """AOTAutograd on Dynamo's graph ``gm`` with ckptc's partitioner: the compiled graph, the
         record of its plan as graph ``index`` of the step (None for an inference graph), and where
         its later plans are swapped in (None where they cannot be: :meth:`_plan_again`).
-        ``final``: the plan will not be made again (see :meth:`partition`)."""
+        ``final``: the plan will not be made again (see :meth:`_plan_priced`)."""
         planned: list[GraphRecord] = []
         slots: list[GraphPlans] = []
 
@@ -416,23 +418,21 @@ class CheckpointCompiler:
         compiled = self._compile_graph(gm, example_inputs, kernels=record is None or not record.infeasible)
         if record is None:  # an inference graph: nothing planned
             return compiled
-        run: Callable[[list[Any]], Any] = compiled
-        current = lambda: record  # noqa: E731
+        plans = None
         if slot is not None:
             plans, backward = slot
             plans.add(record, compiled, backward)
             internals.donate_no_saved_tensors()  # the next plans' backwards run behind this function
-            run, current = plans.run_forward, lambda: plans.record
 
         def forward(args: list[Any]) -> Any:
             # Track which graphs run in this step, in order: graphs planned later
             # count what these keep for backward in their baseline.
             # Without a step tracker, a graph running again means a new step began.
-            running = current()
+            running = plans.record if plans is not None else record
             if not self.track_steps and self.step_check is None and any(r is running for r in self.active):
                 self.active.clear()
             self.active.append(running)
-            return run(args)
+            return plans.run_forward(args) if plans is not None else compiled(args)
 
         return internals.mark_boxed(forward)
 
@@ -477,35 +477,7 @@ class CheckpointCompiler:
         """Whether graphs get Inductor kernels (not when captured only to plan: :func:`ckptc.capture`)."""
         return self.options.compiler == "inductor" and self.generate_kernels
 
-    # -- the partitioner --------------------------------------------------
-    def partition(
-        self,
-        joint: fx.GraphModule,
-        *,
-        baseline_bytes: int = 0,
-        inputs: GraphInputs | None = None,
-        gradient_sink: GradientSink | None = None,
-        index: int | None = None,
-        final: bool = False,
-        num_fwd_outputs: int,
-        **_: Any,
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """AOTAutograd ``partition_fn``: plan this joint graph (``baseline_bytes`` held outside it,
-        from the step account) as graph ``index`` of the step (default: the next one; a graph
-        planned again keeps its index and replaces its record) and rewrite it.  A ``final`` plan
-        is not made again: a graph that cannot fit is refused, never deferred."""
-        start = time.perf_counter()
-        return self._plan_priced(
-            self._price(joint),
-            num_fwd_outputs,
-            baseline_bytes=baseline_bytes,
-            inputs=inputs,
-            gradient_sink=gradient_sink,
-            index=index,
-            final=final,
-            start=start,
-        )
-
+    # -- the partitioner: price once, plan per account ------------------
     def _price(self, joint: fx.GraphModule) -> fx.GraphModule:
         """The joint graph as the compiler will run it (random state replayed, Inductor's rewrites),
         every node priced (``node.meta["ckptc"]``): done once per graph, whatever its plans."""
@@ -536,7 +508,10 @@ class CheckpointCompiler:
         final: bool,
         start: float,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Plan a priced joint graph under the step account and rewrite it (see :meth:`partition`)."""
+        """Plan a priced joint graph (``baseline_bytes`` held outside it, from the step account) as
+        graph ``index`` of the step (default: the next one; a graph planned again keeps its index
+        and replaces its record) and rewrite it into AOTAutograd's forward and backward modules.
+        A ``final`` plan is not made again: a graph that cannot fit is refused, never deferred."""
         policies = policies_from_patterns(
             {n.name: n for n in joint.graph.nodes}, self.options.must_save, self.options.must_recompute
         )
