@@ -599,8 +599,7 @@ def _solve_nested(
 
     Only plans that recompute some block input are returned: the others are the plain DP's space.
     """
-    from solvers.nested import decisions, nested_schedule
-    from solvers.simulator import simulate
+    from solvers.nested import decisions
 
     tables = tables if tables is not None else _nested_tables(problem, menu, budget_bytes)
     if tables is None:
@@ -612,12 +611,35 @@ def _solve_nested(
         steps = decisions(tables, target)
         if steps is None or all(h >= 0 for _, _, h in steps):
             return None
-        kept, schedule = nested_schedule(problem, menu, steps)
-        result = simulate(problem, Plan(kept=kept, schedule=schedule))
-        if result.peak_bytes <= budget_bytes:
-            return kept, schedule, result.peak_bytes, result.recompute_cost
-        target -= result.peak_bytes - budget_bytes + max(tables.quantum, target // 1024)
+        kept, schedule, peak, cost = _nested_plan(problem, menu, steps)
+        if peak <= budget_bytes:
+            return kept, schedule, peak, cost
+        target -= peak - budget_bytes + max(tables.quantum, target // 1024)
     return None
+
+
+_NESTED_PLANS_KEPT = 32
+
+
+def _nested_plan(
+    problem: Problem, menu: Menu, steps: list[tuple[int, int, int]]
+) -> tuple[frozenset[str], tuple, int, float]:
+    """The DP's decisions as a simulated plan (kept, schedule, peak, cost); cached on the problem: the
+    floor's bisection and later budgets read the same decisions off the tables again and again."""
+    from solvers.nested import nested_schedule
+    from solvers.simulator import simulate
+
+    cache = problem._cache.setdefault("hierarchical.nested_plans", OrderedDict())
+    key = tuple(steps)
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    kept, schedule = nested_schedule(problem, menu, steps)
+    result = simulate(problem, Plan(kept=kept, schedule=schedule))
+    cache[key] = (kept, schedule, result.peak_bytes, result.recompute_cost)
+    if len(cache) > _NESTED_PLANS_KEPT:
+        cache.popitem(last=False)
+    return cache[key]
 
 
 def hierarchical(
