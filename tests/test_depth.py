@@ -188,3 +188,24 @@ def test_the_array_structure_check_agrees_with_the_step_walk(problem, seed):
             except solvers.InvalidPlanError:
                 walked = False
         assert holds == walked
+
+
+def test_a_block_class_is_solved_once_per_process(monkeypatch):
+    """A block class's options (its MILPs) are found once: the same graph under another baseline (a
+    graph planned again) solves none and gets the same options."""
+    from solvers import hierarchical
+    from solvers.blocks import find_blocks
+    from tests.zoo import get_case
+
+    case = get_case("llama", size="tiny")
+    step = ckptc.capture(case.model, case.example_inputs, case.example_kwargs, loss_fn=case.loss)
+    problem = step.records[0].joint_problem.problem
+    hierarchical.forget_solved_classes()
+    solves = Counting(hierarchical._BlockMilp.solve)
+    monkeypatch.setattr(hierarchical._BlockMilp, "solve", lambda self, **kw: solves(self, **kw))
+    first = hierarchical.block_options(problem, find_blocks(problem))
+    solved = solves.calls
+    assert solved > 0, "the Llama's blocks are large enough for MILP options"
+    moved = dataclasses.replace(problem, baseline_bytes=problem.baseline_bytes + 12345)
+    assert hierarchical.block_options(moved, find_blocks(moved)) == first
+    assert solves.calls == solved
