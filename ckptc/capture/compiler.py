@@ -580,7 +580,7 @@ class GraphPlans:
         self.num_fwd_outputs = num_fwd_outputs
         self.records: list[GraphRecord] = []
         self._compile_backward = compile_backward
-        self._forwards: list[Callable] = []
+        self._forwards: list[Callable | None] = []
         self._backward_modules: list[fx.GraphModule] = []
         self._backwards: dict[int, Callable] = {}
 
@@ -596,6 +596,8 @@ class GraphPlans:
 
     def add(self, record: GraphRecord, forward: Callable, backward: fx.GraphModule) -> None:
         """Make ``record``'s plan current: ``forward`` compiled (boxed), ``backward`` compiled on first use."""
+        if self._forwards:
+            self._forwards[-1] = None  # never run again; its backward may still be, for a pending step
         self.records.append(record)
         self._forwards.append(forward)
         self._backward_modules.append(backward)
