@@ -82,8 +82,9 @@ class CheckpointCompiler:
         replans: where the account graphs are planned under comes from (:class:`ckptc.planning.replan.Replans`,
             the step runtime's for one input shape; its :class:`~ckptc.planning.account.StepAccount` holds the
             budget and what the step holds besides each graph's activations): when its account changes,
-            each graph plans again when it next runs, from Dynamo's graph (Dynamo's guards and bytecode
-            stay).  Default: ``options``' budget, a step from ``None`` gradients.
+            each graph plans again when it next runs, from its priced joint graph behind the same
+            AOTAutograd function (:class:`GraphPlans`; Dynamo's guards and bytecode stay), or from
+            Dynamo's graph where that cannot be.  Default: ``options``' budget, a step from ``None`` gradients.
         generate_kernels: under ``compiler="inductor"``, compile the graphs with
             Inductor (False: :func:`ckptc.capture` traces them as Inductor would
             and runs them op by op, since planning needs no kernels).
@@ -264,8 +265,8 @@ class CheckpointCompiler:
                 self.active.clear()  # a new step: no graph of it has run yet
             account = self.account
             if account is not planned_under and account != planned_under and not symbolic:
-                # The step showed what this graph's plan did not count: plan it again, from
-                # Dynamo's graph (Dynamo's guards and bytecode stay as they are).
+                # The step showed what this graph's plan did not count: plan it again, in place behind
+                # its AOTAutograd function or else from Dynamo's graph (guards and bytecode stay as they are).
                 if events is not None:
                     events.planned()
                 planned_under = account
