@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solvers.plan import BACKWARD_PHASE, FORWARD_PHASE, Step
+from solvers.plan import Step
 from solvers.problem import FORWARD_CODE, INPUT_CODE, RECOMPUTE_CODE, SAVE_CODE
 
 __all__ = ["ChainModel", "nested_dp", "NestedTables", "decisions", "nested_cost", "chain_model", "nested_schedule"]
@@ -289,10 +289,11 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
     mask = bytearray(len(problem.nodes))
     for v in kept_idx:
         mask[v] = 1
-    from solvers.simulator import derived_schedule
+    from solvers.simulator import derived_schedule, step_table
 
     nodes, n_fwd = derived_schedule(problem, mask)
-    out: list[Step] = [Step(problem.nodes[v].name, FORWARD_PHASE) for v in nodes[:n_fwd]]
+    forward_step, backward_step = step_table(problem)
+    out: list[Step] = [forward_step[v] for v in nodes[:n_fwd]]
     live = bytearray(len(problem.nodes))
     for v in problem._forward_idx:
         if mask[v] or output[v]:
@@ -313,7 +314,7 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
                 stack.pop()
                 if not live[v]:
                     live[v] = 1
-                    out.append(Step(names[v].name, BACKWARD_PHASE))
+                    out.append(backward_step[v])
 
     def drop(blocks: range, keep: set[int]) -> None:
         for k in blocks:
@@ -337,7 +338,7 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
                 for p in fwd_preds[v]:
                     if not live[p] and kind[p] != INPUT_CODE:
                         materialize(p)
-                out.append(Step(names[v].name, BACKWARD_PHASE))
+                out.append(backward_step[v])
             drop(range(a, a + 1), set())
         else:
             j = -h
@@ -350,6 +351,6 @@ def nested_schedule(problem, menu, steps: list[tuple[int, int, int]]) -> tuple[f
         for p in fwd_preds[v]:
             if not live[p] and kind[p] != INPUT_CODE:
                 materialize(p)
-        out.append(Step(names[v].name, BACKWARD_PHASE))
+        out.append(backward_step[v])
     kept = frozenset(names[v].name for v in kept_idx)
     return kept, tuple(out)

@@ -386,15 +386,21 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
     return nodes, n_fwd
 
 
-def _to_steps(problem: Problem, nodes: list[int], n_fwd: int) -> tuple[Step, ...]:
+def step_table(problem: Problem) -> tuple[list[Step], list[Step]]:
+    """One :class:`Step` per node and phase (forward, backward), by node index: shared by every
+    schedule of the problem instead of built step by step."""
     steps = problem._cache.get("simulator.steps")
-    if steps is None:  # one Step per node and phase, shared by every schedule of the problem
+    if steps is None:
         names = [node.name for node in problem.nodes]
         steps = problem._cache["simulator.steps"] = (
             [Step(name, FORWARD_PHASE) for name in names],
             [Step(name, BACKWARD_PHASE) for name in names],
         )
-    forward, backward = steps
+    return steps
+
+
+def _to_steps(problem: Problem, nodes: list[int], n_fwd: int) -> tuple[Step, ...]:
+    forward, backward = step_table(problem)
     return tuple(map(forward.__getitem__, nodes[:n_fwd])) + tuple(map(backward.__getitem__, nodes[n_fwd:]))
 
 
