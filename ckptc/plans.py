@@ -701,13 +701,16 @@ def _describe(val: Any) -> Any:
 
 
 def _inputs(jp: "JointProblem") -> list[list[Any]]:
-    described = []
-    for node in jp.nodes.values():
-        if node.op == "placeholder":
-            desc = _describe(node.meta.get("val"))
-            pair = isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], tuple)
-            described.append([list(desc[0]), desc[1]] if pair else [desc])
-    return described
+    """The graph's inputs (shape, dtype), described once per captured graph like :func:`fingerprint`."""
+    cached = jp.__dict__.get("_inputs")
+    if cached is None:
+        cached = jp.__dict__["_inputs"] = []
+        for node in jp.nodes.values():
+            if node.op == "placeholder":
+                desc = _describe(node.meta.get("val"))
+                pair = isinstance(desc, tuple) and len(desc) == 2 and isinstance(desc[0], tuple)
+                cached.append([list(desc[0]), desc[1]] if pair else [desc])
+    return [[list(part) if isinstance(part, list) else part for part in entry] for entry in cached]  # its own copy
 
 
 def graph_plan(record: "GraphRecord") -> GraphPlan:
