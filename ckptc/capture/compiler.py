@@ -42,7 +42,7 @@ from ckptc.planning.replan import Replans
 from ckptc.plans import ModelPlan
 from ckptc.pricing.costs import annotate_costs, measure_runtimes, measure_scratch
 from ckptc.pricing.problem import joint_to_problem
-from ckptc.records import GraphInputs, GraphRecord, PlanSource, RecordLink
+from ckptc.records import GraphRecord, PlanSource, RecordLink
 from ckptc.rewrite.lean_backward import (
     GradientSink,
     accumulate_into_parameters,
@@ -309,25 +309,12 @@ class CheckpointCompiler:
         slots: list[GraphPlans] = []
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
-            placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
-            baseline, inputs = self.account.graph_baseline(
-                self.model, example_inputs, placeholders, self.active, index=index
-            )
-            sink = self._gradient_sink(example_inputs, placeholders)
             start = time.perf_counter()
             joint = self._price(joint)
             forward, backward = self._plan_priced(
-                joint,
-                num_fwd_outputs,
-                baseline_bytes=baseline,
-                inputs=inputs,
-                gradient_sink=sink,
-                index=index,
-                final=final,
-                start=start,
+                joint, num_fwd_outputs, gm, example_inputs, index=index, final=final, start=start
             )
             if self._just_planned is not None:
-                self._just_planned.break_after = internals.graph_break_after(gm)
                 planned.append(self._just_planned)
                 if not final and self._swaps_plans(forward, num_fwd_outputs):
                     slots.append(GraphPlans(joint, num_fwd_outputs, self._backward_kernels))
@@ -357,26 +344,12 @@ class CheckpointCompiler:
         """Plan graph ``index`` again under the current account, from its priced joint graph, and
         swap the plan in behind its AOTAutograd function: neither Dynamo's graph nor the joint graph
         is traced again, nor priced.  None (after planning) if the new plan cannot run there."""
-        joint = plans.joint
-        placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
-        baseline, inputs = self.account.graph_baseline(
-            self.model, example_inputs, placeholders, self.active, index=index
-        )
-        sink = self._gradient_sink(example_inputs, placeholders)
         forward, backward = self._plan_priced(
-            joint,
-            plans.num_fwd_outputs,
-            baseline_bytes=baseline,
-            inputs=inputs,
-            gradient_sink=sink,
-            index=index,
-            final=False,
-            start=time.perf_counter(),
+            plans.joint, plans.num_fwd_outputs, gm, example_inputs, index=index, final=False, start=time.perf_counter()
         )
         record, self._just_planned = self._just_planned, None
         if record is None or not self._swaps_plans(forward, plans.num_fwd_outputs):
             return None
-        record.break_after = internals.graph_break_after(gm)
         backward.meta["ckptc_record"].plans = plans
         plans.add(record, self._compile_graph(forward, example_inputs), backward)
         log.debug("graph %d planned again in place (plan %d of it)", index, plans.version)
@@ -501,18 +474,22 @@ class CheckpointCompiler:
         self,
         joint: fx.GraphModule,
         num_fwd_outputs: int,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
         *,
-        baseline_bytes: int,
-        inputs: GraphInputs | None,
-        gradient_sink: GradientSink | None,
-        index: int | None,
+        index: int,
         final: bool,
         start: float,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Plan a priced joint graph (``baseline_bytes`` held outside it, from the step account) as
-        graph ``index`` of the step (default: the next one; a graph planned again keeps its index
-        and replaces its record) and rewrite it into AOTAutograd's forward and backward modules.
+        """Plan a priced joint graph of Dynamo's graph ``gm`` as graph ``index`` of the step (a graph
+        planned again keeps its index and replaces its record), under the step account (what the step
+        holds outside it: its baseline), and rewrite it into AOTAutograd's forward and backward modules.
         A ``final`` plan is not made again: a graph that cannot fit is refused, never deferred."""
+        placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+        baseline_bytes, inputs = self.account.graph_baseline(
+            self.model, example_inputs, placeholders, self.active, index=index
+        )
+        gradient_sink = self._gradient_sink(example_inputs, placeholders)
         policies = policies_from_patterns(
             {n.name: n for n in joint.graph.nodes}, self.options.must_save, self.options.must_recompute
         )
@@ -527,7 +504,6 @@ class CheckpointCompiler:
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
             loss_bytes=self.account.loss_bytes,
         )
-        index = len(self.records) if index is None else index
         account = self.account.replace(defer_infeasible=False) if final else self.account
         record = decide(
             jp,
@@ -540,6 +516,7 @@ class CheckpointCompiler:
             inputs=inputs,
             started=start,
         )
+        record.break_after = internals.graph_break_after(gm)
         if index < len(self.records):
             self.records[index] = record
         else:

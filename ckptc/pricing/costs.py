@@ -357,8 +357,13 @@ def fused_flops(node: fx.Node) -> int:
 
 
 def written_bytes(node: fx.Node) -> int:
-    """The bytes of ``node``'s outputs once written to memory (an inlined value's, when it is kept)."""
-    return sum(_numel(t) * t.element_size() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+    """The bytes of ``node``'s outputs once written to memory (an inlined value's, when it is kept),
+    as the device's allocator counts them (see :func:`_storage_bytes`)."""
+    return sum(
+        memory_model(t.device).storage_bytes(_numel(t) * t.element_size())
+        for t in tree_leaves(node.meta.get("val"))
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def _output_elements(node: fx.Node) -> int:
