@@ -10,8 +10,10 @@ original model eagerly: nothing to plan, nothing to recompute.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import logging
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -31,6 +33,9 @@ from ckptc.records import GraphRecord
 from ckptc.runtime.step import ForwardState, ShapePlan, StepRuntime, refuse_unplanned
 
 log = logging.getLogger("ckptc.api")
+
+# The wrappers ckptc.optimize made, by model: ckptc.apply refuses a model a live one wraps.
+_WRAPPERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
 class _SignedForward:
@@ -66,6 +71,14 @@ class _model_signature:
         return self.function if module is None else _SignedForward(self.function, module)
 
 
+def live_wrappers(model: torch.nn.Module) -> list["OptimizedModule"]:
+    """The :class:`OptimizedModule` objects ``ckptc.optimize`` made for ``model`` that are still alive."""
+    wrappers = _WRAPPERS.get(model)
+    if wrappers:
+        gc.collect()  # compiled graphs hold reference cycles: a wrapper the caller dropped goes now
+    return list(wrappers or ())
+
+
 class OptimizedModule(torch.nn.Module):
     """``model`` with activation checkpointing planned for a memory budget.
 
@@ -89,6 +102,7 @@ class OptimizedModule(torch.nn.Module):
         object.__setattr__(self, "_ckptc_model", model)
         object.__setattr__(self, "_ckptc_compiler", compiler)
         object.__setattr__(self, "_ckptc_runtime", StepRuntime(model, compiler, verify=verify, max_plans=max_plans))
+        _WRAPPERS.setdefault(model, weakref.WeakSet()).add(self)
 
     # `training` is the wrapped model's: model.eval() on the original shows here.
     @property  # type: ignore[override]

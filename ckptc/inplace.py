@@ -29,7 +29,8 @@ from typing import Any, Iterator
 import torch
 
 from ckptc._torch_internals import module_call_override, set_module_call_override
-from ckptc.api import OptimizedModule, optimize
+from ckptc.api import OptimizedModule, live_wrappers, optimize
+from ckptc.errors import ArgumentTypeError
 from ckptc.plans import ModelPlan
 
 log = logging.getLogger("ckptc.inplace")
@@ -75,7 +76,7 @@ def apply(model: torch.nn.Module, budget_gb: float | None = None, **options: Any
     forgets their plans).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, is a ``ckptc.optimize``
+        TypeError: ``model`` is not an ``nn.Module``, is (or is wrapped by) a ``ckptc.optimize``
             wrapper, or was compiled in place with ``model.compile()`` (both use
             the same slot of the module).
         ValueError: as :func:`ckptc.optimize` (bad budget, no trainable parameters).
@@ -91,13 +92,25 @@ def apply(model: torch.nn.Module, budget_gb: float | None = None, **options: Any
             f"{type(model).__name__} was compiled in place with model.compile(), which uses the same slot as "
             "ckptc.apply; apply ckptc to a model that is not compiled in place"
         )
+    if isinstance(model, torch.nn.Module) and any(not _in_place(w) for w in live_wrappers(model)):
+        raise ArgumentTypeError(
+            f"this {type(model).__name__} is already wrapped by ckptc.optimize (an OptimizedModule still in "
+            "use); train that wrapper, or drop it (del it) before calling ckptc.apply on the model: both "
+            "would plan the same training calls"
+        )
     # Build (and check every option) before touching the model: a bad option leaves it as it was.
     with _detached(model):
         optimized = optimize(model, budget_gb, **options)
     if current is not None:
         log.info("ckptc.apply on %s again: the new options replace the earlier ones", type(model).__name__)
+    object.__setattr__(optimized, "_ckptc_in_place", True)
     set_module_call_override(model, AppliedCall(model, optimized))
     return model
+
+
+def _in_place(wrapper: OptimizedModule) -> bool:
+    """Whether ``wrapper`` runs a model's calls for :func:`apply` (not a wrapper the caller trains)."""
+    return bool(wrapper.__dict__.get("_ckptc_in_place"))
 
 
 def applied(model: torch.nn.Module) -> OptimizedModule | None:

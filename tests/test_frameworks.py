@@ -151,6 +151,14 @@ def test_apply_refuses_what_it_cannot_keep_and_leaves_the_model_as_it_was() -> N
     copied = pickle.loads(pickle.dumps(model))  # as torch.save: a plain model
     assert type(copied) is type(model) and ckptc.applied(copied) is None
 
+    wrapped = tiny_gpt2()
+    fast = ckptc.optimize(wrapped, budget_gb=1)
+    with pytest.raises(TypeError, match="already wrapped by ckptc.optimize"):
+        ckptc.apply(wrapped, budget_gb=1)  # before: accepted, then the wrapper's next step failed
+    assert ckptc.applied(wrapped) is None
+    del fast
+    ckptc.apply(wrapped, budget_gb=1)  # a wrapper no longer in use is no conflict
+
     compiled = tiny_gpt2()
     compiled.compile()
     with pytest.raises(TypeError, match="model.compile"):

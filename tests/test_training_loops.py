@@ -552,3 +552,52 @@ def test_a_plan_made_again_runs_behind_the_first_trace_and_a_pending_backward_ke
     (plans,) = fast._ckptc_runtime.compiler.graph_plans.values()
     first_plan, second_plan = (record.plan for record in plans.records)
     assert first_plan.kept != second_plan.kept
+
+
+class _TokenNet(nn.Module):
+    """Token ids in, a loss out: after ``.double()`` the inputs look the same and only the weights changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, WIDTH)
+        self.net = _Net(loss_inside=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net(self.embed(ids))
+
+
+def _ids(step: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 64, (BATCH,), generator=torch.Generator().manual_seed(step))]
+
+
+def test_a_model_converted_to_another_dtype_is_planned_and_verified_again_or_refused() -> None:
+    torch.manual_seed(0)
+    reference = _TokenNet()
+    wide = copy.deepcopy(reference).double()
+    plain(wide, _ids(0))
+    budget = int(0.9 * _peak(plain, wide, wide, _ids(1)))  # fits the float64 model, planned
+
+    eager, model, fast = _eager_and_optimized(reference, budget)
+    plain(fast, _ids(0))
+    plain(eager, _ids(0))
+    measured_float32 = fast.plan.measured_peak_bytes
+    assert measured_float32 is not None and measured_float32 <= budget
+    model.double()
+    eager.double()
+    for step in (1, 2):
+        plain(fast, _ids(step))
+        plain(eager, _ids(step))
+        _assert_same_gradients(model, eager)
+    # The float64 step was measured by ckptc's own check (before: the float32 figure stayed) ...
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes > measured_float32
+    assert fast.plan.measured_peak_bytes <= budget
+    assert _peak(plain, fast, model, _ids(3)) <= budget  # ... and independently
+
+    # Under a budget only the float32 model fits, the float64 one is refused (before: ran at 1.6x).
+    small = int(0.9 * _peak(plain, reference, reference, _ids(1)))
+    _, model, fast = _eager_and_optimized(reference, small)
+    plain(fast, _ids(0))
+    model.double()
+    with pytest.raises(ckptc.InfeasibleBudgetError):
+        for step in (1, 2):
+            plain(fast, _ids(step))

@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections import OrderedDict
 from typing import Any, Iterator, Sequence
@@ -252,7 +253,7 @@ class StepRuntime:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
-        signature = self.lengths.key(args, kwargs, _signature(args, kwargs))
+        signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_state_signature(self.model),))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
         resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
@@ -277,6 +278,7 @@ class StepRuntime:
                 self.plans.pop(shape.key, None)
                 raise refusal from error
             refuse_unplanned(self.model, self.active[before:], shape.eager)
+            self._refuse_late_infeasible(shape, self.active[before:])
         except BaseException:
             if opened:
                 self._tracker.abort()
@@ -287,6 +289,23 @@ class StepRuntime:
             self._check_output_assumption(output, shape, self.active[before:])
         return output
 
+    def _refuse_late_infeasible(self, shape: ShapePlan, ran: list[GraphRecord]) -> None:
+        """A graph torch.compile compiled anew in a call of a planned shape (a guard changed) that
+        cannot fit beside the step's other plans was run at its floor: forget the shape's plans, so
+        the next call plans the whole step again (or refuses it), and say so."""
+        late = [r for r in ran if r.infeasible]
+        if not late or not shape.planned:
+            return
+        self.plans.pop(shape.key, None)
+        self._warn_once(
+            "late-infeasible",
+            f"ckptc: torch.compile compiled a new graph of {type(self.model).__name__} in the middle of "
+            "training (one of its guards changed: a module attribute, a parameter's dtype or device), and "
+            f"that graph needs more than the budget of {self.template.budget_bytes} bytes leaves it beside "
+            "the step's other plans; this step ran it at its lowest peak and may exceed the budget. The "
+            "next call plans the whole step again (or raises InfeasibleBudgetError naming the floor).",
+        )
+
     # -- the compiler's events (ckptc.runtime.tracker.StepEvents) -------------------
     def planned(self) -> None:
         """A graph of the open step plans (again) now: planning profiles ops (scratch memory) with its
@@ -294,6 +313,10 @@ class StepRuntime:
         (:meth:`graph_starts` may measure it from its first graph's start)."""
         self._step_compiled = True
         self._tracker.unmeasured()
+        if self.last is not None and self.last.planned:
+            # torch.compile compiled a new graph for a shape planned before (one of its guards
+            # changed): its plans are no longer the ones measured, so the next step is measured.
+            self.last.new_plans()
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """A graph of the open step starts.  When the step planned before any of its graphs ran (the
@@ -630,6 +653,13 @@ def _carries_loss(output: Any, depth: int = 0) -> bool:
         children = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
         return any(_carries_loss(c, depth + 1) for c in children if not isinstance(c, torch.Tensor))
     return False
+
+
+def _state_signature(model: torch.nn.Module) -> int:
+    """The dtypes and devices of ``model``'s parameters and buffers, hashed: after ``model.double()``
+    or ``.to(device)`` every activation changes size, so a plan made before does not apply."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return hash(tuple((t.dtype, t.device) for t in tensors))
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
