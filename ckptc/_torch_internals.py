@@ -6,7 +6,8 @@ Everything here is a thin alias or adapter: no ckptc logic lives here.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable, Sequence
+import contextlib
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -623,7 +624,8 @@ from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402
 from torch._dynamo.exc import TorchDynamoException as DynamoError  # noqa: E402
 
 
-def compile_config():
+@contextlib.contextmanager
+def compile_config() -> Iterator[None]:
     """Dynamo's configuration while ckptc-compiled code runs (and is captured).
 
     * Recompile limits raised: every ``optimize`` call compiles the model's
@@ -637,8 +639,9 @@ def compile_config():
       upper bound (:func:`concrete_upper_bound`).
     * Logging below ``error`` is a no-op in the graph instead of a graph break
       (:func:`traced_logging_functions`).
+    * A CPU LSTM is unrolled op by op while it trains (:func:`_lstm_unrolled_for_training`).
     """
-    return torch._dynamo.config.patch(
+    patch = torch._dynamo.config.patch(
         recompile_limit=256,
         accumulated_recompile_limit=4096,
         allow_rnn=True,
@@ -646,6 +649,32 @@ def compile_config():
         capture_dynamic_output_shape_ops=True,
         ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | traced_logging_functions(),
     )
+    with patch, _lstm_unrolled_for_training():
+        yield
+
+
+@contextlib.contextmanager
+def _lstm_unrolled_for_training() -> Iterator[None]:
+    """PyTorch's LSTM decomposition picks oneDNN's ``mkldnn_rnn_layer`` on CPU when the LSTM's input
+    needs no gradient (meant for inference: ``select_one_layer_lstm_function``), even when its
+    weights do; that kernel's traced backward saves ``None`` and crashes in oneDNN (an LSTM fed the
+    model's input directly).  While gradients flow to the weights, the op-by-op layer is chosen."""
+    from itertools import chain
+
+    from torch._decomp import decompositions
+
+    select = decompositions.select_one_layer_lstm_function
+
+    def select_for_training(input: Any, hx: Any, params: Any) -> Any:
+        if torch.is_grad_enabled() and any(p.requires_grad for p in chain.from_iterable(params)):
+            return decompositions.one_layer_lstm
+        return select(input, hx, params)
+
+    decompositions.select_one_layer_lstm_function = select_for_training
+    try:
+        yield
+    finally:
+        decompositions.select_one_layer_lstm_function = select
 
 
 def traced_logging_functions() -> set[Callable[..., Any]]:
