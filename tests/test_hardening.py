@@ -288,3 +288,41 @@ def test_a_failure_inside_capture_is_a_ckptc_error_with_the_cause_chained() -> N
         ckptc.capture(model, (features,), {"labels": labels})
     assert isinstance(info.value.__cause__, RuntimeError), info.value.__cause__
     assert "RuntimeError: view size is not compatible" in str(info.value)
+
+
+class _StatisticsOnATranspose(nn.Module):
+    """Updates buffers in forward, then batch-normalizes a transposed tensor: eager trains it, while
+    PyTorch's traced forward fails on it (a ``view`` of the non-contiguous normalized tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("mean", torch.zeros(16))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin1(x)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(h.mean((0, 1)), alpha=0.1)
+            self.count += 1
+        h = self.bn(torch.tanh(h - self.mean).transpose(1, 2)).transpose(1, 2)
+        return (self.lin2(h) * (1 + 0 * self.count)).square().mean()
+
+
+def test_a_captured_step_failing_where_eager_runs_is_a_ckptc_error_and_leaves_the_buffers() -> None:
+    torch.manual_seed(0)
+    model = _StatisticsOnATranspose()
+    x = torch.randn(2, 8, 16)
+    reference = copy.deepcopy(model)
+    reference(x).backward()  # eager trains it
+    before = copy.deepcopy(model.state_dict())
+    fast = ckptc.optimize(model, budget_bytes=10**9)
+    try:
+        fast(x).backward()
+    except ckptc.UntraceableModelError as error:  # before: a raw RuntimeError from the compiled forward
+        assert isinstance(error.__cause__, RuntimeError) and "What to do" in str(error)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "buffers changed"
+    else:  # a PyTorch that traces it: then it trains like eager
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)

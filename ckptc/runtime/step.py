@@ -161,7 +161,8 @@ class ShapePlan:
         # A forward may update its inputs in place (x.mul_(2)); the reference below runs on copies
         # and a retry starts from the inputs as the caller gave them, so they change exactly once.
         saved.save_inputs(args, kwargs)
-        if reference and self.eager is None:
+        referenced = reference and self.eager is None
+        if referenced:
             copies = internals.tree_map(_detached_copy, (args, kwargs))
             self.eager = coverage.EagerForward.measure(model, *copies)
             del copies
@@ -180,7 +181,14 @@ class ShapePlan:
             attempts += 1
             return run_compiled(model, self.compiled, args, kwargs), step[before:]
 
-        output = settle(run, self.replans, lambda ran: unnamed_gradient_bytes(model, ran))
+        try:
+            output = settle(run, self.replans, lambda ran: unnamed_gradient_bytes(model, ran))
+        except Exception as error:
+            saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
+            if isinstance(error, CkptcError) or not referenced:
+                raise
+            # These inputs ran eagerly (the reference forward): the captured step failed, not the model.
+            raise UntraceableModelError.from_exception(model, error) from error
         if self.eager is not None:
             self.eager.capture_ended(model, step[before:])
         return output
