@@ -601,3 +601,17 @@ def test_a_model_converted_to_another_dtype_is_planned_and_verified_again_or_ref
     with pytest.raises(ckptc.InfeasibleBudgetError):
         for step in (1, 2):
             plain(fast, _ids(step))
+
+
+def test_a_step_refused_for_what_the_loop_holds_says_what_that_is_and_what_to_do() -> None:
+    torch.manual_seed(0)
+    model = _Net(loss_inside=True)
+    first, second = _batches(0)
+    floor = ckptc.capture(copy.deepcopy(model), (first,)).floor_bytes
+    fast = ckptc.optimize(model, budget_bytes=floor)
+    fast(first).backward()  # fits: a plain step at ckptc's floor
+    with pytest.raises(ckptc.InfeasibleBudgetError) as refused:
+        fast(second).backward()  # a second micro-batch: the first one's gradients are resident
+    message = str(refused.value)
+    assert "gradients, resident" in message and "zero_grad(set_to_none=True)" in message  # before: the floor only
+    assert f"at least {refused.value.min_feasible_bytes} bytes" in message

@@ -113,6 +113,32 @@ class StepAccount:
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)
 
+    def beyond_a_plain_step(self) -> list[str]:
+        """What this account counts that a plain step (``capture``'s figures) does not, each with what
+        the caller can do about it, in words (empty for a plain step)."""
+        said = []
+        if self.gradients_resident:
+            said.append(
+                "the parameters' gradients, resident while the step runs (gradient accumulation, "
+                "zero_grad(set_to_none=False), or a second backward): zero them with "
+                "zero_grad(set_to_none=True) before a step that does not accumulate"
+            )
+        if self.loss_bytes:
+            said.append(
+                f"{self.loss_bytes} bytes held between forward and backward outside the model (a loss or "
+                "metrics computed by the caller): compute the loss inside the model, or free them earlier"
+            )
+        if self.hold_outputs:
+            said.append("the forward's results, held until backward ends: drop them before backward")
+        if self.repeat_bytes:
+            said.append(
+                f"what earlier runs of graphs run several times in one step leave alive "
+                f"({sum(self.repeat_bytes.values())} bytes)"
+            )
+        if self.correction_bytes:
+            said.append(f"{self.correction_bytes} bytes a measured step showed the prediction missed")
+        return said
+
     def graph_budget(self, index: int) -> int | None:
         """The budget graph ``index`` is planned under: the step's, or a lower one of its own
         (:attr:`graph_budgets`)."""
