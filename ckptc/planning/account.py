@@ -125,8 +125,10 @@ class StepAccount:
             )
         if self.loss_bytes:
             said.append(
-                f"{self.loss_bytes} bytes held between forward and backward outside the model (a loss or "
-                "metrics computed by the caller): compute the loss inside the model, or free them earlier"
+                f"{self.loss_bytes} bytes allocated after the last captured graph's forward and held until "
+                "backward (a loss or metrics computed by the caller, or the model's own code that runs "
+                "eagerly after a graph break): compute the loss inside the model, free them earlier, or "
+                "remove the graph break (the coverage report in ckptc.optimize(...).plan names it)"
             )
         if self.hold_outputs:
             said.append("the forward's results, held until backward ends: drop them before backward")

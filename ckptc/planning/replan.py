@@ -134,7 +134,10 @@ class Replans:
         self.over_budget_peak_bytes = peak_bytes
         loss = measurement.loss_bytes
         if plans_again and measurement.peak_in_loss and loss and self.counting_loss(loss):
-            return f"the {loss} bytes the loss held between forward and backward (a loss computed outside the model)"
+            return (
+                f"the {loss} bytes the loss held between forward and backward (a loss computed outside the "
+                "model, or code run eagerly after the last graph)"
+            )
         self._measured = (peak_bytes, tuple(ran), plans_again)
         if not plans_again:
             return "nothing: graphs with symbolic sizes keep their plans, so the next call raises BudgetExceededError"
