@@ -157,7 +157,7 @@ class OptimizedModule(torch.nn.Module):
         if runtime.last is not None:
             result.measured_peak_bytes = runtime.last.measured_peak_bytes
             if runtime.last.eager is not None:
-                result.coverage = Coverage.of(runtime.last.eager, unique)
+                result.coverage = Coverage.of(runtime.last.eager, records)
         return result
 
     def train(self, mode: bool = True) -> "OptimizedModule":
@@ -391,7 +391,7 @@ def capture(
                 raise UntraceableModelError.from_exception(model, error) from error
     records = list({id(r): r for r in ran}.values())
     position = {id(r): i for i, r in enumerate(records)}
-    coverage = None if shape.eager is None else Coverage.of(shape.eager, records)
+    coverage = None if shape.eager is None else Coverage.of(shape.eager, ran)
     sizes = _parameter_sizes(model)
     return CapturedStep(
         records,

@@ -78,3 +78,35 @@ def test_coverage_names_the_graph_breaks_and_what_runs_outside_graphs() -> None:
     where = coverage.graphs[0].break_after
     assert where is not None and "test_coverage.py" in where and "if h.sum() > 0" in where, where
     assert coverage.graphs[1].break_after is None
+
+
+def test_coverage_counts_every_run_of_a_graph_run_several_times() -> None:
+    """Layers compiled once and run once per layer (a break in the layer loop) cover the step with every
+    run: the report counted each graph once (BART: "47.5% outside graphs" where 1% was)."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.linear(x))
+
+    class Looped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+                torch._dynamo.graph_break()
+            return x.sum()
+
+    torch.manual_seed(0)
+    coverage = ckptc.plan(Looped(), (torch.randn(8, 16),), strategy="none").coverage
+    assert coverage is not None
+    # The first layer's graph is traced with the loop's frame; the three after it reuse one graph.
+    assert sorted(g.runs for g in coverage.graphs) == [1, 3], [(g.index, g.runs) for g in coverage.graphs]
+    assert coverage.flops_share > 0.9, str(coverage)
+    assert "run 3 times" in str(coverage)

@@ -289,6 +289,8 @@ class GraphCoverage:
             what one step runs (they can exceed 1).
         break_after: why Dynamo ended this graph at a graph break and where in
             the model's code (None: the graph ends with its frame).
+        runs: how many times the step runs it (layers compiled once run once per layer);
+            the shares count every run.
     """
 
     index: int
@@ -298,6 +300,7 @@ class GraphCoverage:
     memory_share: float
     data_dependent: bool = False
     break_after: str | None = None
+    runs: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,9 +333,13 @@ class Coverage:
         return min(1.0, sum(g.memory_share for g in self.graphs))
 
     @classmethod
-    def of(cls, eager: EagerForward, records: Iterable[GraphRecord]) -> "Coverage":
+    def of(cls, eager: EagerForward, ran: Iterable[GraphRecord]) -> "Coverage":
+        """The coverage of the graphs ``ran`` (in run order, a graph once per run) against ``eager``."""
+        runs: dict[int, tuple[GraphRecord, int]] = {}
+        for r in ran:
+            runs[id(r)] = (r, runs[id(r)][1] + 1 if id(r) in runs else 1)
         graphs = []
-        for r in records:
+        for r, count in runs.values():
             problem = r.problem
             flops = sum(r.joint_problem.node_cost(n).flops for n in r.joint_problem.graph_nodes(problem.forward_nodes))
             saved = r.unoptimized_kept_bytes
@@ -341,10 +348,11 @@ class Coverage:
                     index=r.index,
                     forward_flops=flops,
                     saved_bytes=saved,
-                    flops_share=flops / eager.flops if eager.flops else 1.0,
-                    memory_share=saved / eager.saved_bytes if eager.saved_bytes else 1.0,
+                    flops_share=count * flops / eager.flops if eager.flops else 1.0,
+                    memory_share=count * saved / eager.saved_bytes if eager.saved_bytes else 1.0,
                     data_dependent=any(internals.binds_unbacked_symbols(n) for n in r.joint_problem.nodes.values()),
                     break_after=r.break_after,
+                    runs=count,
                 )
             )
         return cls(graphs, eager.flops, eager.saved_bytes, list(eager.breaks))
@@ -364,7 +372,8 @@ class Coverage:
         for g in self.graphs:
             lines.append(
                 f"  graph {g.index}: {100 * g.flops_share:5.1f}% of forward FLOPs, "
-                f"{100 * g.memory_share:5.1f}% of activations ({human_bytes(g.saved_bytes)})"
+                f"{100 * g.memory_share:5.1f}% of activations ({human_bytes(g.saved_bytes)}"
+                + (f" per run, run {g.runs} times)" if g.runs > 1 else ")")
                 + (", data-dependent sizes at their upper bound" if g.data_dependent else "")
             )
             if g.break_after:
