@@ -475,7 +475,9 @@ class StepRuntime:
         counted = "nothing more"
         for shape in self._step_plans:
             if shape.needs_replan:
-                continue  # planned again anyway (its outputs turned out to be held)
+                # Planned again anyway (its results turned out to be held): measured again under that plan.
+                counted = "what changed in the step (held results, gradients), then measures it again"
+                continue
             counted = shape.replans.measured_above_budget(measurement, self.active)
         log.warning(
             "ckptc: the measured training step of %s peaked at %d bytes, %d bytes above the budget of %d bytes "
