@@ -372,7 +372,9 @@ def aot_backend(
     """
     extra: dict[str, Any] = {"decompositions": workaround_decompositions()}
     if for_inductor:
-        # Inductor lowers only graphs traced with its own decomposition table.
+        # Inductor lowers only graphs traced with its own decomposition table.  Some of its
+        # decompositions consult its lowerings (max_pool's), which compile_fx imports first.
+        import torch._inductor.lowering  # noqa: F401
         from torch._inductor.decomposition import select_decomp_table
 
         # Random ops stay whole (and run eagerly, see inductor_compile) so they draw

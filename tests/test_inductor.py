@@ -187,3 +187,38 @@ def test_convolutions_are_planned_in_the_layout_inductor_runs_them(name: str) ->
     # Within 2%: a weight copy the plan recomputes for the backward, Inductor drops, and oneDNN's
     # reorder of the original weight takes its place as scratch (the convnet: 1.35% over).
     assert abs(peak - optimized.plan.predicted_peak_bytes) <= 0.02 * peak
+
+
+_MAX_POOL_SCRIPT = """
+import copy, torch, torch.nn as nn, torch.nn.functional as F
+import ckptc
+
+class Pooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(4, 8, 3, padding=1), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(F.max_pool1d(torch.tanh(self.conv(x)), 2).mean(-1)).square().mean()
+
+torch.manual_seed(0)
+model, x = Pooled(), torch.randn(2, 4, 64)
+reference = copy.deepcopy(model)
+ckptc.optimize(model, budget_gb=1, compiler="inductor")(x).backward()
+reference(x).backward()
+for p, q in zip(model.parameters(), reference.parameters()):
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+print("trained")
+"""
+
+
+def test_a_model_with_max_pool_plans_for_inductor_in_a_fresh_process(tmp_path: Path) -> None:
+    """Inductor's max_pool decomposition reads its lowerings, which ckptc imported only after compile_fx
+    had run once in the process: a fresh process failed (AttributeError: torch._inductor.lowering)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pooled.py"
+    script.write_text(_MAX_POOL_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-2000:]
