@@ -113,6 +113,11 @@ def test_what_cannot_be_planned_offline_is_refused_with_what_to_do() -> None:
     if not torch.backends.cuda.is_built():
         with pytest.raises(ckptc.UntraceableModelError, match="no CUDA"):
             ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="cuda")
+    # A device ckptc has no memory model for aborted the interpreter (mps), or raised a bare RuntimeError.
+    with pytest.raises(ckptc.InvalidArgumentError, match="'cpu' or 'cuda'"):
+        ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="mps")
+    with pytest.raises(ckptc.InvalidArgumentError, match="banana"):
+        ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="banana")
 
 
 def test_plan_files_ignore_the_local_build_suffix_and_refuse_another_release() -> None:

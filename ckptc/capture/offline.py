@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ckptc._torch_internals import fake_tensor_mode, is_fake, tensor_registries, tree_map
-from ckptc.errors import UntraceableModelError
+from ckptc.errors import InvalidArgumentError, UntraceableModelError
 
 log = logging.getLogger("ckptc.capture.offline")
 
@@ -41,6 +41,7 @@ def offline_device(
     the real device of the fake tensors, else ``cpu``.
 
     Raises:
+        InvalidArgumentError: ``device`` is not a device, or not a CPU or CUDA device.
         UntraceableModelError: ``device`` is ``meta`` (no kernels there to plan
             for), or a CUDA device on a torch build without CUDA.
     """
@@ -55,7 +56,18 @@ def offline_device(
     if device is None:
         real = [t.device for t in storeless if t.device.type != "meta"]
         device = real[0] if real else torch.device("cpu")
-    target = torch.device(device)
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise InvalidArgumentError(
+            f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r} ({error})"
+        ) from None
+    if target.type not in ("cpu", "cuda", "meta"):
+        raise InvalidArgumentError(
+            f"ckptc plans offline for 'cpu' or 'cuda' devices, got {str(target)!r}: its memory model (allocator, "
+            "kernel workspaces) covers those two.\nWhat to do: plan for device='cpu' or 'cuda', or plan on the "
+            f"{target.type} machine itself with the model's real weights there."
+        )
     if target.type == "meta":
         raise UntraceableModelError(
             "ckptc cannot plan for the 'meta' device: it has no kernels, so there is no memory to plan "
