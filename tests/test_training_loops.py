@@ -476,6 +476,23 @@ def test_torch_compile_backend_trains_like_eager_on_two_shapes(dynamic: bool) ->
         torch.compile(copy.deepcopy(reference), backend="ckptc", mode="max-autotune")(torch.randn(4, WIDTH))
 
 
+def test_the_torch_compile_backend_measures_the_first_step_of_each_size_a_dynamic_plan_runs() -> None:
+    """A graph with symbolic sizes is planned at the size it was captured with and runs larger ones on the
+    same plan: the first step of each size is measured, and one over the budget is refused at the next call
+    (before: only the first size was measured, and a 4x larger batch ran over the budget on every step)."""
+    torch.manual_seed(0)
+    model = _Net(loss_inside=True)
+    small, large = torch.randn(BATCH // 4, WIDTH), torch.randn(BATCH, WIDTH)
+    budget = int(1.2 * _peak(plain, copy.deepcopy(model), copy.deepcopy(model), [small]))
+    compiled = torch.compile(model, backend="ckptc", dynamic=True, options={"budget_bytes": budget})
+    for _ in range(2):
+        plain(compiled, [small])
+    assert _peak(plain, compiled, model, [small]) <= budget
+    plain(compiled, [large])  # measured: over the budget, and its graph cannot plan again
+    with pytest.raises(ckptc.BudgetExceededError, match="dynamic=False"):
+        plain(compiled, [large])
+
+
 def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
     """Steps of every loop, a user's profiler and double backward's refusal, then a normal exit (no crash,
     no profiler callback left behind)."""

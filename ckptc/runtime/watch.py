@@ -57,8 +57,10 @@ class BackendStepCheck:
             planned under another plans again before it runs,
             :meth:`ckptc.capture.compiler.CheckpointCompiler.__call__`) and the evidence that changed it.
         measured_peak_bytes: the peak of the last step measured under the current plans (None before one).
-        verified: the step states (gradients resident at its start or not) a measured step of the
-            current plans was within the budget in.
+        verified: the steps a measured step of the current plans was within the budget in, by state
+            (gradients resident at its start or not) and the sizes of the first graph's inputs: a graph
+            with symbolic sizes is planned at the sizes it was captured with and runs larger ones on
+            the same plan, so the first step of every size is measured.
     """
 
     def __init__(self, replans: Replans, model: torch.nn.Module | None = None) -> None:
@@ -66,8 +68,8 @@ class BackendStepCheck:
         self.replans = replans
         self.model = model
         self.measured_peak_bytes: int | None = None
-        self.verified: set[bool] = set()
-        self._state = False
+        self.verified: set[tuple[bool, tuple]] = set()
+        self._state: tuple[bool, tuple] = (False, ())
         self._measure = False
         self._tracker = StepTracker(self._ended, self._second_backward)
         self._counted: set[Any] = set()  # storages already in the meter's baseline
@@ -105,8 +107,11 @@ class BackendStepCheck:
         self._count_missed()
         self._tracker.begin()
         self._ran = []
-        self._state = state
-        self._measure = state not in self.verified and not internals.profiler_active()
+        sizes = tuple(
+            tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
+        )
+        self._state = (state, sizes)
+        self._measure = self._state not in self.verified and not internals.profiler_active()
         return True
 
     def planned(self) -> None:
