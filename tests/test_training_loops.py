@@ -493,6 +493,23 @@ def test_the_torch_compile_backend_measures_the_first_step_of_each_size_a_dynami
         plain(compiled, [large])
 
 
+def test_the_torch_compile_backend_plans_a_new_input_shape_on_its_own() -> None:
+    """A shape compiled at the start of a step is planned without the last step's graphs counted as
+    earlier graphs of its step (a budget the new shape fits was refused)."""
+    torch.manual_seed(0)
+    reference = _Net(loss_inside=True)
+    small, large = torch.randn(BATCH // 2, WIDTH), torch.randn(BATCH, WIDTH)
+    alone = ckptc.capture(copy.deepcopy(reference), (large,))
+    budget = (alone.floor_bytes + alone.unoptimized_peak_bytes) // 2  # fits the large shape, planned alone
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    compiled = torch.compile(model, backend="ckptc", dynamic=False, options={"budget_bytes": budget})
+    for x in (small, small, large, large):
+        plain(compiled, [x])
+        plain(eager, [x])
+        _assert_same_gradients(model, eager)
+    assert _peak(plain, compiled, model, [large]) <= budget
+
+
 def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
     """Steps of every loop, a user's profiler and double backward's refusal, then a normal exit (no crash,
     no profiler callback left behind)."""

@@ -241,6 +241,10 @@ class CheckpointCompiler:
         if events is not None:
             events.planned()  # planning profiles ops
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
+        if self.step_check is not None and not self.step_check.step_open:
+            # Compiled before the step's first graph runs (a new input shape): the graphs of the last
+            # step are not earlier graphs of this one.
+            self.active.clear()
         index = len(self.records)
         symbolic = has_symbolic_sizes(gm, example_inputs)
         self.symbolic = self.symbolic or symbolic

@@ -94,6 +94,11 @@ class BackendStepCheck:
             f"measured_peak_bytes={self.measured_peak_bytes}, replans={self.replans.replans})"
         )
 
+    @property
+    def step_open(self) -> bool:
+        """Whether a step is open: a graph of it ran and its backward has not ended."""
+        return self._tracker.open
+
     def begin(self, args: Sequence[Any]) -> bool:
         """Before a graph runs on ``args`` (the real tensors Dynamo passes, parameters included):
         open a step if none is open, counting what the last one showed (or raising
