@@ -28,6 +28,7 @@ from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, Un
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planning.account import unnamed_gradient_bytes
 from ckptc.planning.planner import CapturedStep
+from ckptc.planning.policies import warn_unmatched_patterns
 from ckptc.plans import ModelPlan, _parameter_sizes, applied_plan
 from ckptc.records import GraphRecord
 from ckptc.runtime.step import ForwardState, ShapePlan, StepRuntime, refuse_unplanned
@@ -390,6 +391,7 @@ def capture(
             except Exception as error:  # one error family: the underlying error chained
                 raise UntraceableModelError.from_exception(model, error) from error
     records = list({id(r): r for r in ran}.values())
+    warn_unmatched_patterns(model, type(model).__name__, [r.joint_problem for r in records], checked)
     position = {id(r): i for i, r in enumerate(records)}
     coverage = None if shape.eager is None else Coverage.of(shape.eager, ran)
     sizes = _parameter_sizes(model)

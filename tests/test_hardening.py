@@ -125,6 +125,9 @@ def test_a_pattern_that_matches_nothing_warns_naming_it() -> None:
         fast(torch.randn(4, 8)).sum().backward()
     assert not any("'*'" in str(w.message) for w in record)  # the pattern that matches says nothing
     assert sum("nothing.here" in str(w.message) for w in record) == 1  # once
+    # capture and plan (the CLI's path) warn too: only optimize's training call did
+    with pytest.warns(RuntimeWarning, match=r"must_recompute pattern 'nowhere\.\*' matches no value"):
+        ckptc.plan(_tiny(), (torch.randn(4, 8),), budget_bytes=10**9, must_recompute=["nowhere.*"])
 
 
 # -- warnings users see ------------------------------------------------------------------------

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
 import solvers
-from ckptc.errors import InvalidArgumentError
+from ckptc.errors import InvalidArgumentError, warn_once
 from ckptc.pricing.problem import JointProblem
 from solvers.chen import keep_all_plan
 from solvers.hierarchical import per_block_plan
@@ -131,3 +131,19 @@ def unmatched_patterns(problems: Iterable[JointProblem], patterns: Iterable[str]
     a pattern may match in one graph of a step split by graph breaks and not in the others)."""
     names = [jp.stable_names[n] for jp in problems for n in jp.problem.forward_nodes if n in jp.stable_names]
     return [p for p in dict.fromkeys(patterns) if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+
+
+def warn_unmatched_patterns(owner: object, model_name: str, problems: Iterable[JointProblem], options: Any) -> None:
+    """Warn once (per ``owner`` and pattern) for each ``must_save``/``must_recompute`` pattern of ``options``
+    that matches no value of the step's graphs ``problems``."""
+    problems = list(problems)
+    for option in ("must_save", "must_recompute"):
+        for pattern in unmatched_patterns(problems, getattr(options, option)):
+            warn_once(
+                owner,
+                f"{option}:{pattern}",
+                f"ckptc: the {option} pattern {pattern!r} matches no value of {model_name}'s training step, so it "
+                "changes nothing. Patterns match stable names 'module.path.op_ordinal' (e.g. "
+                "'transformer.h.*.attn.*', '*.softmax*'); `ckptc show` on a saved plan lists them.",
+                stacklevel=4,
+            )

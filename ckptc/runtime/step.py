@@ -528,15 +528,9 @@ class StepRuntime:
 
     def _check_patterns(self, ran: list[GraphRecord]) -> None:
         """Warn once per pattern of ``must_save``/``must_recompute`` that matches nothing in the step."""
-        options = self.template.options
-        for option in ("must_save", "must_recompute"):
-            for pattern in policies.unmatched_patterns([r.joint_problem for r in ran], getattr(options, option)):
-                self._warn_once(
-                    f"{option}:{pattern}",
-                    f"ckptc: the {option} pattern {pattern!r} matches no value of {type(self.model).__name__}'s "
-                    "training step, so it changes nothing. Patterns match stable names 'module.path.op_ordinal' "
-                    "(e.g. 'transformer.h.*.attn.*', '*.softmax*'); `ckptc show` on a saved plan lists them.",
-                )
+        policies.warn_unmatched_patterns(
+            self.model, type(self.model).__name__, [r.joint_problem for r in ran], self.template.options
+        )
 
     def _warn_once(self, key: str, message: str) -> None:
         warn_once(self, key, message, stacklevel=6)  # past _warn_once, call(), _call()
