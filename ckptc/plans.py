@@ -658,7 +658,14 @@ def _op_differences(expected: GraphPlan, jp: "JointProblem") -> str:
             "another device type has that device's kernel instead, which saves other tensors for backward: plan "
             "for this device (ckptc.plan(..., device=...) plans offline)"
         )
-    return "; ".join(words + ["otherwise the model's code or configuration changed"])
+    return "; ".join(
+        words
+        + [
+            "otherwise the plan was made for the other compiler (compiler='eager' or 'inductor': their graphs "
+            "are traced with different decompositions; plan with the compiler you train with), or the model's "
+            "code or configuration changed"
+        ]
+    )
 
 
 def _input_differences(planned: list[list[Any]], captured: list[list[Any]]) -> list[str]:
