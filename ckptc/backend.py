@@ -59,6 +59,13 @@ def backend(
     checked = CheckpointOptions.from_user(options, budget_gb=budget_gb)
     source = None
     if plan is not None:
+        chosen = [name for name in ("strategy", "solver", "must_save", "must_recompute") if options.get(name)]
+        chosen = [n for n in chosen if options[n] != getattr(CheckpointOptions(), n)]
+        if chosen:
+            raise InvalidArgumentError(
+                f"plan= applies a plan as it is, so {', '.join(chosen)} would change nothing; pass them to "
+                "ckptc.plan when making the plan, or drop plan= to plan here"
+            )
         source, budget = applied_plan(plan, checked.budget_bytes)
         checked = checked.replace(budget_bytes=budget)
     return CheckpointCompiler(checked, model=model, plan_source=source, progress=progress)

@@ -448,3 +448,10 @@ def test_a_hierarchical_plans_block_counts_are_whole_numbers(planned, tmp_path: 
     data["graphs"][0]["plan"]["info"]["details"] = {"blocks": 4, "block_classes": 1, detail: value}
     with pytest.raises(ckptc.CorruptPlanError, match=rf"'graphs\[0\]\.plan\.info\.details\.{detail}'"):
         ckptc.load_plan(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize("option", [{"strategy": "none"}, {"solver": "chen_greedy"}, {"must_save": ["*"]}])
+def test_a_plan_applied_with_options_that_would_change_nothing_is_refused(option: dict[str, Any]) -> None:
+    """``optimize(plan=..., strategy="none")`` applied the plan and reported strategy 'none'."""
+    with pytest.raises(ckptc.InvalidArgumentError, match="applies a plan as it is"):
+        ckptc.optimize(torch.nn.Linear(2, 2), plan=ModelPlan([], None, "auto", "auto"), **option)
