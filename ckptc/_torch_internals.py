@@ -7,6 +7,7 @@ Everything here is a thin alias or adapter: no ckptc logic lives here.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
@@ -215,6 +216,21 @@ def _unbounded(top: Any) -> bool:
     return top == int_oo or top == sympy.oo or not top.is_finite
 
 
+_DYNAMIC_AT_HINTS: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptc_dynamic_at_hints", default=False)
+
+
+@contextlib.contextmanager
+def dynamic_sizes_at_hints() -> Iterator[None]:
+    """Inside: :func:`upper_bound` gives a size of dynamic dimensions its hint, the size it was captured
+    with, even where guards gave its range a finite top (``torch.compile(dynamic=True)``: a sequence
+    length bounded by a 2048-position table would be priced at 2048)."""
+    token = _DYNAMIC_AT_HINTS.set(True)
+    try:
+        yield
+    finally:
+        _DYNAMIC_AT_HINTS.reset(token)
+
+
 def upper_bound(value: Any) -> int | None:
     """The largest value an int-like can take: itself if concrete, else the top of its symbolic range.
 
@@ -235,6 +251,8 @@ def upper_bound(value: Any) -> int | None:
         constant = node.maybe_as_int() if isinstance(value, torch.SymInt) else None
         if constant is not None:
             return constant
+        if _DYNAMIC_AT_HINTS.get() and node.has_hint():
+            return int(node.hint) if isinstance(value, torch.SymInt) else int(float(node.hint)) + 1
         top = node.shape_env.bound_sympy(node.expr).upper
         if _unbounded(top):
             # A dimension made dynamic without a max (torch.compile(dynamic=True)) is priced at the

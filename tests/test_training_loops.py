@@ -476,6 +476,31 @@ def test_torch_compile_backend_trains_like_eager_on_two_shapes(dynamic: bool) ->
         torch.compile(copy.deepcopy(reference), backend="ckptc", mode="max-autotune")(torch.randn(4, WIDTH))
 
 
+class _PositionTable(nn.Module):
+    """Adds rows of a 2048-position table: under ``dynamic=True`` Dynamo's guards bound the length by 2048."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(2048, 64))
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x + self.pos[: x.shape[1]])).square().mean()
+
+
+def test_the_torch_compile_backend_prices_dynamic_sizes_at_the_sizes_it_captured() -> None:
+    """A length bounded by a guard (a slice of a 2048-position table) was priced at 2048, not at the length
+    captured (the unoptimized peak of 48 positions was 1.45x the static one)."""
+    peaks = []
+    for dynamic in (False, True):
+        torch.manual_seed(0)
+        compiler = ckptc.backend(budget_bytes=10**9)
+        torch.compile(_PositionTable(), backend=compiler, dynamic=dynamic)(torch.randn(4, 48, 64)).backward()
+        peaks.append(compiler.plan.unoptimized_peak_bytes)
+        torch.compiler.reset()
+    assert peaks[1] == peaks[0], peaks
+
+
 def test_the_torch_compile_backend_measures_the_first_step_of_each_size_a_dynamic_plan_runs() -> None:
     """A graph with symbolic sizes is planned at the size it was captured with and runs larger ones on the
     same plan: the first step of each size is measured, and one over the budget is refused at the next call

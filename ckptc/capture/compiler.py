@@ -21,6 +21,7 @@ in the same step (a siamese model; :mod:`ckptc.runtime.step` tracks steps).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -250,7 +251,10 @@ class CheckpointCompiler:
         self.symbolic = self.symbolic or symbolic
         # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
         # refused now, not run at its floor to see the whole step first.
-        compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=symbolic and not self.track_steps)
+        with self._pricing_sizes():
+            compiled, record, plans = self._plan_graph(
+                gm, example_inputs, index, final=symbolic and not self.track_steps
+            )
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.rewrite.unused_grads).
@@ -275,11 +279,12 @@ class CheckpointCompiler:
                     events.planned()
                 planned_under = account
                 try:
-                    again = self._plan_again(plans, gm, example_inputs, index) if plans is not None else None
-                    if again is not None:
-                        record = again
-                    else:
-                        compiled, record, plans = self._plan_graph(gm, example_inputs, index)
+                    with self._pricing_sizes():
+                        again = self._plan_again(plans, gm, example_inputs, index) if plans is not None else None
+                        if again is not None:
+                            record = again
+                        else:
+                            compiled, record, plans = self._plan_graph(gm, example_inputs, index)
                 except solvers.InfeasibleBudgetError as error:
                     refusal = self.replans.refusal(error)
                     if refusal is error:
@@ -373,6 +378,11 @@ class CheckpointCompiler:
                     return None  # AOTAutograd reordered the inputs: leave accumulation to autograd
                 parameters[i] = real
         return GradientSink(parameters) if parameters else None
+
+    def _pricing_sizes(self) -> Any:
+        """How dynamic sizes are priced: a backend prices them at the sizes it captured (its check
+        measures the first step of every size), ``optimize`` at the top of their length bucket."""
+        return contextlib.nullcontext() if self.track_steps else internals.dynamic_sizes_at_hints()
 
     def _checks_own_steps(self, budget_bytes: int | None) -> bool:
         """Whether this compiler runs a backend's run-time check of its steps: no caller tracks them
