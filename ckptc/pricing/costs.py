@@ -562,16 +562,26 @@ def _materialize(v: Any, memory_format: torch.memory_format | None = None) -> An
             if memory_format is not None:
                 real = torch.empty(shape, dtype=v.dtype, device=v.device, memory_format=memory_format)
             else:
-                real = torch.empty_strided(shape, _priced_shape(v.stride()), dtype=v.dtype, device=v.device)
+                # Filled as the flat storage it views: strides may overlap (an expanded input, stride 0),
+                # and an in-place fill of overlapping memory is refused.
+                strides = _priced_shape(v.stride())
+                extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) if all(shape) else 0
+                flat = _filled(torch.empty(extent, dtype=v.dtype, device=v.device))
+                return flat.as_strided(shape, strides)
         except RuntimeError:  # layouts without strides (sparse, nested)
             real = torch.empty(shape, dtype=v.dtype, device=v.device)
-        if v.dtype.is_floating_point or v.dtype.is_complex:
-            return real.normal_()
-        return real.fill_(1 if v.dtype == torch.bool else 0)
+        return _filled(real)
     if isinstance(v, (torch.SymInt, torch.SymFloat)):
         # A real op given a symbolic size would pin it to one value (the graph would lose its range).
         return priced_size(v, "a size argument")
     return v
+
+
+def _filled(real: torch.Tensor) -> torch.Tensor:
+    """``real`` filled in place: random floats, zeros for integers (safe indices), ones for booleans."""
+    if real.dtype.is_floating_point or real.dtype.is_complex:
+        return real.normal_()
+    return real.fill_(1 if real.dtype == torch.bool else 0)
 
 
 def _materialize_node(node: fx.Node) -> Any:
