@@ -73,6 +73,7 @@ from typing import Any, Callable
 from solvers.errors import InfeasibleBudgetError, SolverError, format_bytes
 from solvers.milp import (
     WORK_LIMIT_STATUS,
+    MilpBuildTimeout,
     MilpModel,
     SolveOutcome,
     StageGraph,
@@ -344,22 +345,32 @@ def ilp(
             start_plan = None
     target = budget_bytes
     last_error = None
-    solving_spent = 0.0
     for _attempt in range(_RETRIES):
-        attempt = _build_and_solve(
-            problem,
-            graph,
-            target,
-            max_variables,
-            start_plan,
-            max(0.5, time_limit - solving_spent),
-            threads,
-            mip_gap,
-            progress,
-            work_limit,
-        )
+        try:
+            attempt = _build_and_solve(
+                problem,
+                graph,
+                target,
+                max_variables,
+                start_plan,
+                max(0.5, time_limit - (time.perf_counter() - started)),
+                threads,
+                mip_gap,
+                progress,
+                work_limit,
+                deadline=started + time_limit,
+            )
+        except MilpBuildTimeout as timeout:
+            if start_plan is None:
+                raise SolverError(
+                    f"ilp: {timeout} of {time_limit:g} s, and no plan was found to start from. What to do: "
+                    "solver='auto' (block menus and an exact chain DP, seconds on any graph), or a larger time_limit"
+                ) from None
+            log.warning("ilp: %s of %g s; returning the plan it would have started from", timeout, time_limit)
+            return _finish(
+                problem, start_plan, budget_bytes, started, SolveInfo(status="time_limit", candidate="warm start")
+            )
         model, outcome = attempt.model, attempt.outcome
-        solving_spent += attempt.solving_seconds
         if outcome.status not in ("optimal", "time_limit", "feasible", WORK_LIMIT_STATUS):
             remaining = max(1.0, time_limit - (time.perf_counter() - started))
             plan, info = _without_a_solution(
@@ -450,13 +461,14 @@ def _build_and_solve(
     mip_gap: float,
     progress: Progress | None,
     work_limit: int | None = None,
+    deadline: float | None = None,
 ) -> _Attempt:
     """Build the MILP for peak ``target`` and solve it (from ``start_plan`` when given); if the solver's
     solution disagrees with its objective, solve again without the start."""
     build_started = time.perf_counter()
     if progress is not None:
         progress(0.05, "ilp: building the MILP")
-    model = MilpModel(problem, graph, target, max_variables)
+    model = MilpModel(problem, graph, target, max_variables, deadline=deadline)
     build_seconds = time.perf_counter() - build_started
     start = _start_from_plan(problem, model, start_plan) if start_plan is not None else None
     if progress is not None:

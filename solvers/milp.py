@@ -165,15 +165,27 @@ def stage_graph(problem: Problem) -> StageGraph:
 
 
 # ============================================================== the model
+class MilpBuildTimeout(SolverError):
+    """Building the MILP took longer than its solver's time limit (pulp builds large models slowly)."""
+
+
 class MilpModel:
     """The MILP in pulp form, plus what is needed to read a schedule back."""
 
-    def __init__(self, problem: Problem, graph: StageGraph, budget: int | None, max_variables: int) -> None:
+    def __init__(
+        self,
+        problem: Problem,
+        graph: StageGraph,
+        budget: int | None,
+        max_variables: int,
+        deadline: float | None = None,
+    ) -> None:
         import pulp
 
         self.pulp = pulp
         self.problem, self.g = problem, graph
         self.budget = budget
+        self.deadline = deadline  # time.perf_counter() past which building stops (MilpBuildTimeout)
         # Auxiliary "alive" variables and their lower bounds, to complete warm starts.
         self.aux: list[tuple[Any, list[Any]]] = []
         self._n_aux = 0
@@ -214,6 +226,7 @@ class MilpModel:
         R: list[dict[int, Any]] = [dict() for _ in range(B)]
         S: list[dict[int, Any]] = [dict() for _ in range(B + 1)]
         for t in range(B):
+            self._check_deadline()
             for i in range(F):
                 if g.last_stage[i] < t:
                     continue
@@ -231,6 +244,13 @@ class MilpModel:
 
     def r_of(self, t: int, i: int) -> Any:
         return self.R[t].get(i, 0)
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise MilpBuildTimeout(
+                f"building the MILP ({len(self.g.forward)} forward values, {len(self.g.backward)} backward stages) "
+                "took longer than the time limit"
+            )
 
     # -- constraints -------------------------------------------------------
     def add_constraints(self) -> None:
@@ -368,6 +388,7 @@ class MilpModel:
         g, R, S = self.g, self.R, self.S
         scratch = scratch_bytes(self.problem)
         for t in range(len(g.backward)):
+            self._check_deadline()
             reads_t = set(g.reads[t])
             for k in sorted(R[t]):
                 terms = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -379,6 +380,22 @@ def test_time_limit_returns_the_best_plan_found_with_a_warning(caplog):
         assert plan.info.bound <= result.recompute_cost + EPS
         assert plan.info.gap is not None and plan.info.gap >= 0
     assert plan.info.solve_seconds > 0 and plan.info.predicted_peak_bytes == result.peak_bytes
+
+
+def test_the_time_limit_bounds_building_the_milp_too(caplog):
+    """Building the MILP in pulp took minutes on a 2-layer Gemma while time_limit bounded only the solve:
+    past the limit the solver returns the plan it would have started from, within the budget."""
+    problem = _hard_chain(60)
+    budget = min_feasible_budget(problem)
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="solvers.ilp"):
+        plan = ilp(problem, budget, time_limit=1e-9)
+    assert time.perf_counter() - started < 30
+    assert plan.info.status == "time_limit" and plan.info.candidate == "warm start"
+    assert simulate(problem, plan).peak_bytes <= budget
+    assert any("took longer than the time limit" in r.getMessage() for r in caplog.records)
+    with pytest.raises(SolverError, match="solver='auto'"):
+        ilp(problem, budget, time_limit=1e-9, warm_start=False)
 
 
 def test_ilp_refuses_models_that_are_too_large():
