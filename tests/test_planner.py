@@ -272,3 +272,21 @@ def test_below_the_entry_points_the_budget_is_read_from_the_step_account():
     from ckptc.planning.planner import decide
 
     assert "budget_bytes" not in inspect.signature(decide).parameters
+
+
+def test_a_refusal_says_what_the_step_holds_beyond_its_activations() -> None:
+    """Under DDP the floor counts the gradient buckets, and the refusal gave only the floor."""
+    import solvers
+    from ckptc.options import CheckpointOptions
+    from ckptc.planning.account import StepAccount
+    from ckptc.planning.planner import _refusal
+
+    account = StepAccount(budget_bytes=1000, rank_bytes=400, gradients_resident=True)
+    error = _refusal(solvers.InfeasibleBudgetError(1000, 1500), 1500, CheckpointOptions(), account)
+    message = str(error)
+    assert error.min_feasible_bytes == 1500 and "400 bytes DDP or FSDP2" in message and "bucket_cap_mb" in message
+    assert "zero_grad(set_to_none=True)" in message and "at least 1500 bytes" in message
+    plain = _refusal(
+        solvers.InfeasibleBudgetError(1000, 1500), 1500, CheckpointOptions(), StepAccount(budget_bytes=1000)
+    )
+    assert "What to do" not in str(plain)

@@ -139,6 +139,11 @@ class StepAccount:
             )
         if self.correction_bytes:
             said.append(f"{self.correction_bytes} bytes a measured step showed the prediction missed")
+        if self.rank_bytes:
+            said.append(
+                f"{self.rank_bytes} bytes DDP or FSDP2 hold beside the graphs on this rank (gradient buckets, "
+                "gathered parameters): smaller buckets (DDP's bucket_cap_mb) leave more for activations"
+            )
         return said
 
     def graph_budget(self, index: int) -> int | None:

@@ -319,7 +319,7 @@ def decide(
             infeasible = True  # earlier graphs of the step may keep less: seen by the caller
             plan = floor_plan
         else:
-            raise _refusal(error, step_floor, options) from None
+            raise _refusal(error, step_floor, options, account) from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
     unoptimized = keep_all.peak_bytes
     record = GraphRecord(
@@ -355,13 +355,29 @@ def decide(
 
 
 def _refusal(
-    error: solvers.InfeasibleBudgetError, step_floor: int, options: CheckpointOptions
+    error: solvers.InfeasibleBudgetError,
+    step_floor: int,
+    options: CheckpointOptions,
+    account: StepAccount | None = None,
 ) -> solvers.InfeasibleBudgetError:
-    """The error for a graph that cannot fit: the step's floor, or (when ckptc could plan the budget
-    but the chosen solver or preset cannot) that solver's own floor and what to do."""
+    """The error for a graph that cannot fit: the step's floor (with what the step holds beyond a plain
+    one, :meth:`StepAccount.beyond_a_plain_step`), or (when ckptc could plan the budget but the chosen
+    solver or preset cannot) that solver's own floor and what to do."""
     budget = error.budget_bytes
     if step_floor > budget:
-        return solvers.InfeasibleBudgetError(budget, step_floor)
+        held = account.beyond_a_plain_step() if account is not None else []
+        if not held:
+            return solvers.InfeasibleBudgetError(budget, step_floor)
+        plain = str(solvers.InfeasibleBudgetError(budget, step_floor))
+        explained = solvers.InfeasibleBudgetError(
+            budget,
+            step_floor,
+            f"{plain}; its floor counts what the step holds beyond its graphs' activations:\n- "
+            + "\n- ".join(held)
+            + f"\nWhat to do: give a budget of at least {step_floor} bytes, or change the loop as said above.",
+        )
+        explained._explained = True  # type: ignore[attr-defined]  # (Replans.refusal adds nothing more)
+        return explained
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
     if options.strategy == "auto" and options.solver == "auto":
         return solvers.InfeasibleBudgetError(
