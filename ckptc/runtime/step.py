@@ -261,7 +261,7 @@ class StepRuntime:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
-        signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_state_signature(self.model),))
+        signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_weights_signature(self.model),))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
         resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
@@ -659,7 +659,7 @@ def _carries_loss(output: Any, depth: int = 0) -> bool:
     return False
 
 
-def _state_signature(model: torch.nn.Module) -> int:
+def _weights_signature(model: torch.nn.Module) -> int:
     """The dtypes and devices of ``model``'s parameters and buffers, hashed: after ``model.double()``
     or ``.to(device)`` every activation changes size, so a plan made before does not apply."""
     tensors = itertools.chain(model.parameters(), model.buffers())
