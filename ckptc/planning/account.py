@@ -146,6 +146,23 @@ class StepAccount:
             )
         return said
 
+    def explained_refusal(self, error: solvers.InfeasibleBudgetError, lead: str) -> solvers.InfeasibleBudgetError:
+        """``error`` with what this account counts beyond a plain step (:meth:`beyond_a_plain_step`) and
+        what to do, after ``lead``; ``error`` itself when it counts nothing more or was explained already."""
+        held = self.beyond_a_plain_step()
+        floor = error.min_feasible_bytes
+        if not held or floor is None or getattr(error, "_explained", False):
+            return error
+        explained = solvers.InfeasibleBudgetError(
+            error.budget_bytes,
+            floor,
+            f"{error}{lead}:\n- "
+            + "\n- ".join(held)
+            + f"\nWhat to do: give a budget of at least {floor} bytes, or change the loop as said above.",
+        )
+        explained._explained = True  # type: ignore[attr-defined]  # a caller up the stack adds nothing more
+        return explained
+
     def graph_budget(self, index: int) -> int | None:
         """The budget graph ``index`` is planned under: the step's, or a lower one of its own
         (:attr:`graph_budgets`)."""

@@ -365,19 +365,10 @@ def _refusal(
     solver or preset cannot) that solver's own floor and what to do."""
     budget = error.budget_bytes
     if step_floor > budget:
-        held = account.beyond_a_plain_step() if account is not None else []
-        if not held:
-            return solvers.InfeasibleBudgetError(budget, step_floor)
-        plain = str(solvers.InfeasibleBudgetError(budget, step_floor))
-        explained = solvers.InfeasibleBudgetError(
-            budget,
-            step_floor,
-            f"{plain}; its floor counts what the step holds beyond its graphs' activations:\n- "
-            + "\n- ".join(held)
-            + f"\nWhat to do: give a budget of at least {step_floor} bytes, or change the loop as said above.",
-        )
-        explained._explained = True  # type: ignore[attr-defined]  # (Replans.refusal adds nothing more)
-        return explained
+        plain = solvers.InfeasibleBudgetError(budget, step_floor)
+        if account is None:
+            return plain
+        return account.explained_refusal(plain, "; its floor counts what the step holds beyond its graphs' activations")
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
     if options.strategy == "auto" and options.solver == "auto":
         return solvers.InfeasibleBudgetError(

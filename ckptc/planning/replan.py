@@ -207,20 +207,11 @@ class Replans:
         """What to raise when a plan made again no longer fits: after counted corrections, the
         measured step's :class:`~ckptc.errors.BudgetExceededError`; otherwise ``error`` itself."""
         if not self.account.correction_bytes or error.min_feasible_bytes is None:
-            counted = self.account.beyond_a_plain_step()
-            if not counted or error.min_feasible_bytes is None or getattr(error, "_explained", False):
-                return error
-            explained = type(error)(
-                error.budget_bytes,
-                error.min_feasible_bytes,
-                f"{error}\nThis step was planned again counting what the calls before it showed it holds "
-                "beyond a plain step (so its floor is above ckptc.capture's floor_bytes):\n- "
-                + "\n- ".join(counted)
-                + f"\nWhat to do: give a budget of at least {error.min_feasible_bytes} bytes, or change the loop "
-                "as said above.",
+            return self.account.explained_refusal(
+                error,
+                "\nThis step was planned again counting what the calls before it showed it holds beyond a plain "
+                "step (so its floor is above ckptc.capture's floor_bytes)",
             )
-            explained._explained = True  # type: ignore[attr-defined]
-            return explained
         peak = self.over_budget_peak_bytes
         return BudgetExceededError(peak, error.budget_bytes, error.min_feasible_bytes, self.replans)
 
