@@ -251,10 +251,7 @@ class CheckpointCompiler:
         self.symbolic = self.symbolic or symbolic
         # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
         # refused now, not run at its floor to see the whole step first.
-        with self._pricing_sizes():
-            compiled, record, plans = self._plan_graph(
-                gm, example_inputs, index, final=symbolic and not self.track_steps
-            )
+        compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=symbolic and not self.track_steps)
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.rewrite.unused_grads).
@@ -279,12 +276,11 @@ class CheckpointCompiler:
                     events.planned()
                 planned_under = account
                 try:
-                    with self._pricing_sizes():
-                        again = self._plan_again(plans, gm, example_inputs, index) if plans is not None else None
-                        if again is not None:
-                            record = again
-                        else:
-                            compiled, record, plans = self._plan_graph(gm, example_inputs, index)
+                    again = self._plan_again(plans, gm, example_inputs, index) if plans is not None else None
+                    if again is not None:
+                        record = again
+                    else:
+                        compiled, record, plans = self._plan_graph(gm, example_inputs, index)
                 except solvers.InfeasibleBudgetError as error:
                     refusal = self.replans.refusal(error)
                     if refusal is error:
@@ -319,10 +315,11 @@ class CheckpointCompiler:
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
             start = time.perf_counter()
-            joint = self._price(joint)
-            forward, backward = self._plan_priced(
-                joint, num_fwd_outputs, gm, example_inputs, index=index, final=final, start=start
-            )
+            with self._pricing_sizes():
+                joint = self._price(joint)
+                forward, backward = self._plan_priced(
+                    joint, num_fwd_outputs, gm, example_inputs, index=index, final=final, start=start
+                )
             if self._just_planned is not None:
                 planned.append(self._just_planned)
                 if not final and self._swaps_plans(forward, num_fwd_outputs):
@@ -353,9 +350,16 @@ class CheckpointCompiler:
         """Plan graph ``index`` again under the current account, from its priced joint graph, and
         swap the plan in behind its AOTAutograd function: neither Dynamo's graph nor the joint graph
         is traced again, nor priced.  None (after planning) if the new plan cannot run there."""
-        forward, backward = self._plan_priced(
-            plans.joint, plans.num_fwd_outputs, gm, example_inputs, index=index, final=False, start=time.perf_counter()
-        )
+        with self._pricing_sizes():
+            forward, backward = self._plan_priced(
+                plans.joint,
+                plans.num_fwd_outputs,
+                gm,
+                example_inputs,
+                index=index,
+                final=False,
+                start=time.perf_counter(),
+            )
         record, self._just_planned = self._just_planned, None
         if record is None or not self._swaps_plans(forward, plans.num_fwd_outputs):
             return None
