@@ -232,11 +232,15 @@ def optimize(
         measure_time / measure_scratch: price recomputation by measured seconds
             instead of FLOPs; measure kernels' scratch memory (on by default).
         hold_outputs: whether the caller keeps forward results other than the
-            loss (logits) alive until backward ends.  None (default) decides:
-            if the model computes and returns its own scalar loss
-            (``model(x, labels=y).loss``) the other results count only during
-            forward, else (``loss = criterion(model(x), y)``) they count until
-            backward ends.  True/False overrides.
+            loss (logits) alive until backward ends.  None (default) watches:
+            the first plans count them held until a step shows what the caller
+            does; if the model computes and returns its own scalar loss and the
+            caller dropped the results before backward ended
+            (``loss = model(x, labels=y).loss``), the step is planned again with
+            them counted only during forward.  Without its own loss
+            (``loss = criterion(model(x), y)``) they count until backward ends.
+            True (results held, and their gradients counted: the loss may use
+            them) / False (dropped after forward) decide upfront.
         verify: measure the peak of the first step of every plan (forward start
             to backward end) and, if it exceeds the budget, plan again with
             the excess counted (at most 3 times, then raise

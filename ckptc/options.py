@@ -84,7 +84,8 @@ class CheckpointOptions:
         measure_scratch: run each distinct op once on random data to measure the
             temporary memory it allocates (the budget counts it).
         hold_outputs: whether forward results other than what backward needs
-            stay alive until backward ends (None: decided per graph).
+            stay alive until backward ends (None: a training loop counts them held
+            until a step shows; a capture decides per graph, see ``ckptc.optimize``).
         time_limit: seconds the "ilp" solver may spend (None: its default); "auto" and
             "hierarchical" stop at deterministic work limits and ignore it, so plans never
             depend on machine load.

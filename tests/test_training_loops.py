@@ -18,6 +18,7 @@ Models are tiny (a 4-layer MLP) so the module runs in well under a minute on one
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import subprocess
 import sys
@@ -518,6 +519,28 @@ def test_the_torch_compile_backend_measures_the_first_step_of_each_size_a_dynami
         plain(compiled, [large])
 
 
+def test_the_torch_compile_backend_measures_a_size_again_once_a_new_graph_may_run_it() -> None:
+    """With ``dynamic`` left to Dynamo, a second batch size compiles a graph with a symbolic batch, and
+    the first size runs on it from then on: verified on the first, static graph, it is measured again
+    (before: never, and it ran 1.055x over the budget on every step without a word).  The budget then
+    holds on every later step, measured independently, or a clear refusal says what to do."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = _Net(loss_inside=True)
+    sizes = [BATCH, BATCH // 4, 3 * BATCH // 4, BATCH // 2]
+    budget = int(0.95 * _peak(plain, copy.deepcopy(model), copy.deepcopy(model), [torch.randn(BATCH, WIDTH)]))
+    compiled = torch.compile(model, backend=ckptc.backend(budget_bytes=budget))
+    try:
+        for step in range(12):
+            x = torch.randn(sizes[step % 4], WIDTH)
+            if step >= 8:
+                assert _peak(plain, compiled, model, [x]) <= budget, (step, len(x))
+            else:
+                plain(compiled, [x])
+    except ckptc.BudgetExceededError as refused:
+        assert "dynamic=False" in str(refused)
+
+
 def test_the_torch_compile_backend_plans_a_new_input_shape_on_its_own() -> None:
     """A shape compiled at the start of a step is planned without the last step's graphs counted as
     earlier graphs of its step (a budget the new shape fits was refused)."""
@@ -674,3 +697,108 @@ def test_a_step_refused_for_what_the_loop_holds_says_what_that_is_and_what_to_do
     message = str(refused.value)
     assert "gradients, resident" in message and "zero_grad(set_to_none=True)" in message  # before: the floor only
     assert f"at least {refused.value.min_feasible_bytes} bytes" in message
+
+
+class _Classifier(nn.Module):
+    """Returns its own loss beside logits wider than its activations, as a language model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(4))
+        self.head = nn.Linear(WIDTH, 8 * WIDTH)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def _keeps_the_output(model: Any, x: torch.Tensor, labels: torch.Tensor) -> None:
+    out = model(x, labels)  # the Hugging Face loop: `outputs = model(**batch); outputs.loss.backward()`
+    out["loss"].backward()
+
+
+def _drops_the_output(model: Any, x: torch.Tensor, labels: torch.Tensor) -> None:
+    loss = model(x, labels)["loss"]  # the Trainer's way: only the loss outlives the call
+    loss.backward()
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+@pytest.mark.parametrize("loop", [_keeps_the_output, _drops_the_output], ids=["keeps the output", "drops it"])
+def test_a_model_returning_its_loss_fits_the_budget_from_the_step_that_plans(
+    entry: str, loop: Callable, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whether the caller keeps the output object (logits) until backward ends looks the same to the
+    graphs: the step that plans counts the logits held, so it fits either way (before, keeping the
+    output measured above the budget on that step, with a warning); a step whose logits died before
+    its backward ended lets them go and plans once more (that step's measurement then belongs to the
+    plans replaced), a step that kept them plans nothing more.  Every later step is measured
+    independently, within the budget; gradients equal eager's throughout; nothing is warned."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _Classifier()
+    x, labels = torch.randn(BATCH, WIDTH), torch.randint(0, 8 * WIDTH, (BATCH,))
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    _keeps_the_output(eager, x, labels)
+    _zero(eager)
+    # Below eager's peak with the logits held, above ckptc's floor with them held (their gradients absent).
+    peak = measure_peak(lambda: _keeps_the_output(eager, x, labels), baseline_bytes=resident_bytes(eager, (x, labels)))
+    budget = int(0.95 * peak[1].peak_bytes)
+    if entry == "optimize":
+        fast = ckptc.optimize(model, budget_bytes=budget)
+        plans_made, measured = lambda: _plans_made(fast), lambda: fast.plan.measured_peak_bytes
+    else:
+        backend = ckptc.backend(budget_bytes=budget, model=model)
+        fast = torch.compile(model, backend=backend)
+        plans_made, measured = lambda: backend.plans_made, lambda: backend.step_check.measured_peak_bytes
+    for step in range(4):
+        _zero(eager), _zero(model)
+        loop(eager, x, labels)
+        if step == 0:
+            with caplog.at_level(logging.WARNING, logger="ckptc"):
+                loop(fast, x, labels)
+            assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            if loop is _keeps_the_output:
+                assert measured() is not None and measured() <= budget, (measured(), budget)
+            first_plans = plans_made()
+        else:
+            baseline = resident_bytes(model, (x, labels))
+            peak = measure_peak(lambda: loop(fast, x, labels), baseline_bytes=baseline)[1].peak_bytes
+            assert peak <= budget, (step, peak, budget)
+        _assert_same_gradients(model, eager)
+    replanned = plans_made() - first_plans
+    assert replanned == (0 if loop is _keeps_the_output else first_plans), replanned
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_budget_with_no_room_for_held_logits_plans_them_dropped_and_says_so(
+    entry: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A budget that fits the step only when the caller drops the logits before backward (as the
+    Trainer does) is planned that way, with a warning, instead of refused: the dropping loop trains
+    like eager within it from the step that plans."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _Classifier()
+    x, labels = torch.randn(BATCH, WIDTH), torch.randint(0, 8 * WIDTH, (BATCH,))
+    dropped = ckptc.capture(copy.deepcopy(reference), (x, labels))  # ckptc.capture counts them dropped
+    budget = (dropped.floor_bytes + dropped.unoptimized_peak_bytes) // 2
+    assert budget < ckptc.capture(copy.deepcopy(reference), (x, labels), hold_outputs=True).floor_bytes
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    if entry == "optimize":
+        fast = ckptc.optimize(model, budget_bytes=budget)
+        measured = lambda: fast.plan.measured_peak_bytes  # noqa: E731
+    else:
+        backend = ckptc.backend(budget_bytes=budget, model=model)
+        fast = torch.compile(model, backend=backend)
+        measured = lambda: backend.step_check.measured_peak_bytes  # noqa: E731
+    for _ in range(2):
+        _zero(eager), _zero(model)
+        _drops_the_output(eager, x, labels)
+        with caplog.at_level(logging.WARNING, logger="ckptc"):
+            _drops_the_output(fast, x, labels)
+        assert measured() is not None and measured() <= budget, (measured(), budget)
+        _assert_same_gradients(model, eager)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "leaves no room to hold the step's results" in warned[0], warned

@@ -126,12 +126,16 @@ class CheckpointCompiler:
         if replans is None:
             # A backend's own run-time check sees the whole step before earlier graphs plan again
             # for a later one that cannot fit (ckptc.runtime.watch), as the step runtime does.
+            checked = self._checks_own_steps(options.budget_bytes)
             account = StepAccount(
                 budget_bytes=options.budget_bytes,
                 hold_outputs=options.hold_outputs,
-                defer_infeasible=self._checks_own_steps(options.budget_bytes),
+                result_gradients=options.hold_outputs is True,  # held results may feed the caller's loss
+                defer_infeasible=checked,
             )
-            replans = Replans(account)
+            # Results counted held until a checked step shows whether the caller holds them (a plan
+            # file was made under ckptc.capture's choice: applied under it).
+            replans = Replans(account, watch_outputs=checked and plan_source is None)
         self.replans = replans
         # The account of the latest plan made (None before the first).
         self.planned_account: StepAccount | None = None
@@ -251,7 +255,13 @@ class CheckpointCompiler:
         self.symbolic = self.symbolic or symbolic
         # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
         # refused now, not run at its floor to see the whole step first.
-        compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=symbolic and not self.track_steps)
+        final = symbolic and not self.track_steps
+        try:
+            compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final)
+        except solvers.InfeasibleBudgetError as error:
+            if not self.replans.letting_results_go_for_room(error):
+                raise
+            compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final)
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.rewrite.unused_grads).
@@ -517,7 +527,7 @@ class CheckpointCompiler:
             baseline_bytes=baseline_bytes,
             policies=policies,
             hold_outputs=self.account.hold_outputs,
-            free_unused_grads=True,
+            free_unused_grads=not self.account.result_gradients,
             in_place_backward=self.options.compiler == "eager",
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
             loss_bytes=self.account.loss_bytes,

@@ -83,6 +83,13 @@ class StepAccount:
         rank_bytes: what this rank holds outside the graphs' view (DDP buckets, FSDP2 buffers).
         hold_outputs: whether the caller holds forward results until backward
             ends (None: decided per graph, see :func:`ckptc.pricing.problem.joint_to_problem`).
+        outputs_assumed_held: ``hold_outputs`` is True only until a step shows whether the caller
+            holds the results (a training loop that was not told,
+            :meth:`ckptc.planning.replan.Replans.observed_results`).  Not compared: an account
+            that learns the caller does hold them prices the same and plans nothing again.
+        result_gradients: the loss uses results other than the model's own scalar loss
+            (``out.loss + f(out.logits)``), so their gradients arrive as tensors; otherwise a graph
+            that returns its own loss prices them as absent (:mod:`ckptc.rewrite.unused_grads`).
         graph_budgets: budgets of single graphs by index, lower than the step's
             (earlier graphs keeping less for later ones; set by the replan loop).
         defer_infeasible: plan a graph that cannot fit at its lowest peak and
@@ -104,6 +111,8 @@ class StepAccount:
     correction_bytes: int = 0
     rank_bytes: int = 0
     hold_outputs: bool | None = None
+    result_gradients: bool = False
+    outputs_assumed_held: bool = field(default=False, compare=False)
     graph_budgets: Mapping[int, int] = field(default_factory=dict)
     defer_infeasible: bool = False
     repeat_bytes: Mapping[int, int] = field(default_factory=dict)
@@ -130,8 +139,16 @@ class StepAccount:
                 "eagerly after a graph break): compute the loss inside the model, free them earlier, or "
                 "remove the graph break (the coverage report in ckptc.optimize(...).plan names it)"
             )
-        if self.hold_outputs:
-            said.append("the forward's results, held until backward ends: drop them before backward")
+        if self.result_gradients:
+            said.append(
+                "the forward's results (logits), held until backward ends with their gradients "
+                "(hold_outputs=True, or a loss that uses them beside the model's own loss)"
+            )
+        elif self.hold_outputs and not self.outputs_assumed_held:
+            said.append(
+                "the forward's results (logits), held until backward ends: drop them before backward "
+                "(loss = model(...).loss, or del the output object before loss.backward())"
+            )
         if self.repeat_bytes:
             said.append(
                 f"what earlier runs of graphs run several times in one step leave alive "

@@ -308,7 +308,9 @@ def decide(
     except solvers.InfeasibleBudgetError as error:
         if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
             # Applied as they are: a preset or a plan file has no other plan to fall back to.
-            raise solvers.InfeasibleBudgetError(error.budget_bytes, error.min_feasible_bytes, str(error)) from None
+            fixed = solvers.InfeasibleBudgetError(error.budget_bytes, error.min_feasible_bytes, str(error))
+            fixed.held_result_bytes = _held_result_bytes(jp)  # type: ignore[attr-defined]
+            raise fixed from None
         fits_alone = floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin)
         graph_budget = account.graph_budget(index)
         if plan_source is None and graph_budget is not None and keep_all.peak_bytes <= graph_budget:
@@ -319,7 +321,9 @@ def decide(
             infeasible = True  # earlier graphs of the step may keep less: seen by the caller
             plan = floor_plan
         else:
-            raise _refusal(error, step_floor, options, account) from None
+            refusal = _refusal(error, step_floor, options, account)
+            refusal.held_result_bytes = _held_result_bytes(jp)  # type: ignore[attr-defined]
+            raise refusal from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
     unoptimized = keep_all.peak_bytes
     record = GraphRecord(
@@ -352,6 +356,13 @@ def decide(
         result.recompute_cost,
     )
     return record
+
+
+def _held_result_bytes(jp: JointProblem) -> int:
+    """What a graph that cannot fit counted for results held through backward that its caller may drop
+    instead (:meth:`ckptc.planning.replan.Replans.letting_results_go_for_room`): those of a graph
+    computing its own loss."""
+    return jp.held_output_bytes if jp.own_loss else 0
 
 
 def _refusal(
@@ -449,7 +460,7 @@ class CapturedStep:
         )
         self._keep_everything = self._decide_all(
             options.replace(budget_bytes=None, strategy="none"),
-            Replans(StepAccount(hold_outputs=options.hold_outputs)),
+            Replans(StepAccount(hold_outputs=options.hold_outputs, result_gradients=options.hold_outputs is True)),
         )
         for record in self._keep_everything:  # once per graph, not per budget: every plan file carries it
             fingerprint(record.joint_problem)
@@ -485,7 +496,10 @@ class CapturedStep:
     ) -> list[GraphRecord]:
         budget = options.budget_bytes
         account = StepAccount(
-            budget_bytes=budget, hold_outputs=options.hold_outputs, defer_infeasible=budget is not None
+            budget_bytes=budget,
+            hold_outputs=options.hold_outputs,
+            result_gradients=options.hold_outputs is True,  # held results may feed the caller's loss
+            defer_infeasible=budget is not None,
         )
         return self._decide_all(options, Replans(account), plan_source, progress)
 

@@ -18,8 +18,13 @@ turns each kind of evidence into the next account, within fixed limits:
   :class:`~ckptc.errors.BudgetExceededError` (unless the same step changed the
   account first: its new plans are measured again, not corrected on top);
 * gradients resident while the step runs (accumulation, a second backward),
-  results the caller holds through backward, and what a measured step's loss
-  held between forward and backward where its peak was.
+  results whose gradients the loss turned out to use, and what a measured step's loss
+  held between forward and backward where its peak was;
+* whether the caller holds the forward's results (logits) through backward: a
+  training loop's first plans count them held, since ``out = model(**batch);
+  out.loss.backward()`` and ``loss = model(**batch).loss; loss.backward()`` look the
+  same to the graphs; a step whose results died before its backward ended lets them
+  go (:meth:`Replans.observed_results`).
 
 :func:`settle` is the loop itself, for paths that can run (or decide) a step
 again at once: :class:`ckptc.planning.planner.CapturedStep` (deciding captured graphs
@@ -33,6 +38,7 @@ next call plans under the new account.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections import Counter
 from typing import Callable, Mapping, Sequence, TypeVar
 
@@ -58,6 +64,9 @@ class Replans:
     Args:
         account: the account of the first plans, the step's budget in it (None: no limit, nothing
             to correct).
+        watch_outputs: the caller did not say whether it holds the forward's results through
+            backward (``hold_outputs=None``) and its steps will show it (a training loop): count
+            them held until then (:attr:`StepAccount.outputs_assumed_held`, :meth:`observed_results`).
 
     Attributes:
         account: the account the next plans are made under.
@@ -65,7 +74,9 @@ class Replans:
         over_budget_peak_bytes: the last measured peak above the budget (0 before one).
     """
 
-    def __init__(self, account: StepAccount) -> None:
+    def __init__(self, account: StepAccount, *, watch_outputs: bool = False) -> None:
+        if watch_outputs and account.hold_outputs is None:
+            account = account.replace(hold_outputs=True, outputs_assumed_held=True)
         self.account = account
         self.replans = 0
         self.over_budget_peak_bytes = 0
@@ -99,6 +110,9 @@ class Replans:
         """
         if any(r.infeasible for r in ran):
             assert self.budget_bytes is not None  # only a budget makes graphs infeasible
+            if any(r.joint_problem.own_loss and r.joint_problem.held_output_bytes for r in ran):
+                if self._let_results_go_for_room():
+                    return True  # planned again before earlier graphs are asked to keep less
             budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
             self._tightened += 1
             self.account = self.account.replace(graph_budgets=budgets)
@@ -195,12 +209,73 @@ class Replans:
         self.account = self.account.replace(loss_bytes=nbytes)
         return True
 
-    def holding_outputs(self) -> bool:
-        """The caller holds forward results through backward (whether the account changed)."""
-        if self.account.hold_outputs is True:
+    def counting_result_gradients(self) -> bool:
+        """The loss used results besides the model's own loss: count them held and their gradients as
+        tensors (whether the account changed)."""
+        account = self.account
+        if account.result_gradients and account.hold_outputs is True and not account.outputs_assumed_held:
             return False
         self._measured = None
-        self.account = self.account.replace(hold_outputs=True)
+        self.account = account.replace(hold_outputs=True, result_gradients=True, outputs_assumed_held=False)
+        return True
+
+    def observed_results(self, held: bool | None, ran: Sequence[GraphRecord]) -> bool:
+        """A step of the graphs ``ran`` showed whether its caller held the forward's results until its
+        backward ended (``held``; None: no backward showed it); whether the plans must be made again.
+
+        Results only assumed held (:attr:`StepAccount.outputs_assumed_held`) that died are let go:
+        graphs computing their own loss plan again with them dropped after forward.  Results counted
+        dropped that outlived the backward (a loop that keeps the output object) are counted held
+        from now on: the step's excess is theirs, and a budget without room for them is refused
+        saying so.  A caller's ``hold_outputs=True``/``False`` is never changed.
+        """
+        account = self.account
+        if held is None or account.hold_outputs is False:
+            return False
+        releases = any(r.joint_problem.own_loss and r.joint_problem.results for r in ran)
+        if held and account.hold_outputs is None and releases:
+            log.info("the caller holds the forward's results through backward: planning again counting them")
+            self._measured = None
+            self.account = account.replace(hold_outputs=True)
+            return True
+        if not account.outputs_assumed_held:
+            return False
+        if held or not releases:
+            self.account = account.replace(outputs_assumed_held=False)  # prices the same: no new plan
+            return False
+        log.info("the caller drops the forward's results before backward: planning again without them")
+        self._measured = None
+        self.account = account.replace(hold_outputs=None, outputs_assumed_held=False)
+        return True
+
+    def letting_results_go_for_room(self, error: solvers.InfeasibleBudgetError) -> bool:
+        """Whether to plan again after ``error``: the graph that could not fit computes its own loss
+        and counted its results held, which the account only assumed
+        (:attr:`StepAccount.outputs_assumed_held`).  The account then counts them dropped before
+        backward (:meth:`_let_results_go_for_room`), and the failed attempt's frames are cleared: the
+        traceback's reference cycles would otherwise keep the tensors its planning made alive
+        through the step."""
+        if not getattr(error, "held_result_bytes", 0) or not self._let_results_go_for_room():
+            return False
+        cause: BaseException | None = error
+        while cause is not None:
+            traceback.clear_frames(cause.__traceback__)
+            cause = cause.__cause__ or cause.__context__
+        return True
+
+    def _let_results_go_for_room(self) -> bool:
+        """Plan as if the caller drops the results before backward, as ``loss = model(...).loss``
+        does, where the account only assumed them held, and say so (whether the account changed)."""
+        if not self.account.outputs_assumed_held:
+            return False
+        self.account = self.account.replace(hold_outputs=None, outputs_assumed_held=False)
+        log.warning(
+            "ckptc: the budget of %s bytes leaves no room to hold the step's results (logits) through "
+            "backward; planning as if the caller drops them before backward (loss = model(...).loss). A "
+            "caller that keeps the output object until backward ends would exceed the budget on this "
+            "step; the next step is then planned holding them, or refused saying so.",
+            self.budget_bytes,
+        )
         return True
 
     def refusal(self, error: solvers.InfeasibleBudgetError) -> BaseException:
@@ -231,7 +306,12 @@ def settle(
     """
     replans.new_planning_run()
     while True:
-        result, ran = run(replans.account)
+        try:
+            result, ran = run(replans.account)
+        except solvers.InfeasibleBudgetError as error:
+            if replans.letting_results_go_for_room(error):
+                continue
+            raise
         if not replans.after_run(ran, unnamed_gradient_bytes(ran)):
             return result
         del result, ran  # the next run must not hold this one's activations

@@ -48,8 +48,9 @@ class JointProblem:
     nodes: dict[str, fx.Node] = field(repr=False)
     stable_names: dict[str, str] = field(repr=False)
     holds_outputs: bool = False
+    own_loss: bool = False  # the graph returns its own scalar loss (returns_own_loss)
     results: Mapping[str, int] = field(default_factory=dict)  # non-scalar forward results: node name -> bytes
-    free_tangents: frozenset[str] = frozenset()  # gradients of released results, priced as absent
+    free_tangents: frozenset[str] = frozenset()  # gradients of results the loss does not use, priced as absent
 
     @property
     def held_output_bytes(self) -> int:
@@ -163,9 +164,10 @@ def joint_to_problem(
             None decides from the graph (:func:`returns_own_loss`): results are
             held unless the graph computes a scalar loss of its own.
         free_unused_grads: the backward receives no tensor for the gradient of a
-            result nobody used (:mod:`ckptc.rewrite.unused_grads`).  With results released
-            (``hold_outputs`` False), such gradients are priced as free, and
-            ``add(gradient, g)`` as ``g`` itself.
+            result nobody used (:mod:`ckptc.rewrite.unused_grads`).  Where the graph
+            computes its own loss (:func:`returns_own_loss`) or its results are released
+            (``hold_outputs`` False), the other results' gradients are priced as free, and
+            ``add(gradient, g)`` as ``g`` itself: the loss does not use them, held or not.
         in_place_backward: the backward writes elementwise results into an
             operand they are the last reader of, as eager's gradient
             accumulation does (:mod:`ckptc.rewrite.lean_backward`); such ops are priced
@@ -185,8 +187,9 @@ def joint_to_problem(
     backward_results = [a for a in tree_leaves(gradients) if isinstance(a, fx.Node)]
     sunk = _sunk_gradients(gradients, accumulated_gradients)
     output_names = {n.name for n in backward_results if n.name not in sunk}
+    own_loss = returns_own_loss(forward_results)
     if hold_outputs is None:
-        hold_outputs = not returns_own_loss(forward_results)
+        hold_outputs = not own_loss
     # Scalars (the loss) stay alive: the caller holds the loss while calling backward on it.
     output_names |= {n.name for n in forward_results if hold_outputs or _numel(n) <= 1}
 
@@ -198,7 +201,8 @@ def joint_to_problem(
             # Recomputing the state capture would capture a later state: save it.
             policies[state.name] = "save"
     differentiable = _differentiable_nodes(joint, output_node, num_fwd_outputs)
-    free_tangents: dict[str, Folding] = foldable_tangents(joint.graph) if free_unused_grads and not hold_outputs else {}
+    unused = free_unused_grads and (own_loss or not hold_outputs)
+    free_tangents: dict[str, Folding] = foldable_tangents(joint.graph) if unused else {}
     # node name -> (bytes, alias_of) for nodes that vanish when those gradients are absent,
     # or that write into an operand (in_place_backward).
     vanishing: dict[str, tuple[int, str | None]] = {}
@@ -312,6 +316,7 @@ def joint_to_problem(
         nodes=nodes,
         stable_names=stable_names,
         holds_outputs=bool(hold_outputs),
+        own_loss=own_loss,
         results=results,
         free_tangents=frozenset(free_tangents),
     )

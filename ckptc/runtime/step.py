@@ -81,9 +81,13 @@ class ShapePlan:
         ranks: distributed.RankContext | None,
         *,
         gradients: bool = False,
+        watch_outputs: bool = False,
     ) -> "ShapePlan":
         """A shape not planned yet, its account from ``template``'s options, this rank's extras
-        (``ranks``) and whether the step starts with gradients resident."""
+        (``ranks``) and whether the step starts with gradients resident; ``watch_outputs``: its steps
+        will show whether the caller holds the results through backward (a training loop), so count
+        them held until then where the options leave it open (:class:`~ckptc.planning.replan.Replans`;
+        not for a plan file, made under ``ckptc.capture``'s choice)."""
         budget = template.options.budget_bytes
         account = StepAccount(
             budget_bytes=budget,
@@ -91,9 +95,16 @@ class ShapePlan:
             accumulate_in_backward=gradients and ranks is None,
             rank_bytes=ranks.baseline_bytes if ranks else 0,
             hold_outputs=template.options.hold_outputs,
+            # Results the caller says it holds may feed its loss (an auxiliary loss on the logits).
+            result_gradients=template.options.hold_outputs is True,
             defer_infeasible=budget is not None,
         )
-        return cls(key=key, compiler=template, compiled=None, replans=Replans(account))
+        return cls(
+            key=key,
+            compiler=template,
+            compiled=None,
+            replans=Replans(account, watch_outputs=watch_outputs and template.plan_source is None),
+        )
 
     @property
     def account(self) -> StepAccount:
@@ -291,10 +302,7 @@ class StepRuntime:
             if opened:
                 self._tracker.abort()
             raise
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        self._tracker.returned(tensors)
-        if tensors:
-            self._check_output_assumption(output, shape, self.active[before:])
+        self._tracker.returned([t for t in _tensors_in(output) if t.requires_grad])
         return output
 
     def _refuse_late_infeasible(self, shape: ShapePlan, ran: list[GraphRecord]) -> None:
@@ -382,7 +390,7 @@ class StepRuntime:
                     "up to a multiple of 64)."
                 )
             self.signatures_seen.add(digest)
-            shape = ShapePlan.first(key, self.template, self.ranks, gradients=gradients)
+            shape = ShapePlan.first(key, self.template, self.ranks, gradients=gradients, watch_outputs=True)
             self._compile(shape)
             self.plans[key] = shape
             while len(self.plans) > self.max_plans:
@@ -460,6 +468,8 @@ class StepRuntime:
             mine = {id(r) for r in shape.compiler.records}
             shape.last_records = [r for r in self.active if id(r) in mine]
         self._check_gradient_assumption()
+        for shape in self._step_plans:
+            shape.replans.observed_results(self._tracker.results_held, shape.last_records)
         if measurement is None:
             return
         budget = self.template.budget_bytes
@@ -490,41 +500,19 @@ class StepRuntime:
             counted,
         )
 
-    def _check_output_assumption(self, output: Any, shape: ShapePlan, ran: list[GraphRecord]) -> None:
-        """With ``hold_outputs`` decided from the graph: the graph returned a scalar it took for the
-        model's loss and let the other results die after forward; if the output carries no loss, the
-        caller holds those results through backward, so plan again holding them."""
-        if shape.account.hold_outputs is not None or _carries_loss(output):
-            return
-        released = [r for r in ran if not r.joint_problem.holds_outputs and r.joint_problem.released_output_bytes]
-        if not released:
-            return
-        self._plan_again_holding_outputs(
-            [shape],
-            "hold",
-            f"ckptc: {type(self.model).__name__} returns a scalar but no `.loss`/`['loss']`; its other results "
-            "(logits) are now counted as held until backward ends and the step is planned again. Pass "
-            "hold_outputs=True (or False if you drop them before backward) to ckptc.optimize to decide upfront.",
-        )
-
     def _check_gradient_assumption(self) -> None:
         """A plan that let the results die after forward priced their gradients as absent
         (:mod:`ckptc.rewrite.unused_grads`); if the loss used them after all, plan again holding them."""
         if not any(r.gradients_unexpected for r in self.active):
             return
-        self._plan_again_holding_outputs(
-            [s for s in self._step_plans if s.account.hold_outputs is not True],
-            "unused-grads",
-            f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` (logits); "
-            "the plan had counted them as dropped after forward, so the next call plans again with them held "
-            "until backward ends. Pass hold_outputs=True to ckptc.optimize to decide upfront.",
-        )
-
-    def _plan_again_holding_outputs(self, shapes: list[ShapePlan], key: str, message: str) -> None:
-        """The caller holds these plans' results through backward after all: plan again counting them."""
-        for shape in shapes:
-            shape.replans.holding_outputs()
-        self._warn_once(key, message)
+        changed = [s for s in self._step_plans if s.replans.counting_result_gradients()]
+        if changed:
+            self._warn_once(
+                "unused-grads",
+                f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` "
+                "(logits); the plan had priced their gradients as absent, so the next call plans again "
+                "with them held until backward ends and their gradients counted.",
+            )
 
     def _check_patterns(self, ran: list[GraphRecord]) -> None:
         """Warn once per pattern of ``must_save``/``must_recompute`` that matches nothing in the step."""
@@ -638,25 +626,6 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from _tensors_in(getattr(obj, f.name, None), depth + 1)
-
-
-def _is_scalar_loss(value: Any) -> bool:
-    return (
-        isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point and value.requires_grad
-    )
-
-
-def _carries_loss(output: Any, depth: int = 0) -> bool:
-    """Whether the model's output is or carries its own scalar loss (``.loss`` / ``["loss"]``)."""
-    if _is_scalar_loss(output):
-        return True
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if _is_scalar_loss(loss):
-        return True
-    if depth < 1:
-        children = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
-        return any(_carries_loss(c, depth + 1) for c in children if not isinstance(c, torch.Tensor))
-    return False
 
 
 def _weights_signature(model: torch.nn.Module) -> int:

@@ -15,7 +15,10 @@ graphs.  Both follow a step through one :class:`StepTracker`:
   (:func:`ckptc.meter.after_backward_returns`): stopped inside the engine's callback, the profiler
   would come back as a stale "enabled" one;
 * after a step ended by a backward its hooks stay until the next step begins: a second backward of
-  the same step (``retain_graph=True``: another autograd graph task) is reported once.
+  the same step (``retain_graph=True``: another autograd graph task) is reported once;
+* when a backward ends a step, whether the caller still holds a result other than a scalar (logits
+  beside ``.loss``) is noted (:attr:`StepTracker.results_held`), from weak references: nothing
+  the caller dropped is kept alive.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class StepTracker:
 
     Attributes:
         open: whether a step is open.
+        results_held: when a backward ended the last step, whether a result of it other than a
+            scalar was still alive (the caller holds it through backward); None when no backward
+            ended it.
     """
 
     def __init__(
@@ -65,6 +71,8 @@ class StepTracker:
         self._meter: StepMeter | None = None
         self._handles: list[Any] = []  # backward-end hooks on the step's results
         self._results: list[weakref.ref] = []
+        self._non_scalar: list[weakref.ref] = []  # results other than a loss
+        self.results_held: bool | None = None
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
 
@@ -79,6 +87,8 @@ class StepTracker:
         """Open a step (the last one's hooks go: a backward from now on belongs to this step)."""
         self._forget_hooks()
         self._results = []
+        self._non_scalar = []
+        self.results_held = None
         self.open = True
 
     def measure(self, device: torch.device, baseline_bytes: int) -> None:
@@ -102,6 +112,7 @@ class StepTracker:
         backward will come (an inference call): the step ends now, unmeasured."""
         if tensors:
             self._results.extend(weakref.ref(t) for t in tensors)
+            self._non_scalar.extend(weakref.ref(t) for t in tensors if t.numel() > 1)
             self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended))
         elif not self._handles:
             self.end(measured=False)
@@ -124,6 +135,7 @@ class StepTracker:
         if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
             self._forget_hooks()
         self._results = []
+        self._non_scalar = []
         meter, self._meter = self._meter, None
         measurement = meter.stop() if meter is not None else None
         self._on_end(measured, measurement if measured else None)
@@ -138,6 +150,7 @@ class StepTracker:
         if self._end_scheduled:
             return
         self._ended_backward = task
+        self.results_held = any(ref() is not None for ref in self._non_scalar)
         if self._meter is None or self._meter.device.type != "cpu":
             self.end(measured=True)
         elif after_backward_returns(self._end_scheduled_step):

@@ -15,6 +15,10 @@ AOTAutograd and the planner on it again; Dynamo's guards and bytecode stay):
   (``retain_graph=True``) makes the account count the gradients; a graph run
   several times in one step makes it count what earlier runs leave alive
   (:meth:`~ckptc.planning.account.StepAccount.counting_repeats`);
+* the first plans count the graphs' results (logits) held through backward; a step whose
+  results died before its backward ended, in a graph that computes its own loss, lets them go
+  (:meth:`~ckptc.planning.replan.Replans.observed_results`), and results whose gradients the
+  loss used after all are counted with their gradients;
 * the first step of each plan and of each state (gradients resident at its
   start or not) is measured from its first graph's forward to the end of its
   backward (:class:`ckptc.meter.StepMeter`), unless a graph planned after its
@@ -121,9 +125,12 @@ class BackendStepCheck:
 
     def planned(self) -> None:
         """A graph plans (and profiles ops) now: a step one of whose graphs ran already is not measured;
-        one that plans before its first graph runs is measured from that graph's start."""
+        one that plans before its first graph runs is measured from that graph's start.  What was
+        verified no longer stands: sizes verified on one graph may run on this one (Dynamo compiles a
+        graph with symbolic sizes for a second size, and runs the first size on it too from then on)."""
         if self._ran:
             self._measure = False
+        self.verified.clear()
         self._tracker.unmeasured()
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
@@ -178,8 +185,18 @@ class BackendStepCheck:
             self._count_gradients(accumulate=False)
 
     def _ended(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
-        repeats = self._count_repeats()
-        if measurement is None or repeats:
+        changed = self._count_repeats()
+        if any(r.gradients_unexpected for r in self._ran) and self.replans.counting_result_gradients():
+            log.warning(
+                "torch.compile(backend='ckptc'): the loss also used results other than the model's own loss "
+                "(logits); their gradients were priced as absent, so the graphs plan again counting them"
+            )
+            changed = True
+        if self.replans.observed_results(self._tracker.results_held, self._ran):
+            changed = True
+        if changed:
+            self._replanned()
+        if measurement is None or changed:
             return  # planned again anyway: measured under the new plan
         peak = measurement.peak_bytes
         self.measured_peak_bytes = peak
@@ -205,10 +222,7 @@ class BackendStepCheck:
         """A graph run several times in the step (two calls, layers compiled once): plan it for its last
         run.  Whether the account changed."""
         unnamed = unnamed_gradient_bytes(self.model, self._ran) if self.model is not None else 0
-        if not self.replans.after_run(self._ran, unnamed):
-            return False
-        self._replanned()
-        return True
+        return self.replans.after_run(self._ran, unnamed)
 
 
 def _device_of(args: Sequence[Any]) -> torch.device:
