@@ -583,6 +583,12 @@ def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
                 sum(g.square().sum() for g in grads).backward()
             except RuntimeError:
                 pass  # double backward through a compiled graph: PyTorch's own refusal
+            for entry in ("optimize", "backend"):  # a step, then a forward whose output is dropped, then exit
+                model = _Net()
+                fast = ckptc.optimize(model, budget_gb=1) if entry == "optimize" else torch.compile(
+                    model, backend=ckptc.backend(budget_gb=1, model=model))
+                fast(_batches(0)[0]).square().mean().backward()
+                fast(_batches(1)[0][:64]).square().mean().item()
             print("done")
             """
         )
@@ -592,6 +598,24 @@ def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("done")
     assert "Requested callback is not found" not in run.stderr
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_forward_whose_results_die_without_a_backward_ends_its_step(entry: str) -> None:
+    """Monitoring without ``torch.no_grad()``: a forward with gradients enabled whose output the caller
+    drops.  Its step ends when the output dies, so the profiler measuring it stops there (before, it ran
+    until the next training call, disturbed the user's profilers, and crashed the interpreter at exit)."""
+    torch.compiler.reset()
+    model = _Net()
+    fast = (
+        ckptc.optimize(model, budget_gb=1)
+        if entry == "optimize"
+        else torch.compile(model, backend=ckptc.backend(budget_gb=1, model=model))
+    )
+    plain(fast, _batches(0)[:1])
+    for rows in (BATCH, 64):  # the shape planned and measured already, and a new one that plans
+        fast(_batches(1)[0][:rows]).square().mean().item()
+        assert not internals.profiler_active(), rows
 
 
 def test_planning_the_same_model_class_more_than_dynamos_recompile_limit_works() -> None:

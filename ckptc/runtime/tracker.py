@@ -18,7 +18,11 @@ graphs.  Both follow a step through one :class:`StepTracker`:
   the same step (``retain_graph=True``: another autograd graph task) is reported once;
 * when a backward ends a step, whether the caller still holds a result other than a scalar (logits
   beside ``.loss``) is noted (:attr:`StepTracker.results_held`), from weak references: nothing
-  the caller dropped is kept alive.
+  the caller dropped is kept alive;
+* a step whose results all die without a backward (a forward with gradients enabled whose output
+  the caller drops: monitoring without ``torch.no_grad()``) ends when the last of them dies, so its
+  meter's profiler never outlives it (left running, it disturbs the user's profilers and can crash
+  the interpreter at exit).
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ class StepTracker:
         the backward that reaches them ends the step.  With none, and none before in the step, no
         backward will come (an inference call): the step ends now, unmeasured."""
         if tensors:
-            self._results.extend(weakref.ref(t) for t in tensors)
+            self._results.extend(weakref.ref(t, self._result_died) for t in tensors)
             self._non_scalar.extend(weakref.ref(t) for t in tensors if t.numel() > 1)
             self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended))
         elif not self._handles:
@@ -120,6 +124,11 @@ class StepTracker:
     def results_died(self) -> bool:
         """The open step's results all died without a backward (a forward whose loss was dropped)."""
         return self.open and bool(self._results) and all(ref() is None for ref in self._results)
+
+    def _result_died(self, _: weakref.ref) -> None:
+        """A result of the open step died: if all did and no backward is running, the step ends, unmeasured."""
+        if self.results_died() and internals.current_graph_task_id() < 0:
+            self.end(measured=False)
 
     def abort(self) -> None:
         """Forget the step in progress (its call failed)."""
