@@ -55,6 +55,7 @@ __all__ = [
     "made_by_compiled_graph",
     "current_graph_task_id",
     "has_gradient_hooks",
+    "module_hooks",
     "gradient_accumulator",
     "backward_accumulates",
     "workaround_decompositions",
@@ -740,6 +741,17 @@ def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     return register_multi_grad_hook(list(tensors), hook, mode="any")
+
+
+def module_hooks(model: torch.nn.Module) -> tuple:
+    """The hooks registered on ``model``'s modules (forward, forward pre, backward, backward pre), by
+    handle id: torch.compile does not guard on them (``skip_nnmodule_hook_guards``), so a graph traced
+    before a hook was added runs without it."""
+    return tuple(
+        (tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks), tuple(m._backward_pre_hooks))
+        for m in model.modules()
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    )
 
 
 def has_gradient_hooks(parameter: torch.Tensor) -> bool:

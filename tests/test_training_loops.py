@@ -618,6 +618,31 @@ def test_a_forward_whose_results_die_without_a_backward_ends_its_step(entry: str
         assert not internals.profiler_active(), rows
 
 
+def test_hooks_added_after_planning_run_as_in_eager() -> None:
+    """torch.compile does not guard on module hooks, so a graph traced before a hook was added runs
+    without it: ``optimize`` plans the model again when its hooks change (before: the hooks were
+    silently skipped and the loss and gradients differed from eager's)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _Net(loss_inside=True)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_gb=1)
+    for step, add_hooks in enumerate([None, "forward", "pre", "removed"]):
+        if add_hooks == "forward":
+            handles = [m.layers[1].register_forward_hook(lambda mod, i, o: o * 2.0) for m in (eager, model)]
+        elif add_hooks == "pre":
+            handles += [m.layers[2].register_forward_pre_hook(lambda mod, i: (i[0] + 1.0,)) for m in (eager, model)]
+        elif add_hooks == "removed":
+            for handle in handles:
+                handle.remove()
+        _zero(eager), _zero(model)
+        x = _batches(step)[0]
+        expected, loss = eager(x), fast(x)
+        expected.backward(), loss.backward()
+        torch.testing.assert_close(loss, expected)
+        _assert_same_gradients(model, eager)
+
+
 def test_planning_the_same_model_class_more_than_dynamos_recompile_limit_works() -> None:
     """ckptc's own compiles do not count against Dynamo's recompile limit (8 by default)."""
     torch.manual_seed(0)

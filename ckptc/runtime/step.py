@@ -272,7 +272,7 @@ class StepRuntime:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
-        signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_weights_signature(self.model),))
+        signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_model_signature(self.model),))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
         resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
@@ -628,11 +628,13 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_in(getattr(obj, f.name, None), depth + 1)
 
 
-def _weights_signature(model: torch.nn.Module) -> int:
-    """The dtypes and devices of ``model``'s parameters and buffers, hashed: after ``model.double()``
-    or ``.to(device)`` every activation changes size, so a plan made before does not apply."""
+def _model_signature(model: torch.nn.Module) -> int:
+    """The dtypes and devices of ``model``'s parameters and buffers and the hooks on its modules, hashed:
+    after ``model.double()`` or ``.to(device)`` every activation changes size, and a hook added after
+    a graph was traced would not run in it (torch.compile does not guard on module hooks), so a plan
+    made before does not apply."""
     tensors = itertools.chain(model.parameters(), model.buffers())
-    return hash(tuple((t.dtype, t.device) for t in tensors))
+    return hash((tuple((t.dtype, t.device) for t in tensors), internals.module_hooks(model)))
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
