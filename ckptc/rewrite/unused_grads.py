@@ -56,8 +56,8 @@ _ZERO_IF_FIRST = {
     aten.sum.default,
     aten.sum.dim_IntList,
 }
-# Ops whose result is zero when any argument is zero.
-_ZERO_IF_ANY = {aten.mul.Tensor}
+# Ops whose result is zero when any argument is zero (a linear layer's backward: mm, bmm).
+_ZERO_IF_ANY = {aten.mul.Tensor, aten.mm.default, aten.bmm.default}
 
 ZERO = None
 """The value :func:`fold_zeros` gives a node that is all zeros."""
@@ -85,9 +85,11 @@ def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
     Walks the nodes once, in order.  A node is zero when it is a view of a zero,
     one of the zero-preserving ops applied to a zero, or a ``mul`` with a zero.
     ``add(a, zero)``, ``add(zero, b)`` (``alpha=1``) and ``sub(a, zero)`` equal their
-    other argument when it has the result's shape, strides and dtype.  Every
-    other use of a zero (including returning it) blocks the folding: the result
-    is then not ``complete``.  Pure analysis; the graph is not changed.
+    other argument when it has the result's shape, strides and dtype.  A zero
+    returned is returned as ``None`` (an input's gradient that is all zeros: no
+    gradient, as in eager, where a parameter nothing reached keeps ``.grad=None``).
+    Every other use of a zero blocks the folding: the result is then not ``complete``.
+    Pure analysis; the graph is not changed.
     """
     folding = Folding()
     zero_set = set(zeros)
@@ -104,6 +106,8 @@ def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
         zero_inputs = [a for a in node.all_input_nodes if is_zero(a)]
         if not zero_inputs:
             continue
+        if node.op == "output":
+            continue  # a zero gradient returned is returned as None: no gradient, as in eager
         target = node.target
         first = node.args[0] if node.args else None
         if node.op == "call_function" and (
@@ -188,11 +192,15 @@ def specialize(gm: fx.GraphModule, zero_names: Iterable[str]) -> fx.GraphModule:
     folding = fold_zeros(graph, zeros)
     if not folding.complete:
         raise ValueError(f"the zero gradients do not fold away: {folding.blocked_by} needs them")
+    resolved: dict[fx.Node, fx.Node | None] = {}
     for node, value in folding.replaced.items():
         while value is not ZERO and folding.replaced.get(value, value) is not value:
             value = folding.replaced[value]
+        resolved[node] = value
         if value is not ZERO:
             node.replace_all_uses_with(value)
+    output = next(iter(graph.find_nodes(op="output")))
+    output.args = fx.node.map_arg(output.args, lambda n: None if resolved.get(n, n) is ZERO else n)
     for node in reversed(list(graph.nodes)):
         if node in folding.replaced and node.op != "placeholder" and not node.users:
             graph.erase_node(node)
