@@ -129,8 +129,9 @@ class StepAccount:
         if self.gradients_resident:
             said.append(
                 "the parameters' gradients, resident while the step runs (gradient accumulation, "
-                "zero_grad(set_to_none=False), or a second backward): zero them with "
-                "zero_grad(set_to_none=True) before a step that does not accumulate"
+                "zero_grad(set_to_none=False), a second backward, or a forward with gradients enabled "
+                "between backward and zero_grad): zero them with zero_grad(set_to_none=True) before a "
+                "step that does not accumulate, and run evaluation forwards under torch.no_grad()"
             )
         if self.loss_bytes:
             said.append(
