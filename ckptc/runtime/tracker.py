@@ -19,10 +19,11 @@ graphs.  Both follow a step through one :class:`StepTracker`:
 * when a backward ends a step, whether the caller still holds a result other than a scalar (logits
   beside ``.loss``) is noted (:attr:`StepTracker.results_held`), from weak references: nothing
   the caller dropped is kept alive;
-* a step whose results all die without a backward (a forward with gradients enabled whose output
-  the caller drops: monitoring without ``torch.no_grad()``) ends when the last of them dies, so its
-  meter's profiler never outlives it (left running, it disturbs the user's profilers and can crash
-  the interpreter at exit).
+* a step whose autograd graph dies without a backward (a forward with gradients enabled whose
+  output the caller drops: monitoring without ``torch.no_grad()``) ends when it dies, so its meter's
+  profiler never outlives it (left running, it disturbs the user's profilers and can crash the
+  interpreter at exit).  The graph, not the results: ``loss = model(a) + model(b)`` drops both
+  results at once, and the backward still comes through ``loss``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class StepTracker:
         self._on_second_backward = on_second_backward
         self._meter: StepMeter | None = None
         self._handles: list[Any] = []  # backward-end hooks on the step's results
-        self._results: list[weakref.ref] = []
+        self._graphs: list[weakref.ref] = []  # the results' autograd nodes (or the results, for leaves)
         self._non_scalar: list[weakref.ref] = []  # results other than a loss
         self.results_held: bool | None = None
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
@@ -90,7 +91,7 @@ class StepTracker:
     def begin(self) -> None:
         """Open a step (the last one's hooks go: a backward from now on belongs to this step)."""
         self._forget_hooks()
-        self._results = []
+        self._graphs = []
         self._non_scalar = []
         self.results_held = None
         self.open = True
@@ -115,18 +116,18 @@ class StepTracker:
         the backward that reaches them ends the step.  With none, and none before in the step, no
         backward will come (an inference call): the step ends now, unmeasured."""
         if tensors:
-            self._results.extend(weakref.ref(t, self._result_died) for t in tensors)
+            self._graphs.extend(_graph_ref(t, self._graph_died) for t in tensors)
             self._non_scalar.extend(weakref.ref(t) for t in tensors if t.numel() > 1)
             self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended))
         elif not self._handles:
             self.end(measured=False)
 
     def results_died(self) -> bool:
-        """The open step's results all died without a backward (a forward whose loss was dropped)."""
-        return self.open and bool(self._results) and all(ref() is None for ref in self._results)
+        """The open step's autograd graph died without a backward (a forward whose loss was dropped)."""
+        return self.open and bool(self._graphs) and all(ref() is None for ref in self._graphs)
 
-    def _result_died(self, _: weakref.ref) -> None:
-        """A result of the open step died: if all did and no backward is running, the step ends, unmeasured."""
+    def _graph_died(self, _: weakref.ref) -> None:
+        """Part of the open step's graph died: if all did and no backward runs, the step ends, unmeasured."""
         if self.results_died() and internals.current_graph_task_id() < 0:
             self.end(measured=False)
 
@@ -143,7 +144,7 @@ class StepTracker:
         self._end_scheduled = False
         if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
             self._forget_hooks()
-        self._results = []
+        self._graphs = []
         self._non_scalar = []
         meter, self._meter = self._meter, None
         measurement = meter.stop() if meter is not None else None
@@ -175,3 +176,15 @@ class StepTracker:
             handle.remove()
         self._handles = []
         self._ended_backward = None
+
+
+def _graph_ref(tensor: torch.Tensor, callback: Callable[[weakref.ref], None]) -> weakref.ref:
+    """A weak reference to ``tensor``'s autograd node (a compiled graph's is a Python object), which dies
+    with the graph; to ``tensor`` itself for a leaf or a node made in C++, which takes none."""
+    node = tensor.grad_fn
+    if node is not None:
+        try:
+            return weakref.ref(node, callback)
+        except TypeError:
+            pass
+    return weakref.ref(tensor, callback)
