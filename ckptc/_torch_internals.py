@@ -646,7 +646,7 @@ from torch._dynamo.exc import TorchDynamoException as DynamoError  # noqa: E402
 
 
 @contextlib.contextmanager
-def compile_config() -> Iterator[None]:
+def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
     """Dynamo's configuration while ckptc-compiled code runs (and is captured).
 
     * Recompile limits raised: every ``optimize`` call compiles the model's
@@ -657,7 +657,9 @@ def compile_config() -> Iterator[None]:
     * ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops``:
       ``.item()``, ``nonzero`` and boolean indexing (MoE routing) stay in the
       graph instead of breaking it; their unbacked sizes are priced at their
-      upper bound (:func:`concrete_upper_bound`).
+      upper bound (:func:`concrete_upper_bound`).  ``scalar_outputs=False`` leaves them off (they
+      break the graph, as in plain ``torch.compile``): Dynamo fails to trace some models with them
+      on (unbacked sizes it cannot bind, asserts on data-dependent sizes).
     * Logging below ``error`` is a no-op in the graph instead of a graph break
       (:func:`traced_logging_functions`).
     * A CPU LSTM is unrolled op by op while it trains (:func:`_lstm_unrolled_for_training`).
@@ -666,8 +668,8 @@ def compile_config() -> Iterator[None]:
         recompile_limit=256,
         accumulated_recompile_limit=4096,
         allow_rnn=True,
-        capture_scalar_outputs=True,
-        capture_dynamic_output_shape_ops=True,
+        capture_scalar_outputs=scalar_outputs,
+        capture_dynamic_output_shape_ops=scalar_outputs,
         ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | traced_logging_functions(),
     )
     with patch, _lstm_unrolled_for_training():

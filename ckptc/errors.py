@@ -23,6 +23,7 @@ is what capture could not handle.
 from __future__ import annotations
 
 import logging
+import traceback
 import warnings
 import weakref
 from typing import Any
@@ -165,3 +166,18 @@ def warn_once(owner: Any, key: str, message: str, stacklevel: int = 2) -> None:
     keys.add(key)
     _log.info("%s", message)
     warnings.warn(message, CkptcWarning, stacklevel=stacklevel + 1)
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback and its causes'.
+
+    An exception caught to try again is part of reference cycles (a frame holds the exception that
+    holds the frame), so the tensors a failed attempt made stay alive until the cyclic garbage
+    collector runs: through the next attempt's step, where the budget counts them.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        traceback.clear_frames(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__

@@ -344,3 +344,48 @@ def test_an_expanded_input_is_priced_and_trains_like_eager(options: dict) -> Non
     reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_model_dynamo_traces_only_with_graph_breaks_at_item_trains_like_eager() -> None:
+    """transformers' Longformer asserts on a data-dependent size, which Dynamo cannot trace with
+    ``.item()`` kept in the graph (ckptc's default, for MoE routing); plain ``torch.compile`` breaks the
+    graph there.  ckptc captures it once more that way (before: ``UntraceableModelError``) and trains
+    it like eager within a halfway budget."""
+    from transformers import LongformerConfig, LongformerForMaskedLM
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    config = LongformerConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=80,
+        attention_window=8,
+        pad_token_id=1,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    reference = LongformerForMaskedLM(config).train()
+    ids = torch.randint(3, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    global_mask = torch.zeros_like(ids)
+    global_mask[:, 0] = 1
+    kwargs = {"attention_mask": torch.ones_like(ids), "global_attention_mask": global_mask, "labels": ids}
+    step = ckptc.capture(copy.deepcopy(reference), (ids,), kwargs)
+    budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for _ in range(2):
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+        expected = eager(ids, **kwargs).loss
+        expected.backward()
+        loss = fast(ids, **kwargs).loss  # after eager's step: its graph is not in ckptc's measurement
+        loss.backward()
+        torch.testing.assert_close(loss, expected)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget

@@ -825,8 +825,8 @@ def test_a_budget_with_no_room_for_held_logits_plans_them_dropped_and_says_so(
     entry: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A budget that fits the step only when the caller drops the logits before backward (as the
-    Trainer does) is planned that way, with a warning, instead of refused: the dropping loop trains
-    like eager within it from the step that plans."""
+    Trainer does) is planned that way (logged, not warned: the dropping loop fits) instead of refused:
+    the dropping loop trains like eager within it from the step that plans."""
     torch.compiler.reset()
     torch.manual_seed(0)
     reference = _Classifier()
@@ -845,9 +845,10 @@ def test_a_budget_with_no_room_for_held_logits_plans_them_dropped_and_says_so(
     for _ in range(2):
         _zero(eager), _zero(model)
         _drops_the_output(eager, x, labels)
-        with caplog.at_level(logging.WARNING, logger="ckptc"):
+        with caplog.at_level(logging.INFO, logger="ckptc"):
             _drops_the_output(fast, x, labels)
         assert measured() is not None and measured() <= budget, (measured(), budget)
         _assert_same_gradients(model, eager)
-    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warned) == 1 and "leaves no room to hold the step's results" in warned[0], warned
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    said = [r.getMessage() for r in caplog.records if "leaves no room to hold the step's results" in r.getMessage()]
+    assert len(said) == 1, said

@@ -38,12 +38,11 @@ next call plans under the new account.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections import Counter
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import solvers
-from ckptc.errors import BudgetExceededError
+from ckptc.errors import BudgetExceededError, release_frames
 from ckptc.meter import MemoryMeasurement
 from ckptc.planning.account import StepAccount, budget_for_planning_floor
 from ckptc.records import GraphRecord
@@ -257,10 +256,7 @@ class Replans:
         through the step."""
         if not getattr(error, "held_result_bytes", 0) or not self._let_results_go_for_room():
             return False
-        cause: BaseException | None = error
-        while cause is not None:
-            traceback.clear_frames(cause.__traceback__)
-            cause = cause.__cause__ or cause.__context__
+        release_frames(error)
         return True
 
     def _let_results_go_for_room(self) -> bool:
@@ -269,11 +265,11 @@ class Replans:
         if not self.account.outputs_assumed_held:
             return False
         self.account = self.account.replace(hold_outputs=None, outputs_assumed_held=False)
-        log.warning(
-            "ckptc: the budget of %s bytes leaves no room to hold the step's results (logits) through "
-            "backward; planning as if the caller drops them before backward (loss = model(...).loss). A "
-            "caller that keeps the output object until backward ends would exceed the budget on this "
-            "step; the next step is then planned holding them, or refused saying so.",
+        # Not a warning: the common loop drops them and fits; a loop that holds them is measured over
+        # the budget on this step (a warning then) and planned holding them, or refused saying so.
+        log.info(
+            "the budget of %s bytes leaves no room to hold the step's results (logits) through backward; "
+            "planning as if the caller drops them before backward (loss = model(...).loss)",
             self.budget_bytes,
         )
         return True

@@ -42,7 +42,14 @@ from ckptc import _torch_internals as internals
 from ckptc import distributed
 from ckptc.capture import coverage
 from ckptc.capture.compiler import CheckpointCompiler
-from ckptc.errors import BudgetExceededError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
+from ckptc.errors import (
+    BudgetExceededError,
+    CkptcError,
+    InvalidArgumentError,
+    UntraceableModelError,
+    release_frames,
+    warn_once,
+)
 from ckptc.meter import MemoryMeasurement, resident_bytes
 from ckptc.planning import policies
 from ckptc.planning.account import StepAccount, gradients_resident, unnamed_gradient_bytes
@@ -72,6 +79,9 @@ class ShapePlan:
     measured_peak_bytes: int | None = None
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
+    # Whether Dynamo keeps .item() and data-dependent shapes in the graph (internals.compile_config):
+    # turned off, once, for a model it fails to trace with them on.
+    scalar_outputs: bool = True
 
     @classmethod
     def first(
@@ -190,16 +200,28 @@ class ShapePlan:
                     # Not planned again in place (see CheckpointCompiler).
                     self.compile(model, template, step, self.compiler.step_events)
             attempts += 1
-            return run_compiled(model, self.compiled, args, kwargs), step[before:]
+            return run_compiled(model, self.compiled, args, kwargs, scalar_outputs=self.scalar_outputs), step[before:]
 
-        try:
-            output = settle(run, self.replans, lambda ran: unnamed_gradient_bytes(model, ran))
-        except Exception as error:
-            saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
-            if isinstance(error, CkptcError) or not referenced:
-                raise
-            # These inputs ran eagerly (the reference forward): the captured step failed, not the model.
-            raise UntraceableModelError.from_exception(model, error) from error
+        while True:
+            try:
+                output = settle(run, self.replans, lambda ran: unnamed_gradient_bytes(model, ran))
+                break
+            except Exception as error:
+                saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
+                if _failed_to_trace(error) and self.scalar_outputs:
+                    # Dynamo fails on some models with .item() kept in the graph where plain
+                    # torch.compile (which breaks the graph there) traces them: once more without.
+                    log.info("capture failed with scalar outputs in the graph (%s); again with graph breaks", error)
+                    release_frames(error)
+                    self.scalar_outputs = False
+                    del step[before:]
+                    self.compile(model, template, step, self.compiler.step_events)
+                    attempts = 0
+                    continue
+                if isinstance(error, CkptcError) or not referenced:
+                    raise
+                # These inputs ran eagerly (the reference forward): the captured step failed, not the model.
+                raise UntraceableModelError.from_exception(model, error) from error
         if self.eager is not None:
             self.eager.capture_ended(model, step[before:])
         return output
@@ -360,7 +382,7 @@ class StepRuntime:
 
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
         if shape.planned:
-            return run_compiled(self.model, shape.compiled, args, kwargs)
+            return run_compiled(self.model, shape.compiled, args, kwargs, scalar_outputs=shape.scalar_outputs)
         if shape.compiler.symbolic:
             self._compile(shape)  # symbolic sizes are not planned again in place: a new torch.compile
         shape.new_plans()
@@ -525,9 +547,12 @@ class StepRuntime:
 
 
 # -- helpers -----------------------------------------------------------------
-def run_compiled(model: torch.nn.Module, compiled: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``torch.compile``'s module on a call, with ckptc's own errors surfaced, not Dynamo's wrappers."""
-    with internals.compile_config():
+def run_compiled(
+    model: torch.nn.Module, compiled: Any, args: tuple, kwargs: dict, *, scalar_outputs: bool = True
+) -> Any:
+    """Run ``torch.compile``'s module on a call, with ckptc's own errors surfaced, not Dynamo's wrappers
+    (``scalar_outputs``: see :func:`ckptc._torch_internals.compile_config`)."""
+    with internals.compile_config(scalar_outputs=scalar_outputs):
         try:
             return compiled(*args, **kwargs)
         except internals.BackendCompilerFailed as error:
@@ -542,6 +567,16 @@ def run_compiled(model: torch.nn.Module, compiled: Any, args: tuple, kwargs: dic
             raise UntraceableModelError.from_exception(model, inner) from inner
         except internals.DynamoError as error:
             raise UntraceableModelError.from_exception(model, error) from error
+
+
+def _failed_to_trace(error: BaseException) -> bool:
+    """Whether a planning call failed inside Dynamo's or AOTAutograd's tracing, not in ckptc's
+    planning (a budget, a plan file) or the device (out of memory)."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return False
+    if isinstance(error, UntraceableModelError):
+        return error.__cause__ is not None and not isinstance(error.__cause__, CkptcError)
+    return not isinstance(error, CkptcError)
 
 
 def refuse_unplanned(model: torch.nn.Module, ran: list[GraphRecord], eager: coverage.EagerForward | None) -> None:
