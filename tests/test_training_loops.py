@@ -852,3 +852,29 @@ def test_a_budget_with_no_room_for_held_logits_plans_them_dropped_and_says_so(
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     said = [r.getMessage() for r in caplog.records if "leaves no room to hold the step's results" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_a_refused_shape_stays_refused_when_the_caller_goes_on() -> None:
+    """The caller keeps the logits at a budget with room only for them dropped: the step that plans
+    runs them dropped (measured over the budget), the next plans them held and is refused naming them.
+    A caller that catches the refusal and goes on is refused again, rather than planned afresh without
+    what the steps showed (before: every other step ran over the budget)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _Classifier()
+    x, labels = torch.randn(BATCH, WIDTH), torch.randint(0, 8 * WIDTH, (BATCH,))
+    dropped = ckptc.capture(copy.deepcopy(reference), (x, labels))
+    budget = (dropped.floor_bytes + dropped.unoptimized_peak_bytes) // 2
+    model = copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    _keeps_the_output(fast, x, labels)  # plans them dropped: measured over the budget
+    refusals = []
+    for _ in range(3):
+        _zero(model)
+        made = _plans_made(fast)
+        with pytest.raises((ckptc.InfeasibleBudgetError, ckptc.BudgetExceededError)) as refused:
+            _keeps_the_output(fast, x, labels)
+        refusals.append(str(refused.value))
+        assert _plans_made(fast) <= made + 1  # at most the plan that found the budget too small
+    assert "results (logits), held until backward ends" in refusals[0]
+    assert refusals[1] == refusals[2] == refusals[0]

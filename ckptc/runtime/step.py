@@ -248,6 +248,7 @@ class StepRuntime:
         self.max_plans = max_plans
         self.plans: OrderedDict[tuple, ShapePlan] = OrderedDict()
         self.signatures_seen: set[int] = set()
+        self._refused: dict[tuple, BaseException] = {}  # shapes refused after steps of them ran (see _forget)
         self.active: list[GraphRecord] = []  # every graph run in the current step, in order
         self.last: ShapePlan | None = None
         self._tracker = StepTracker(self._end_step, self._second_backward)
@@ -316,7 +317,7 @@ class StepRuntime:
                 if refusal is error:
                     raise
                 # Planning again with the measured excess counted no longer fits.
-                self.plans.pop(shape.key, None)
+                self._forget(shape, refusal)
                 raise refusal from error
             refuse_unplanned(self.model, self.active[before:], shape.eager)
             self._refuse_late_infeasible(shape, self.active[before:])
@@ -390,16 +391,31 @@ class StepRuntime:
         try:
             # No reference forward under DDP/FSDP2: it would run collectives and leave FSDP2 expecting a backward.
             output = shape.plan_call(self.model, self.template, self.active, args, kwargs, reference=self.ranks is None)
-        except solvers.InfeasibleBudgetError:
-            self.plans.pop(shape.key, None)  # no half-made plan stays behind
+        except solvers.InfeasibleBudgetError as error:
+            self._forget(shape, error)  # no half-made plan stays behind
             raise
         self._check_patterns(self.active[before:])
         return output
 
     # -- plans -----------------------------------------------------------------
+    def _forget(self, shape: ShapePlan, refusal: BaseException) -> None:
+        """Drop ``shape``'s plans after ``refusal``.  Once steps of it ran, what they showed stands: a
+        later call of the shape raises the refusal again rather than planning afresh without that
+        evidence (which would run a step over the budget before refusing again)."""
+        self.plans.pop(shape.key, None)
+        if shape.last_records:
+            self._refused[shape.key] = refusal
+
     def _plan_for(self, key: tuple, *, gradients: bool) -> ShapePlan:
         """The plan of ``key``, planned again once if this step starts with gradients resident
-        and the plan counted none (a plan counting them also serves steps from None gradients)."""
+        and the plan counted none (a plan counting them also serves steps from None gradients).
+
+        Raises:
+            BudgetExceededError, solvers.InfeasibleBudgetError: ``key`` was refused after steps of it ran.
+        """
+        refused = self._refused.get(key)
+        if refused is not None:
+            raise refused.with_traceback(None)
         shape = self.plans.get(key)
         if shape is None:
             digest = hash(key)
@@ -461,8 +477,8 @@ class StepRuntime:
         for shape in self._step_plans:  # the last step's: _begin_step starts the new list
             try:
                 shape.replans.count_measured()
-            except BudgetExceededError:
-                self.plans.pop(shape.key, None)
+            except BudgetExceededError as error:
+                self._forget(shape, error)
                 raise
 
     def _second_backward(self) -> None:
