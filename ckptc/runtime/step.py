@@ -539,8 +539,8 @@ class StepRuntime:
         )
 
     def _check_gradient_assumption(self) -> None:
-        """A plan that let the results die after forward priced their gradients as absent
-        (:mod:`ckptc.rewrite.unused_grads`); if the loss used them after all, plan again holding them."""
+        """A plan of a graph computing its own loss priced its other results' gradients as absent
+        (:mod:`ckptc.rewrite.unused_grads`); if the loss used them after all, plan again counting them."""
         if not any(r.gradients_unexpected for r in self.active):
             return
         changed = [s for s in self._step_plans if s.replans.counting_result_gradients()]
@@ -548,7 +548,7 @@ class StepRuntime:
             self._warn_once(
                 "unused-grads",
                 f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` "
-                "(logits); the plan had priced their gradients as absent, so the next call plans again "
+                "(logits, hidden states); the plan had priced their gradients as absent, so the next call plans again "
                 "with them held until backward ends and their gradients counted.",
             )
 
