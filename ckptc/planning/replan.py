@@ -284,7 +284,17 @@ class Replans:
                 "step (so its floor is above ckptc.capture's floor_bytes)",
             )
         peak = self.over_budget_peak_bytes
-        return BudgetExceededError(peak, error.budget_bytes, error.min_feasible_bytes, self.replans)
+        held = [line for line in self.account.beyond_a_plain_step() if "measured step showed" not in line]
+        what_to_do = None
+        if held:  # say what else the step holds: the caller may change that rather than the budget
+            what_to_do = (
+                f"after replanning {self.replans} time(s) with the measured excess counted. The smallest budget "
+                f"expected to work is {error.min_feasible_bytes} bytes. Besides the excess, the step holds:\n- "
+                + "\n- ".join(held)
+                + f"\nWhat to do: pass budget_bytes=... at least {error.min_feasible_bytes}, or change the loop as "
+                "said above."
+            )
+        return BudgetExceededError(peak, error.budget_bytes, error.min_feasible_bytes, self.replans, what_to_do)
 
 
 def settle(

@@ -319,6 +319,9 @@ class StepRuntime:
                 # Planning again with the measured excess counted no longer fits.
                 self._forget(shape, refusal)
                 raise refusal from error
+            except BudgetExceededError as error:  # the same, found where a graph plans again in place
+                self._forget(shape, error)
+                raise
             refuse_unplanned(self.model, self.active[before:], shape.eager)
             self._refuse_late_infeasible(shape, self.active[before:])
         except BaseException:
@@ -399,11 +402,12 @@ class StepRuntime:
 
     # -- plans -----------------------------------------------------------------
     def _forget(self, shape: ShapePlan, refusal: BaseException) -> None:
-        """Drop ``shape``'s plans after ``refusal``.  Once steps of it ran, what they showed stands: a
-        later call of the shape raises the refusal again rather than planning afresh without that
+        """Drop ``shape``'s plans after ``refusal``.  Once steps of it ran (a measured step's
+        :class:`BudgetExceededError`, or any refusal after a step of it ended), what they showed stands:
+        a later call of the shape raises the refusal again rather than planning afresh without that
         evidence (which would run a step over the budget before refusing again)."""
         self.plans.pop(shape.key, None)
-        if shape.last_records:
+        if shape.last_records or isinstance(refusal, BudgetExceededError):
             self._refused[shape.key] = refusal
 
     def _plan_for(self, key: tuple, *, gradients: bool) -> ShapePlan:
