@@ -309,7 +309,7 @@ def decide(
         if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
             # Applied as they are: a preset or a plan file has no other plan to fall back to.
             fixed = solvers.InfeasibleBudgetError(error.budget_bytes, error.min_feasible_bytes, str(error))
-            fixed.held_result_bytes = _held_result_bytes(jp)  # type: ignore[attr-defined]
+            fixed.held_result_bytes = jp.droppable_output_bytes  # type: ignore[attr-defined]
             raise fixed from None
         fits_alone = floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin)
         graph_budget = account.graph_budget(index)
@@ -322,7 +322,7 @@ def decide(
             plan = floor_plan
         else:
             refusal = _refusal(error, step_floor, options, account)
-            refusal.held_result_bytes = _held_result_bytes(jp)  # type: ignore[attr-defined]
+            refusal.held_result_bytes = jp.droppable_output_bytes  # type: ignore[attr-defined]
             raise refusal from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
     unoptimized = keep_all.peak_bytes
@@ -356,13 +356,6 @@ def decide(
         result.recompute_cost,
     )
     return record
-
-
-def _held_result_bytes(jp: JointProblem) -> int:
-    """What a graph that cannot fit counted for results held through backward that its caller may drop
-    instead (:meth:`ckptc.planning.replan.Replans.letting_results_go_for_room`): those of a graph
-    computing its own loss."""
-    return jp.held_output_bytes if jp.own_loss else 0
 
 
 def _refusal(

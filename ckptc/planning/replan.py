@@ -109,7 +109,7 @@ class Replans:
         """
         if any(r.infeasible for r in ran):
             assert self.budget_bytes is not None  # only a budget makes graphs infeasible
-            if any(r.joint_problem.own_loss and r.joint_problem.held_output_bytes for r in ran):
+            if any(r.joint_problem.droppable_output_bytes for r in ran):
                 if self._let_results_go_for_room():
                     return True  # planned again before earlier graphs are asked to keep less
             budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)

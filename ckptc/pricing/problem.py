@@ -58,9 +58,10 @@ class JointProblem:
         return sum(self.results.values()) if self.holds_outputs else 0
 
     @property
-    def released_output_bytes(self) -> int:
-        """Results counted as dropped by the caller after forward."""
-        return 0 if self.holds_outputs else sum(self.results.values())
+    def droppable_output_bytes(self) -> int:
+        """Results counted held that the caller may drop before backward instead: those of a graph that
+        computes its own loss (the others feed the caller's loss)."""
+        return self.held_output_bytes if self.own_loss else 0
 
     def held_beside(self, kept: Iterable[str]) -> int:
         """Bytes of held results that a plan keeping ``kept`` does not also keep for backward
