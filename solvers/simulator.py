@@ -327,32 +327,29 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
     # ancestors of the kept values outside them (values only backward reads), depth first.
     always = problem._cache.get("simulator.output_ancestors")
     if always is None:
+        import numpy as np
+
         needed = bytearray(len(problem.nodes))
-        forward_outputs = bytearray(len(problem.nodes))
         for v in reversed(forward_idx):
-            forward_outputs[v] = output[v]
             if needed[v] or output[v]:
                 needed[v] = 1
                 for q in fwd_preds[v]:
                     needed[q] = 1
+        is_forward = np.frombuffer(problem._kind, dtype=np.uint8) == FORWARD_CODE
         always = problem._cache["simulator.output_ancestors"] = (
-            int.from_bytes(needed, "little"),
             needed,
             [v for v in forward_idx if needed[v]],
-            int.from_bytes(forward_outputs, "little"),
+            is_forward & (np.frombuffer(needed, dtype=np.uint8) == 0),  # forward nodes outside them
+            np.frombuffer(problem._output, dtype=np.uint8).astype(bool) & is_forward,
         )
-    kept_bits = int.from_bytes(kept, "little")
-    outside = kept_bits & ~always[0]
-    nodes = list(always[2])
-    if outside:
-        needed, kind = bytearray(always[1]), problem._kind
-        stack = []
-        while outside:  # the positions of the set bits (bytes of kept) outside the ancestors
-            low = outside & -outside
-            v = (low.bit_length() - 1) // 8
-            outside &= ~(0xFF << (8 * v))
-            if kind[v] == FORWARD_CODE:
-                stack.append(v)
+    import numpy as np
+
+    kept_array = np.frombuffer(kept, dtype=np.uint8).astype(bool)
+    outside = np.flatnonzero(kept_array & always[2])
+    nodes = list(always[1])
+    if len(outside):
+        needed = bytearray(always[0])
+        stack = outside.tolist()
         while stack:
             v = stack.pop()
             if not needed[v]:
@@ -364,7 +361,7 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
 
     # Backward phase: materialise missing forward preds depth first. Iterative,
     # because a chain with nothing kept recurses as deep as the chain is long.
-    materialised = bytearray((kept_bits | always[3]).to_bytes(len(problem.nodes), "little"))  # kept or output
+    materialised = bytearray((kept_array | always[3]).view(np.uint8))  # kept or a forward output
     for b in problem._backward_idx:
         for p in fwd_preds[b]:
             if materialised[p]:
