@@ -24,6 +24,10 @@ Method.
 4. A block's class is a hash of its ops, bytes, costs, policies and relative
    wiring (Rockmate's anonymized clusters): members of one class can take the
    same decisions position by position.
+5. ``inside=True`` also cuts each block where one value carries everything
+   after it on the forward path (pieces of at least a fifth of its bytes): the
+   finer chain on which nested recomputation frees a block's first part during
+   its second part's backward.
 
 Complexity: O(nodes + edges). Reference: Zhao et al., "Rockmate: an Efficient,
 Fast, Automatic and Generic Tool for Re-materialization in PyTorch", ICML 2023.
@@ -53,6 +57,8 @@ _RECOMPUTE = 2
 _SPLIT_SHARE = 0.5
 _SPLIT_MIN_NODES = 8
 _MAX_PIECES = 64
+# A block is cut inside (``find_blocks(inside=True)``) only into pieces holding at least this share of its bytes.
+_INSIDE_MIN_SHARE = 0.2
 
 _INTEGER_PART = re.compile(r"^(.*?(?:^|\.)\d+)(?:\.|$)")
 
@@ -112,9 +118,16 @@ class BlockChain:
         )
 
 
-def find_blocks(problem: Problem) -> BlockChain:
-    """Split ``problem``'s forward values into a chain of blocks (see the module docstring)."""
-    cached = problem._cache.get("blocks.chain")
+def find_blocks(problem: Problem, *, inside: bool = False) -> BlockChain:
+    """Split ``problem``'s forward values into a chain of blocks (see the module docstring).
+
+    ``inside``: also cut each block where one value carries everything that
+    follows (a transformer layer's residual stream between attention and MLP):
+    the finer chain on which nested recomputation frees a block's first part
+    while the backward of its second part runs (a lean backward inside a block).
+    """
+    key = "blocks.chain_inside" if inside else "blocks.chain"
+    cached = problem._cache.get(key)
     if cached is not None:
         return cached
     nodes = problem.nodes
@@ -122,6 +135,8 @@ def find_blocks(problem: Problem) -> BlockChain:
     path = [v for v in forward_path(problem) if decided[v]]
     runs = _module_runs(problem, path)
     runs = [piece for run in runs for piece in _split_large(problem, run, len(path))]
+    if inside:
+        runs = _split_at_path_cuts(problem, runs, path)
 
     block_of = [-1] * len(nodes)
     members: list[list[int]] = []
@@ -159,7 +174,7 @@ def find_blocks(problem: Problem) -> BlockChain:
         block_of=tuple(block_of),
         classes=tuple(tuple(c) for c in classes),
     )
-    problem._cache["blocks.chain"] = chain
+    problem._cache[key] = chain
     return chain
 
 
@@ -233,6 +248,28 @@ def _split_large(problem: Problem, run: list[int], path_length: int) -> list[lis
         begin = k + 1
     out.append(run[begin:])
     return [p for p in out if p]
+
+
+def _split_at_path_cuts(problem: Problem, runs: list[list[int]], path: list[int]) -> list[list[int]]:
+    """Each run cut at the path's cut points inside it, into pieces of at least
+    :data:`_INSIDE_MIN_SHARE` of the run's forward bytes (so a piece is worth a decision)."""
+    cut_after = {path[k] for k in _cut_positions(problem, path)}  # k: nothing before path[k] is read after it
+    nbytes = problem._bytes
+    out: list[list[int]] = []
+    for run in runs:
+        total = sum(nbytes[v] for v in run)
+        least = _INSIDE_MIN_SHARE * total
+        piece: list[int] = []
+        done = started = 0
+        for v in run:
+            piece.append(v)
+            done += nbytes[v]
+            if v in cut_after and done - started >= least and total - done >= least:
+                out.append(piece)
+                piece, started = [], done
+        if piece:
+            out.append(piece)
+    return out
 
 
 def _cut_positions(problem: Problem, run: list[int]) -> list[int]:

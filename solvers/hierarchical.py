@@ -36,7 +36,11 @@ rewriter recomputes each block just before its backward.  6. Nested
 recomputation (:mod:`solvers.nested`, rotor's checkpoint-and-continue) also
 drops block inputs and recomputes them from an earlier held one; its explicit
 schedules are candidates judged by the same simulator, in :func:`hierarchical`
-and in the floor's bisection.
+and in the floor's bisection.  It runs on two chains (:func:`nested_menus`):
+the blocks, and the blocks also cut inside at values that carry everything
+after them (a pre-norm transformer layer's residual stream between attention
+and MLP), where it holds only a layer's input through its MLP's backward and
+recomputes the attention afterwards: a leaner backward inside a block.
 
 Complexity: one MILP per class and cap (small: one block), one simulation
 per option index, and a DP in O(blocks x options x units) numpy operations.
@@ -534,6 +538,29 @@ def build_menu(problem: Problem, *, progress: Progress | None = None) -> Menu:
     return menu
 
 
+def nested_menus(problem: Problem) -> tuple[Menu, ...]:
+    """The menus nested recomputation plans on: the blocks' menu, and when some block has a cut
+    inside (``find_blocks(inside=True)``) and the finer chain is short enough for the nested DP,
+    that chain's menu too, on which a block's first part is freed while its second part's backward
+    runs (a lean backward inside a block).  Neither space contains the other: both are searched.
+    Cached."""
+    from solvers.nested import MAX_NESTED_BLOCKS
+
+    cached = problem._cache.get("hierarchical.nested_menus")
+    if cached is not None:
+        return cached
+    menus = (build_menu(problem),)
+    chain = find_blocks(problem, inside=True)
+    if len(chain.blocks) != len(menus[0].chain.blocks) and len(chain.blocks) <= MAX_NESTED_BLOCKS:
+        started = time.perf_counter()
+        inside = price_menu(problem, chain, block_options(problem, chain))
+        seconds = time.perf_counter() - started
+        log.info("hierarchical: blocks cut inside: %r, %r built in %.2f s", chain, inside, seconds)
+        menus += (inside,)
+    problem._cache["hierarchical.nested_menus"] = menus
+    return menus
+
+
 def _assemble(problem: Problem, menu: Menu, choices: list[int]) -> bytearray:
     mask = bytearray(len(problem.nodes))
     for v in menu.chain.fixed:
@@ -579,7 +606,8 @@ def _nested_tables(problem: Problem, menu: Menu, budget_bytes: int):
     n = len(menu.chain.blocks)
     if n < 2 or n > MAX_NESTED_BLOCKS:
         return None
-    built = problem._cache.setdefault("hierarchical.nested", [])
+    # (the menus of nested_menus have chains of different lengths)
+    built = problem._cache.setdefault(("hierarchical.nested", n), [])
     # (a budget rounds down to whole units: the one a table was built for reads its last unit)
     fitting = [
         t for t in built if t.capacity >= budget_bytes // t.quantum and budget_bytes >= t.capacity * t.quantum // 2
@@ -630,7 +658,7 @@ def _nested_plan(
     from solvers.simulator import simulate
 
     cache = problem._cache.setdefault("hierarchical.nested_plans", OrderedDict())
-    key = tuple(steps)
+    key = (len(menu.chain.blocks), *steps)
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
@@ -663,7 +691,11 @@ def hierarchical(
     started = time.perf_counter()
     menu = build_menu(problem, progress=progress)
     found = _solve_mask(problem, menu, budget_bytes)
-    nested = _solve_nested(problem, menu, budget_bytes)
+    nested = min(
+        (plan for inner in nested_menus(problem) if (plan := _solve_nested(problem, inner, budget_bytes))),
+        key=lambda plan: plan[3],
+        default=None,
+    )
     if nested is not None and nested[2] < lowest_peak_plan(problem).info.predicted_peak_bytes:
         # The floor is one promise (every method's errors and ckptc's reports read it): a plan
         # below it found by this budget's search is not offered, so the floor stays exact.
@@ -735,15 +767,18 @@ def lowest_peak_plan(problem: Problem) -> Plan:
             lo = mid + 1
     kept, schedule = names_of(problem, best[2]), None
     # Nested recomputation reaches below: bisect again with its DP, one table for every budget.
-    tables = _nested_tables(problem, menu, best[0])
-    if tables is not None:
-        lo = problem.resident_bytes
-        hi = best[0]
+    floor_without_nesting = best[0]
+    tables = {}
+    for inner in nested_menus(problem):
+        tables[len(inner.chain.blocks)] = table = _nested_tables(problem, inner, floor_without_nesting)
+        if table is None:
+            continue
+        lo, hi = problem.resident_bytes, best[0]
         for _ in range(24):
             if hi - lo <= max(1, hi // 2048):
                 break
             mid = (lo + hi) // 2
-            nested = _solve_nested(problem, menu, mid, tables)
+            nested = _solve_nested(problem, inner, mid, table)
             if nested is not None:
                 if (nested[2], nested[3]) < best[:2]:
                     best = (nested[2], nested[3], None)
@@ -761,8 +796,9 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     # Every budget worth planning lies between the floor and keeping everything: one more table,
     # built now with the floor's, answers the upper half of that range for every later plan.
     top = next(peak for name, _, peak, _ in menu.uniform if name == "keep everything")
-    if tables is not None and top > best[0]:
-        _nested_tables(problem, menu, top)
+    for inner in nested_menus(problem):
+        if tables[len(inner.chain.blocks)] is not None and top > best[0]:
+            _nested_tables(problem, inner, top)
     return plan
 
 

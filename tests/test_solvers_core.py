@@ -681,7 +681,8 @@ def test_auto_survives_a_failing_optional_method(monkeypatch):
     monkeypatch.setitem(api.METHODS, "hierarchical", broken)
     monkeypatch.setitem(api.METHODS, "ilp", lambda problem, budget_bytes, **options: Plan(kept={"nope"}))
     p = Problem.training_chain(12)
-    budget = min_feasible_budget(p) + 1
+    chen_floor = chen_lowest_peak_plan(Problem.training_chain(12)).info.predicted_peak_bytes
+    budget = max(min_feasible_budget(p), chen_floor) + 1  # chen_greedy fits
     plan = solve(p, budget, "auto")
     tried = plan.info.tried
     assert tried["hierarchical"]["status"] == "error" and "boom" in tried["hierarchical"]["error"]
