@@ -133,11 +133,30 @@ def candidate(
         solvers.InfeasibleBudgetError: with the solver's floor, in planning-budget units.
     """
     if options.strategy != "auto":
-        return PRESETS[options.strategy](jp, budget_bytes)
+        return _never_above_keeping_everything(jp, PRESETS[options.strategy](jp, budget_bytes), options.strategy)
     if budget_bytes is None:
         return keep_everything(jp)
     extra: dict[str, Any] = {} if options.time_limit is None else {"time_limit": options.time_limit}
     return solvers.solve(jp.problem, budget_bytes, method=options.solver, progress=progress, **extra)
+
+
+def _never_above_keeping_everything(jp: JointProblem, plan: solvers.Plan, strategy: str) -> solvers.Plan:
+    """``plan``, or keeping everything where that peaks no higher: it recomputes nothing, so a preset
+    whose recomputation in backward outgrows what it frees is never the better plan."""
+    if strategy == "none":
+        return plan
+    everything = dataclasses.replace(keep_everything(jp), budget_bytes=plan.budget_bytes)
+    peak = solvers.simulate(jp.problem, plan).peak_bytes
+    if everything.info.predicted_peak_bytes <= peak and plan.info.recompute_cost > 0:
+        log.warning(
+            "strategy %r would peak at %s on this graph, where keeping everything peaks at %s and recomputes "
+            "only copies: keeping everything instead",
+            strategy,
+            solvers.format_bytes(peak),
+            solvers.format_bytes(everything.info.predicted_peak_bytes),
+        )
+        return everything
+    return plan
 
 
 def _choose(
