@@ -13,6 +13,7 @@ that guards a call with ``except ValueError`` keeps working:
   lists the valid names);
 * ``InfeasibleBudgetError``: the budget is below the smallest feasible one;
 * ``CorruptPlanError``: the plan file's content is not a valid plan;
+  ``PlanFileNotFoundError`` (also a :class:`FileNotFoundError`): there is no file at the path;
 * ``PlanMismatchError``: the plan belongs to another model, other inputs,
   another torch version, or does not fit the budget given with it.
 
@@ -40,6 +41,7 @@ __all__ = [
     "UntraceableModelError",
     "PlanMismatchError",
     "CorruptPlanError",
+    "PlanFileNotFoundError",
     "WrapOrderError",
     "DistributedPlanMismatchError",
     "CkptcWarning",
@@ -90,6 +92,10 @@ class PlanMismatchError(CkptcError, ValueError):
 class CorruptPlanError(CkptcError, ValueError):
     """A plan file cannot be read: truncated, not JSON, not a ckptc plan, or a
     field with a wrong type or value (the message names the field)."""
+
+
+class PlanFileNotFoundError(CkptcError, FileNotFoundError):
+    """No plan file at the path given (``load_plan``, ``plan=``)."""
 
 
 class WrapOrderError(CkptcError, TypeError):

@@ -13,6 +13,7 @@ and budget give a byte-identical file.  Loading never runs code.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ import torch
 import solvers
 import solvers.plan
 from ckptc._torch_internals import is_op_overload
-from ckptc.errors import ArgumentTypeError, CorruptPlanError, PlanMismatchError
+from ckptc.errors import ArgumentTypeError, CorruptPlanError, PlanFileNotFoundError, PlanMismatchError
 from ckptc.options import SOLVER_NAMES, STRATEGY_NAMES, CheckpointOptions
 
 if TYPE_CHECKING:
@@ -529,8 +530,15 @@ def load_plan(path: str | os.PathLike[str]) -> ModelPlan:
         )
     try:
         status = os.stat(path)  # follows links: what would be read
+    except FileNotFoundError:
+        raise PlanFileNotFoundError(
+            errno.ENOENT,
+            f"no plan file at {os.fspath(path)!r}. What to do: check the path, or write the plan first "
+            "(fast.plan.save(path), or `python -m ckptc plan ... -o path`)",
+            os.fspath(path),
+        ) from None
     except OSError:
-        status = None  # let open() report the missing file with its own error
+        status = None  # let open() report the error with its own message
     if status is not None and not stat.S_ISREG(status.st_mode):
         raise CorruptPlanError(f"{path} is not a regular file (a device, pipe or directory); plan files are JSON files")
     if status is not None and status.st_size > MAX_PLAN_FILE_BYTES:

@@ -259,6 +259,24 @@ def test_any_damaged_plan_is_refused_with_a_corrupt_plan_error_or_applies(planne
 
 
 # -- errors: one base class, ValueError for wrong values -----------------------------------
+def test_a_missing_plan_file_is_a_ckptc_error_and_a_file_not_found_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "plan.json"
+    model = torch.nn.Linear(2, 2)
+    before = copy.deepcopy(model.state_dict())
+    for call in (
+        lambda: ckptc.load_plan(missing),
+        lambda: ckptc.optimize(model, plan=missing),
+        lambda: ckptc.apply(model, plan=missing),
+    ):
+        with pytest.raises(ckptc.PlanFileNotFoundError, match="no plan file at .*What to do") as info:
+            call()
+        assert isinstance(info.value, ckptc.CkptcError) and isinstance(info.value, FileNotFoundError)
+        assert info.value.filename == str(missing)
+    assert not ckptc.inplace.is_applied(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model(torch.ones(1, 2)).shape == (1, 2)
+
+
 def test_every_error_shares_one_base_class_and_value_errors_are_value_errors() -> None:
     for error in (
         ckptc.InfeasibleBudgetError,
