@@ -389,3 +389,50 @@ def test_a_model_dynamo_traces_only_with_graph_breaks_at_item_trains_like_eager(
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+
+
+class _ScaledMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return (self.layers(x) * scale).square().mean()
+
+
+def test_an_int_or_float_argument_changing_value_warns_once_that_each_value_is_planned_again() -> None:
+    # A temperature or a token count passed as a Python number: torch.compile specializes on it, so each
+    # value was captured and planned again (40 s per step with the MILP) without a word.
+    torch.manual_seed(0)
+    model = _ScaledMlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    captured = ckptc.capture(copy.deepcopy(model), (x,), {"scale": 1.0})
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    fast = ckptc.optimize(model, budget_bytes=budget)
+
+    def train(scale: float) -> None:
+        for net in (fast, reference):
+            net.zero_grad(set_to_none=True)
+            net(x, scale=scale).backward()
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(mine.grad, theirs.grad)
+
+    train(1.0)
+    with pytest.warns(ckptc.CkptcWarning, match=r"scale= 1\.0 -> 1\.5.*torch\.tensor\(value\)") as warned:
+        train(1.5)
+        train(2.0)
+    assert len([w for w in warned if issubclass(w.category, ckptc.CkptcWarning)]) == 1
+
+
+def test_a_new_input_shape_that_does_not_fit_is_named_in_the_refusal() -> None:
+    torch.manual_seed(0)
+    model = _ScaledMlp()
+    small, large = torch.randn(16, 32), torch.randn(256, 32)
+    floor = ckptc.capture(copy.deepcopy(model), (small,)).floor_bytes
+    fast = ckptc.optimize(model, budget_bytes=floor)
+    fast(small).backward()
+    fast.zero_grad(set_to_none=True)
+    with pytest.raises(ckptc.InfeasibleBudgetError, match=r"The call planned: inputs argument 0 \(256, 32\) float32"):
+        fast(large).backward()
+    fast(small).backward()  # the planned shape still trains

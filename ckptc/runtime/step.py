@@ -261,6 +261,7 @@ class StepRuntime:
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
+        self._last_new_plan: tuple[dict[str, int | float], tuple] | None = None  # see _warn_if_only_numbers_changed
 
     # -- public ----------------------------------------------------------------
     @property
@@ -298,6 +299,8 @@ class StepRuntime:
         signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_model_signature(self.model),))
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
+        if key not in self.plans and key not in self._refused:
+            self._warn_if_only_numbers_changed(args, kwargs)
         resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
         shape = self._plan_for(key, gradients=resident)
         if opened:
@@ -315,6 +318,9 @@ class StepRuntime:
             except solvers.InfeasibleBudgetError as error:
                 refusal = shape.replans.refusal(error)
                 if refusal is error:
+                    if len(self.signatures_seen) > 1:  # which of the shapes seen does not fit
+                        error.message = f"{error.message}\nThe call planned: inputs {_describe_inputs(args, kwargs)}."
+                        error.args = (error.message,)
                     raise
                 # Planning again with the measured excess counted no longer fits.
                 self._forget(shape, refusal)
@@ -330,6 +336,28 @@ class StepRuntime:
             raise
         self._tracker.returned([t for t in _tensors_in(output) if t.requires_grad])
         return output
+
+    def _warn_if_only_numbers_changed(self, args: tuple, kwargs: dict) -> None:
+        """Warn once when a call needs a new plan only because an int or float argument changed value:
+        torch.compile specializes its graph on such values, so each one is captured and planned anew."""
+        numbers, rest = _numbers_and_rest(args, kwargs)
+        previous, self._last_new_plan = self._last_new_plan, (numbers, rest)
+        if previous is None or previous[1] != rest:
+            return
+        changed = [
+            f"{name} {previous[0][name]!r} -> {value!r}"
+            for name, value in numbers.items()
+            if name in previous[0] and previous[0][name] != value
+        ]
+        if changed:
+            self._warn_once(
+                "number-arguments",
+                f"ckptc: {type(self.model).__name__} was called with {', '.join(changed)} and otherwise the same "
+                "inputs. torch.compile specializes its graph on the value of an int or float argument, so ckptc "
+                "captures and plans the step again for every new value (seconds to minutes each; beyond "
+                f"{self.max_plans} values the oldest plans are forgotten and made again). What to do: pass an "
+                "argument that changes between steps as a tensor (torch.tensor(value)), or keep it constant.",
+            )
 
     def _refuse_late_infeasible(self, shape: ShapePlan, ran: list[GraphRecord]) -> None:
         """A graph torch.compile compiled anew in a call of a planned shape (a guard changed) that
@@ -690,6 +718,32 @@ def _model_signature(model: torch.nn.Module) -> int:
     made before does not apply."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     return hash((tuple((t.dtype, t.device) for t in tensors), internals.module_hooks(model)))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers_and_rest(args: tuple, kwargs: dict) -> tuple[dict[str, int | float], tuple]:
+    """A call's int and float arguments by name (top level), and the signature of everything else."""
+    numbers = {f"argument {i}": a for i, a in enumerate(args) if _is_number(a)}
+    numbers.update({f"{k}=": v for k, v in kwargs.items() if _is_number(v)})
+    rest = _signature(
+        tuple("<number>" if _is_number(a) else a for a in args),
+        {k: "<number>" if _is_number(v) else v for k, v in kwargs.items()},
+    )
+    return numbers, rest
+
+
+def _describe_inputs(args: tuple, kwargs: dict) -> str:
+    """The call's top-level tensors as ``name (sizes) dtype``, for messages."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    parts = [
+        f"{name} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        for name, t in named
+        if isinstance(t, torch.Tensor)
+    ]
+    return ", ".join(parts) or "without tensors at the top level"
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
