@@ -30,10 +30,16 @@ import torch
 
 from ckptc._torch_internals import module_call_override, set_module_call_override
 from ckptc.api import OptimizedModule, live_wrappers, optimize
-from ckptc.errors import ArgumentTypeError
+from ckptc.errors import ArgumentTypeError, PlanMismatchError
 from ckptc.plans import ModelPlan
 
 log = logging.getLogger("ckptc.inplace")
+
+
+_STILL_APPLIED = (
+    "ckptc.apply's plan file stays applied to this {}: every training call raises this until "
+    "ckptc.remove(model) (then it trains without ckptc) or ckptc.apply(model, ...) with another plan."
+)
 
 
 class AppliedCall:
@@ -54,6 +60,11 @@ class AppliedCall:
         set_module_call_override(self.model, None)
         try:
             return self.optimized.forward(*args, **kwargs)
+        except PlanMismatchError as error:
+            said = _STILL_APPLIED.format(type(self.model).__name__)
+            if error.args and isinstance(error.args[0], str) and said not in error.args[0]:
+                error.args = (f"{error.args[0]}\n{said}", *error.args[1:])
+            raise
         finally:
             set_module_call_override(self.model, self)
 

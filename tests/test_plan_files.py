@@ -473,3 +473,22 @@ def test_a_plan_applied_with_options_that_would_change_nothing_is_refused(option
     """``optimize(plan=..., strategy="none")`` applied the plan and reported strategy 'none'."""
     with pytest.raises(ckptc.InvalidArgumentError, match="applies a plan as it is"):
         ckptc.optimize(torch.nn.Linear(2, 2), plan=ModelPlan([], None, "auto", "auto"), **option)
+
+
+def test_a_plan_file_refused_in_place_says_the_model_stays_applied_and_how_to_undo_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    reference = copy.deepcopy(model)
+    planned = ckptc.optimize(copy.deepcopy(model), strategy="none")
+    planned(torch.randn(16, 32)).sum().backward()
+    path = tmp_path / "plan.json"
+    planned.plan.save(path)
+    ckptc.apply(model, plan=path)
+    other = torch.randn(8, 32)  # another batch size than the plan's
+    with pytest.raises(ckptc.PlanMismatchError, match=r"stays applied to this Sequential.*ckptc\.remove\(model\)"):
+        model(other).sum().backward()
+    ckptc.remove(model)
+    model(other).sum().backward()
+    reference(other).sum().backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
