@@ -258,8 +258,8 @@ class ZeroGradBackward:
                     self.record.gradients_unexpected = True
                     log.warning(
                         "graph %d: the result of %s received a gradient; the plan counted it as unused "
-                        "(the caller reads `.loss` and drops the other results), so memory may exceed the "
-                        "plan in this step",
+                        "(the graph returns a scalar taken for the loss, and a caller reading only it drops "
+                        "the other results), so memory may exceed the plan in this step",
                         self.record.index,
                         node.name,
                     )

@@ -579,9 +579,10 @@ class StepRuntime:
         if changed:
             self._warn_once(
                 "unused-grads",
-                f"ckptc: the loss of {type(self.model).__name__} also used results other than `.loss` "
-                "(logits, hidden states); the plan had priced their gradients as absent, so the next call plans again "
-                "with them held until backward ends and their gradients counted.",
+                f"ckptc: {type(self.model).__name__} returns a scalar that ckptc took for its loss (`.loss`, or "
+                "a lone scalar result), but the backward also reached its other results (logits, hidden states, "
+                "an auxiliary output); the plan had priced their gradients as absent, so the next call plans "
+                "again with them held until backward ends and their gradients counted.",
             )
 
     def _check_patterns(self, ran: list[GraphRecord]) -> None:
