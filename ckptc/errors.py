@@ -75,6 +75,17 @@ class UntraceableModelError(CkptcError):
         raise it ``from error`` so the underlying error stays chained."""
         reason = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[0:3]
         name = model if isinstance(model, str) else type(model).__name__
+        if any(type(e).__name__ == "DataDependentOutputException" for e in _chain(error)):
+            # Raised by a fake tensor asked for its value outside a traced graph: the model's eager
+            # code between graphs ran on the fake or meta tensors of an offline capture.
+            return cls(
+                f"ckptc could not {stage} the training step of {name} offline: {_user_frame(error)} reads the "
+                "value of a tensor (a Python `if` on a tensor, .item(), torch.rand(...) < p) in code that runs "
+                "between compiled graphs, and under fake or meta tensors no tensor has a value.\n"
+                "What to do: plan the model with real weights, or change that code so it does not read a "
+                "tensor's value in Python during training (for a model option such as layerdrop, one that "
+                "skips the read)."
+            )
         return cls(
             f"ckptc could not {stage} the training step of {name}: {type(error).__name__}: "
             f"{' '.join(reason)}\n"
@@ -83,6 +94,30 @@ class UntraceableModelError(CkptcError):
             "code out of forward or wrap it with torch.compiler.disable so it runs eagerly; "
             "or checkpoint manually with torch.utils.checkpoint."
         )
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it was raised from or during (and Dynamo's ``inner_exception``)."""
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen and len(seen) < 16:
+        seen.append(current)
+        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+    return seen
+
+
+def _user_frame(error: BaseException) -> str:
+    """``file:line (`code`)`` of the innermost frame outside torch and ckptc where ``error`` was
+    raised, or ``the model's code`` if there is none."""
+    import os
+
+    skip = tuple(os.path.dirname(m.__file__) for m in (torch, __import__("ckptc")) if m.__file__)
+    frames = [f for e in _chain(error) for f in traceback.extract_tb(e.__traceback__)]
+    mine = [f for f in frames if not f.filename.startswith(skip)]
+    if not mine:
+        return "the model's code"
+    frame = mine[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
 
 
 class PlanMismatchError(CkptcError, ValueError):

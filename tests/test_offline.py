@@ -190,3 +190,39 @@ def test_offline_planning_works_after_lightning_wraps_torch_compile(monkeypatch:
         model = _llama()
     ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
     assert ckptc.plan(model, (ids,), {"labels": ids}, strategy="none", device="cpu").predicted_peak_bytes > 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class _LayerDrop(torch.nn.Module):
+    """Skips a layer when a random draw says so, in Python, as BART's and Whisper's layerdrop do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if torch.rand([]) < 0.0:  # never true, but read in Python
+                continue
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_code_reading_a_tensors_value_between_graphs_is_named_when_planning_offline() -> None:
+    with torch.device("meta"):
+        meta = _LayerDrop()
+    x = torch.zeros(4, 16, device="meta")
+    with pytest.raises(
+        ckptc.UntraceableModelError, match=r"offline: test_offline\.py:\d+ \(`if torch\.rand\(\[\]\) < 0\.0"
+    ):
+        ckptc.capture(meta, (x,), device="cpu")
+    real = _LayerDrop()
+    ckptc.capture(real, (torch.zeros(4, 16),))  # with values, the same code captures
