@@ -92,7 +92,9 @@ class UntraceableModelError(CkptcError):
             "What to do: run the step once with torch.compile(model, backend='aot_eager') to see "
             "where capture fails (TORCH_LOGS=graph_breaks lists graph breaks); move the failing "
             "code out of forward or wrap it with torch.compiler.disable so it runs eagerly; "
-            "or checkpoint manually with torch.utils.checkpoint."
+            "or checkpoint manually with torch.utils.checkpoint.  If the error is about the inputs (a dtype "
+            "or shape the model does not take), eager PyTorch raises it too: call the model once without "
+            "ckptc to check."
         )
 
 
