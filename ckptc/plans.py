@@ -654,11 +654,11 @@ def _op_differences(expected: GraphPlan, jp: "JointProblem") -> str:
             "tensors for backward; plan for this device (ckptc.plan(..., device=...) plans offline)"
         )
     words = []
-    if only_plan or only_model:
-        words.append(
-            f"ops in the plan only: {', '.join(only_plan[:5]) or 'none'}; in this graph only: "
-            f"{', '.join(only_model[:5]) or 'none'}"
-        )
+    names = set(jp.stable_names.values())
+    missing = [v.name for v in expected.values if v.name not in names]
+    if missing:
+        # Only the plan's kept and recomputed values are in the file: what the graph has beyond them is unknown.
+        words.append(f"values of the plan this graph does not have: {', '.join(missing[:5])}")
     kernels = sorted(op for op in captured if op in _DEVICE_VARIANTS)
     if kernels:
         words.append(
@@ -669,9 +669,10 @@ def _op_differences(expected: GraphPlan, jp: "JointProblem") -> str:
     return "; ".join(
         words
         + [
-            "otherwise the plan was made for the other compiler (compiler='eager' or 'inductor': their graphs "
-            "are traced with different decompositions; plan with the compiler you train with), or the model's "
-            "code or configuration changed"
+            "otherwise the plan was made with other parameters trainable (requires_grad: a frozen parameter "
+            "gets no gradient, so backward changes), for the other compiler (compiler='eager' or 'inductor': "
+            "their graphs are traced with different decompositions; plan with the compiler you train with), "
+            "or the model's code or configuration changed"
         ]
     )
 

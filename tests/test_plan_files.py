@@ -492,3 +492,20 @@ def test_a_plan_file_refused_in_place_says_the_model_stays_applied_and_how_to_un
     reference(other).sum().backward()
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_a_plan_for_other_trainable_parameters_names_requires_grad_and_no_difference_that_is_not_there(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    planned = ckptc.optimize(copy.deepcopy(model), strategy="none")
+    x = torch.randn(16, 32)
+    planned(x).sum().backward()
+    path = tmp_path / "plan.json"
+    planned.plan.save(path)
+    model[0].requires_grad_(False)  # staged fine-tuning: the first layer frozen
+    fast = ckptc.optimize(model, plan=path)
+    with pytest.raises(ckptc.PlanMismatchError, match="requires_grad") as info:
+        fast(x).sum().backward()
+    assert "this graph does not have" not in str(info.value)  # every value the plan lists is still there
