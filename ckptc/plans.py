@@ -677,6 +677,13 @@ def _op_differences(expected: GraphPlan, jp: "JointProblem") -> str:
     )
 
 
+def _sizes_of(described: Any) -> list[Any]:
+    """The sizes in one input's description (``[[2, 's70'], 'int64']``, or ``['SymInt']`` for a size input)."""
+    if isinstance(described, list) and described and isinstance(described[0], list):
+        return described[0]
+    return ["SymInt"] if described == ["SymInt"] else []
+
+
 def _input_differences(planned: list[list[Any]], captured: list[list[Any]]) -> list[str]:
     """The inputs one side has and the other has not (aligned on the rest), by position and shape."""
     import difflib
@@ -847,6 +854,13 @@ def plan_source_for(
             if len(inputs) != len(expected.inputs):
                 diffs = [f"plan has {len(expected.inputs)} inputs, model has {len(inputs)}"]
                 diffs += _input_differences(expected.inputs, inputs)
+            symbolic = any(isinstance(size, str) for shape in inputs for size in _sizes_of(shape))
+            if symbolic and not any(isinstance(size, str) for shape in expected.inputs for size in _sizes_of(shape)):
+                # torch.compile made a size dynamic once it saw a second one: the inputs no longer line up
+                diffs = [
+                    "this call's graph has symbolic sizes (torch.compile makes a size dynamic once a second "
+                    "one is seen), the plan static ones: the plan is for other input shapes than this call's"
+                ]
             raise PlanMismatchError(
                 f"graph #{index + 1}: input shapes or dtypes differ from the plan's ({'; '.join(diffs[:3])}). "
                 "Plan again for these inputs."

@@ -509,3 +509,19 @@ def test_a_plan_for_other_trainable_parameters_names_requires_grad_and_no_differ
     with pytest.raises(ckptc.PlanMismatchError, match="requires_grad") as info:
         fast(x).sum().backward()
     assert "this graph does not have" not in str(info.value)  # every value the plan lists is still there
+
+
+def test_a_plan_file_met_by_a_second_shape_says_the_sizes_became_symbolic(tmp_path: Path) -> None:
+    # torch.compile makes a size dynamic once it sees a second one; the inputs then no longer line up
+    # with the plan's, and the message listed symbolic sizes against the plan's shifted inputs.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    x = torch.randn(16, 32)
+    planned = ckptc.optimize(copy.deepcopy(model), strategy="none")
+    planned(x).sum().backward()
+    path = tmp_path / "plan.json"
+    planned.plan.save(path)
+    fast = ckptc.optimize(model, plan=path)
+    fast(x).sum().backward()
+    with pytest.raises(ckptc.PlanMismatchError, match="symbolic sizes .* other input shapes than this call's"):
+        fast(torch.randn(8, 32)).sum().backward()
