@@ -31,12 +31,16 @@ log = logging.getLogger("solvers.api")
 Method = Callable[..., Plan]
 
 # auto's size rules: the MILP is exact but its size grows quadratically with
-# the graph, so it is only tried on small graphs (about 4 s of HiGHS on one
-# core at the largest) and stopped by a deterministic work limit, never by the
-# clock: plans must not depend on machine load (every rank plans on its own).
+# the graph, so it is only tried on small graphs and stopped by a deterministic
+# work limit, never by the clock: plans must not depend on machine load (every
+# rank plans on its own).  The time a checkpoint takes grows with the model: a
+# random 60-node graph's MILP (about 4,300 variables) takes 0.5 s to its limit,
+# a 3-layer MLP's (172 nodes, 53 forward, about 10,100 variables) 27 s on one
+# core, for the hierarchical solver's plan; so only models up to about 6,000
+# variables are tried.
 AUTO_ILP_MAX_FORWARD_NODES = 60
 AUTO_ILP_MAX_NODES = 5000
-AUTO_ILP_MAX_VARIABLES = 12000
+AUTO_ILP_MAX_VARIABLES = 6000
 AUTO_ILP_WORK_LIMIT = 30
 # A wall-clock safety only: a MILP still running after this long (a machine
 # hundreds of times slower than expected) is dropped, with a warning.
@@ -113,7 +117,7 @@ def auto(
     the result is never worse than either; stops here if nothing is
     recomputed), chen_greedy, then ilp when the graph is small
     (<= ``ilp_max_forward_nodes`` forward nodes, <= 5,000 nodes and a MILP of
-    about <= 12,000 variables), on one thread and stopped after
+    about <= 6,000 variables), on one thread and stopped after
     ``ilp_work_limit`` units of deterministic work. The plan depends on the
     problem and budget only, never on the machine's load: ``time_limit`` does
     not cut any of these searches (only ``method="ilp"`` honours it); an ILP
