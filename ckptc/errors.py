@@ -113,7 +113,7 @@ def _user_frame(error: BaseException) -> str:
     raised, or ``the model's code`` if there is none."""
     import os
 
-    skip = tuple(os.path.dirname(m.__file__) for m in (torch, __import__("ckptc")) if m.__file__)
+    skip = (os.path.dirname(torch.__file__ or ""), os.path.dirname(__file__))  # torch's and ckptc's own frames
     frames = [f for e in _chain(error) for f in traceback.extract_tb(e.__traceback__)]
     mine = [f for f in frames if not f.filename.startswith(skip)]
     if not mine:

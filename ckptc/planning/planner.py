@@ -146,7 +146,9 @@ def _never_above_keeping_everything(jp: JointProblem, plan: solvers.Plan, strate
     if strategy == "none":
         return plan
     everything = dataclasses.replace(keep_everything(jp), budget_bytes=plan.budget_bytes)
-    peak = solvers.simulate(jp.problem, plan).peak_bytes
+    peak = plan.info.predicted_peak_bytes  # every preset is scored by the simulator
+    if peak is None:
+        peak = solvers.simulate(jp.problem, plan).peak_bytes
     if everything.info.predicted_peak_bytes <= peak and plan.info.recompute_cost > 0:
         log.warning(
             "strategy %r would peak at %s on this graph, where keeping everything peaks at %s and recomputes "
