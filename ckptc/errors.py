@@ -99,13 +99,15 @@ class UntraceableModelError(CkptcError):
 
 
 def _chain(error: BaseException) -> list[BaseException]:
-    """``error`` and the errors it was raised from or during (and Dynamo's ``inner_exception``)."""
-    seen: list[BaseException] = []
+    """``error`` and the errors it was raised from or during, outermost first."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
     current: BaseException | None = error
-    while current is not None and current not in seen and len(seen) < 16:
-        seen.append(current)
-        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
-    return seen
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def _user_frame(error: BaseException) -> str:
@@ -218,9 +220,5 @@ def release_frames(error: BaseException) -> None:
     holds the frame), so the tensors a failed attempt made stay alive until the cyclic garbage
     collector runs: through the next attempt's step, where the budget counts them.
     """
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
+    for cause in _chain(error):
         traceback.clear_frames(cause.__traceback__)
-        cause = cause.__cause__ or cause.__context__

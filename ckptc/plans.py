@@ -677,11 +677,14 @@ def _op_differences(expected: GraphPlan, jp: "JointProblem") -> str:
     )
 
 
-def _sizes_of(described: Any) -> list[Any]:
-    """The sizes in one input's description (``[[2, 's70'], 'int64']``, or ``['SymInt']`` for a size input)."""
-    if isinstance(described, list) and described and isinstance(described[0], list):
-        return described[0]
-    return ["SymInt"] if described == ["SymInt"] else []
+def _has_symbolic_size(inputs: list[list[Any]]) -> bool:
+    """Whether described inputs hold a symbolic size: a tensor's (``[[2, 's70'], 'int64']``) or a size
+    input of its own (``['SymInt']``)."""
+    return any(
+        entry == ["SymInt"] or (isinstance(entry[0], list) and any(isinstance(size, str) for size in entry[0]))
+        for entry in inputs
+        if entry
+    )
 
 
 def _input_differences(planned: list[list[Any]], captured: list[list[Any]]) -> list[str]:
@@ -854,8 +857,7 @@ def plan_source_for(
             if len(inputs) != len(expected.inputs):
                 diffs = [f"plan has {len(expected.inputs)} inputs, model has {len(inputs)}"]
                 diffs += _input_differences(expected.inputs, inputs)
-            symbolic = any(isinstance(size, str) for shape in inputs for size in _sizes_of(shape))
-            if symbolic and not any(isinstance(size, str) for shape in expected.inputs for size in _sizes_of(shape)):
+            if _has_symbolic_size(inputs) and not _has_symbolic_size(expected.inputs):
                 # torch.compile made a size dynamic once it saw a second one: the inputs no longer line up
                 diffs = [
                     "this call's graph has symbolic sizes (torch.compile makes a size dynamic once a second "

@@ -767,10 +767,9 @@ def lowest_peak_plan(problem: Problem) -> Plan:
             lo = mid + 1
     kept, schedule = names_of(problem, best[2]), None
     # Nested recomputation reaches below: bisect again with its DP, one table for every budget.
-    floor_without_nesting = best[0]
-    tables = {}
-    for inner in nested_menus(problem):
-        tables[len(inner.chain.blocks)] = table = _nested_tables(problem, inner, floor_without_nesting)
+    inners = nested_menus(problem)
+    tables = [_nested_tables(problem, inner, best[0]) for inner in inners]  # at the floor without nesting
+    for inner, table in zip(inners, tables, strict=True):
         if table is None:
             continue
         lo, hi = problem.resident_bytes, best[0]
@@ -796,8 +795,8 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     # Every budget worth planning lies between the floor and keeping everything: one more table,
     # built now with the floor's, answers the upper half of that range for every later plan.
     top = next(peak for name, _, peak, _ in menu.uniform if name == "keep everything")
-    for inner in nested_menus(problem):
-        if tables[len(inner.chain.blocks)] is not None and top > best[0]:
+    for inner, table in zip(inners, tables, strict=True):
+        if table is not None and top > best[0]:
             _nested_tables(problem, inner, top)
     return plan
 
