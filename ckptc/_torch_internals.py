@@ -287,6 +287,27 @@ def graph_break_reasons() -> dict[str, int]:
     return reasons
 
 
+def unskip_forwards(model: torch.nn.Module) -> None:
+    """Let Dynamo trace ``model``'s ``forward`` methods again after a call that raised in them.
+
+    When an exception leaves a frame Dynamo is tracing and no graph came of it (the model's own
+    ``raise ValueError``), Dynamo runs that frame eagerly and marks its code object to be skipped
+    from then on, for every later call under any ``torch.compile``: every later training call
+    would then run without a plan.  Setting the default strategy back only costs a trace where
+    Dynamo would skip the code anyway.
+    """
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    codes = set()
+    for module in model.modules():
+        for forward in (getattr(type(module), "forward", None), getattr(module, "forward", None)):
+            code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+            if code is not None:
+                codes.add(code)
+    for code in codes:
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
+
+
 def graph_break_after(gm: fx.GraphModule) -> str | None:
     """Why Dynamo ended the graph ``gm`` at a graph break, and where in the model's code; None if it did not.
 
@@ -642,6 +663,30 @@ def _channels_last_convolutions(joint: fx.GraphModule) -> None:
 
 
 from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402
+from torch._dynamo.exc import ShortenTraceback as _PassedThroughDynamo  # noqa: E402
+
+_passing_through: dict[type, type] = {}
+
+
+def raised_through_dynamo(error: BaseException) -> BaseException:
+    """``error`` (raised by a backend while Dynamo compiles) re-typed so that Dynamo hands it to the
+    caller as it is: Dynamo wraps whatever a backend raises in its ``BackendCompilerFailed``, except
+    its own ``ShortenTraceback`` family, which it re-raises (with its frames stripped).  The new type
+    subclasses ``error``'s, with the same name and module, so ``except ckptc.InfeasibleBudgetError``
+    catches it."""
+    cls = type(error)
+    if issubclass(cls, _PassedThroughDynamo):
+        return error
+    through = _passing_through.get(cls)
+    if through is None:
+        through = type(cls.__name__, (cls, _PassedThroughDynamo), {"__module__": cls.__module__})
+        through.__qualname__ = cls.__qualname__
+        _passing_through[cls] = through
+    error.__class__ = through
+    error.first_useful_frame = None  # ShortenTraceback's: keep every frame
+    return error
+
+
 from torch._dynamo.exc import TorchDynamoException as DynamoError  # noqa: E402
 
 

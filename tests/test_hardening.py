@@ -59,6 +59,61 @@ def test_an_input_updated_in_place_changes_once_per_call_planning_calls_included
     assert torch.equal(planned[0], x0 * 2) and planned[1].item() == 1
 
 
+class _KeepsAuxLosses(nn.Module):
+    """A forward with Python side effects: a call counter and per-layer auxiliary losses kept on the
+    module (a mixture-of-experts load-balancing loss is often kept this way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3))
+        self.aux: list[torch.Tensor] = []
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 100:
+            raise ValueError("batch too large for this model")
+        self.calls += 1
+        for layer in self.layers:
+            h = layer(x)
+            self.aux.append(h.square().mean())
+            x = x + h
+        return x
+
+
+@pytest.mark.parametrize("entry", ["optimize", "apply"])
+def test_a_forwards_side_effects_happen_once_per_call_and_its_own_error_is_raised_as_it_is(entry: str) -> None:
+    """The call that plans runs the forward once (no reference forward for a step without graph
+    breaks), so what it keeps on the module is what eager keeps; the model's own error reaches the
+    caller as eager raises it, and later calls, of shapes planned before and new ones, train under plans
+    (Dynamo marks a frame that raised to be skipped for good)."""
+    torch.manual_seed(0)
+    model = _KeepsAuxLosses()
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_gb=1) if entry == "optimize" else ckptc.apply(model, budget_gb=1)
+    for step, batch in enumerate([8, 8, 200, 8, 4]):
+        x = torch.randn(batch, 16)
+        for net in (model, reference):
+            net.aux.clear()
+            net.zero_grad(set_to_none=True)
+        if batch > 100:
+            with pytest.raises(ValueError, match="batch too large"):
+                fast(x)
+            with pytest.raises(ValueError, match="batch too large"):
+                reference(x)
+            continue
+        losses = [
+            net_call(x).square().mean() + sum(net.aux) for net_call, net in ((fast, model), (reference, reference))
+        ]
+        for loss in losses:
+            loss.backward()
+        assert len(model.aux) == len(reference.aux) == 3 and model.calls == reference.calls, (step, model.calls)
+        torch.testing.assert_close(losses[0], losses[1])
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        plan = fast.plan if entry == "optimize" else ckptc.applied(model).plan
+        assert plan is not None and plan.graphs and plan.measured_peak_bytes is not None, step
+
+
 # -- one error family --------------------------------------------------------------------------
 def _tiny() -> nn.Module:
     torch.manual_seed(0)

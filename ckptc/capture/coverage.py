@@ -102,6 +102,8 @@ def refuse_uncaptured(model: torch.nn.Module, ran: Iterable[GraphRecord], eager:
     Raises:
         UntraceableModelError: naming the first such module.
     """
+    if eager is not None and eager.recurrent_modules_run is None:
+        return  # no graph break: every RNN the forward called ran in a graph
     if eager is not None:  # the RNNs it calls, without walking every module on every call
         rnns = [(name, model.get_submodule(name)) for name in sorted(eager.recurrent_modules_run)]
     else:
@@ -179,32 +181,44 @@ PARTIAL_COVERAGE_WARNING = 0.95  # warn when graphs cover less of the forward's 
 
 @dataclasses.dataclass
 class EagerForward:
-    """The model's forward run once eagerly on a call that plans: the reference the graphs are compared to.
+    """What the forward of a call that plans does, the reference the graphs are compared to.
+
+    Measured by running the forward eagerly once more (:meth:`measure`) only where graph breaks
+    left code outside the graphs; a step Dynamo captured whole is its own reference
+    (:meth:`whole`), and its forward runs once, Python side effects included.
 
     Attributes:
         flops: FLOPs of every aten op of the forward (priced like the graphs' nodes).
         saved_bytes: activations eager autograd saves for backward (distinct
             storages, parameters and inputs excluded).
-        breaks: Dynamo's reasons for the graph breaks of the capture that
-            followed, most frequent first (set by :meth:`capture_ended`).
-        recurrent_modules_run: qualified names of the RNNs the forward called.
+        recurrent_modules_run: qualified names of the RNNs the forward called (None: not
+            measured; no break, so every RNN that ran is in a graph).
+        breaks: Dynamo's reasons for the graph breaks of the capture, most frequent first.
     """
 
     flops: int
     saved_bytes: int
-    recurrent_modules_run: frozenset[str] = frozenset()
+    recurrent_modules_run: frozenset[str] | None = None
     breaks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    _breaks_before: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
-    def measure(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "EagerForward | None":
+    def whole(cls, ran: Iterable[GraphRecord]) -> "EagerForward":
+        """The reference of a step without graph breaks: its graphs are the whole forward."""
+        flops = saved = 0
+        for r in ran:
+            flops += _forward_flops(r)
+            saved += r.unoptimized_kept_bytes
+        return cls(flops, saved)
+
+    @classmethod
+    def measure(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "EagerForward":
         """Run ``model(*args, **kwargs)`` once, keeping nothing for backward.
 
         Saved tensors are counted and dropped (a pack hook), so the run needs
         no more memory than inference.  The caller restores the buffers and the
-        random state the forward changed.  None (no report) if the forward
-        cannot run this way (tensor subclasses, custom autograd that unpacks
-        saved tensors in forward): the report is optional, training is not.
+        random state the forward changed.  Raises what the forward raises
+        (tensor subclasses or custom autograd that unpacks saved tensors in
+        forward cannot run this way).
         """
         state = {internals.storage_key(t) for t in _tensors_of(model, args, kwargs)}
         seen: set[Any] = set()
@@ -220,7 +234,14 @@ class EagerForward:
                 totals["saved"] += tensor.untyped_storage().nbytes()
 
         def unpack(_: None) -> torch.Tensor:
-            raise RuntimeError("ckptc's coverage measurement keeps nothing for backward")
+            raise UntraceableModelError(
+                f"A tensor made by ckptc's reference run of {type(model).__name__}'s forward reached a "
+                "backward. On a call that plans a model with graph breaks, ckptc runs the forward once "
+                "more eagerly (keeping nothing for backward) to measure what the graphs leave out, and "
+                "the forward stored a result of it outside its outputs (a list or attribute on the "
+                "module).\nWhat to do: return such values from forward, or clear what the forward "
+                "stores before each training call; or remove the graph breaks (TORCH_LOGS=graph_breaks)."
+            )
 
         called: set[str] = set()
         hooks = [
@@ -234,22 +255,14 @@ class EagerForward:
                 internals.observe_ops(count),
             ):
                 model(*args, **kwargs)
-        except Exception:
-            log.info(
-                "no coverage report for %s: its forward did not run under ckptc's op counter",
-                type(model).__name__,
-                exc_info=True,
-            )
-            return None
         finally:
             for hook in hooks:
                 hook.remove()
-        return cls(totals["flops"], totals["saved"], frozenset(called), _breaks_before=internals.graph_break_reasons())
+        return cls(totals["flops"], totals["saved"], frozenset(called))
 
     def capture_ended(self, model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
-        """Record the graph breaks Dynamo reported since :meth:`measure`; warn if the graphs
-        that ran leave part of the forward to eager code (unplanned, only the run-time check sees it)."""
-        self._record_breaks()
+        """Warn if the graphs that ran leave part of the forward to eager code (unplanned, only the
+        run-time check sees it)."""
         report = Coverage.of(self, ran)
         if report.breaks and report.flops_share < PARTIAL_COVERAGE_WARNING:
             warn_once(
@@ -263,15 +276,22 @@ class EagerForward:
                 stacklevel=7,
             )
 
-    def _record_breaks(self) -> None:
-        after = internals.graph_break_reasons()
-        merged: dict[str, int] = {}
-        for reason, count in after.items():
-            new = count - self._breaks_before.get(reason, 0)
-            if new > 0:
-                short = _short_reason(reason)
-                merged[short] = merged.get(short, 0) + new
-        self.breaks = sorted(merged.items(), key=lambda t: -t[1])
+
+def breaks_since(before: dict[str, int]) -> list[tuple[str, int]]:
+    """Dynamo's graph-break reasons counted since ``before`` (:func:`ckptc._torch_internals.graph_break_reasons`),
+    shortened and merged, most frequent first."""
+    merged: dict[str, int] = {}
+    for reason, count in internals.graph_break_reasons().items():
+        new = count - before.get(reason, 0)
+        if new > 0:
+            short = _short_reason(reason)
+            merged[short] = merged.get(short, 0) + new
+    return sorted(merged.items(), key=lambda t: -t[1])
+
+
+def _forward_flops(record: GraphRecord) -> int:
+    jp = record.joint_problem
+    return sum(jp.node_cost(n).flops for n in jp.graph_nodes(record.problem.forward_nodes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,8 +360,7 @@ class Coverage:
             runs[id(r)] = (r, runs[id(r)][1] + 1 if id(r) in runs else 1)
         graphs = []
         for r, count in runs.values():
-            problem = r.problem
-            flops = sum(r.joint_problem.node_cost(n).flops for n in r.joint_problem.graph_nodes(problem.forward_nodes))
+            flops = _forward_flops(r)
             saved = r.unoptimized_kept_bytes
             graphs.append(
                 GraphCoverage(

@@ -174,21 +174,16 @@ class ShapePlan:
         graph that cannot fit at its lowest peak and marks it (``defer_infeasible``); the call then
         knows every graph.  When the account changes, the forward's effects on buffers, inputs and
         the random state are undone and the call runs again (each graph plans again as it runs).  ``reference``:
-        also run the forward eagerly once (:class:`ckptc.capture.coverage.EagerForward`, the coverage
-        report's reference).
+        also make the coverage report's reference (:class:`ckptc.capture.coverage.EagerForward`) and, when
+        the call fails, run the forward eagerly to tell the model's own error (raised as it is) from a
+        failure of the captured step (:class:`UntraceableModelError`).
         """
         before = len(step)
         saved = ForwardState(model)
-        # A forward may update its inputs in place (x.mul_(2)); the reference below runs on copies
-        # and a retry starts from the inputs as the caller gave them, so they change exactly once.
+        # A forward may update its inputs in place (x.mul_(2)); a retry and the reference start from
+        # the inputs as the caller gave them, so they change exactly once.
         saved.save_inputs(args, kwargs)
-        referenced = reference and self.eager is None
-        if referenced:
-            copies = internals.tree_map(_detached_copy, (args, kwargs))
-            self.eager = coverage.EagerForward.measure(model, *copies)
-            del copies
-            saved.restore()
-
+        breaks_before = internals.graph_break_reasons()
         attempts = 0
 
         def run(account: StepAccount) -> tuple[Any, list[GraphRecord]]:
@@ -208,6 +203,9 @@ class ShapePlan:
                 break
             except Exception as error:
                 saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
+                if reference and not isinstance(error, CkptcError):
+                    if _eager_raises_too(model, saved, args, kwargs, error):
+                        raise  # the model's own error, as eager PyTorch raises it
                 if _failed_to_trace(error) and self.scalar_outputs:
                     # Dynamo fails on some models with .item() kept in the graph where plain
                     # torch.compile (which breaks the graph there) traces them: once more without.
@@ -218,13 +216,48 @@ class ShapePlan:
                     self.compile(model, template, step, self.compiler.step_events)
                     attempts = 0
                     continue
-                if isinstance(error, CkptcError) or not referenced:
+                if isinstance(error, CkptcError) or not reference:
                     raise
-                # These inputs ran eagerly (the reference forward): the captured step failed, not the model.
+                # The forward runs eagerly on these inputs: the captured step failed, not the model.
                 raise UntraceableModelError.from_exception(model, error) from error
+        if reference and self.eager is None:
+            self.eager = self._reference(model, saved, args, kwargs, step[before:], breaks_before)
         if self.eager is not None:
             self.eager.capture_ended(model, step[before:])
         return output
+
+    def _reference(
+        self,
+        model: torch.nn.Module,
+        saved: ForwardState,
+        args: tuple,
+        kwargs: dict,
+        ran: list[GraphRecord],
+        breaks_before: dict[str, int],
+    ) -> coverage.EagerForward | None:
+        """The coverage report's reference for this call.  A call Dynamo captured without a graph break
+        is its own; after a break, the forward runs eagerly once more on the inputs as given (what
+        the graphs leave out runs only there), and the buffers and random state it changes are put back.
+        None where the forward cannot run that way (the report is optional, training is not)."""
+        breaks = coverage.breaks_since(breaks_before)
+        if not breaks:
+            return coverage.EagerForward.whole(ran)
+        if self.compiler.step_events is not None:
+            self.compiler.step_events.planned()  # not measured across the reference run
+        after = ForwardState(model)
+        try:
+            eager = coverage.EagerForward.measure(model, *saved.inputs_as_given(args, kwargs))
+        except Exception:
+            log.info(
+                "no coverage report for %s: its forward did not run under ckptc's op counter",
+                type(model).__name__,
+                exc_info=True,
+            )
+            return None
+        finally:
+            after.restore()
+        eager.breaks = breaks
+        return eager
 
 
 class StepRuntime:
@@ -579,10 +612,11 @@ class StepRuntime:
         if changed:
             self._warn_once(
                 "unused-grads",
-                f"ckptc: {type(self.model).__name__} returns a scalar that ckptc took for its loss (`.loss`, or "
-                "a lone scalar result), but the backward also reached its other results (logits, hidden states, "
-                "an auxiliary output); the plan had priced their gradients as absent, so the next call plans "
-                "again with them held until backward ends and their gradients counted.",
+                f"ckptc: {type(self.model).__name__}'s forward makes a scalar that ckptc took for its loss "
+                "(`.loss`, a scalar result, or one it stores on the module, such as an auxiliary loss), but the "
+                "backward also reached its other results (logits, hidden states, auxiliary outputs); the plan had "
+                "priced their gradients as absent, so the next call plans again with them held until backward "
+                "ends and their gradients counted.",
             )
 
     def _check_patterns(self, ran: list[GraphRecord]) -> None:
@@ -604,18 +638,34 @@ def run_compiled(
     with internals.compile_config(scalar_outputs=scalar_outputs):
         try:
             return compiled(*args, **kwargs)
-        except internals.BackendCompilerFailed as error:
-            # Our own backend raised (an infeasible budget, a plan that does
-            # not match): surface that error, not Dynamo's wrapper.
-            inner = getattr(error, "inner_exception", None)
-            if inner is None:
+        except Exception as error:
+            internals.unskip_forwards(model)  # Dynamo skips a frame that raised from then on: not ours
+            if isinstance(error, internals.BackendCompilerFailed):
+                # Our own backend raised (an infeasible budget, a plan that does
+                # not match): surface that error, not Dynamo's wrapper.
+                inner = getattr(error, "inner_exception", None)
+                if inner is None:
+                    raise UntraceableModelError.from_exception(model, error) from error
+                if isinstance(inner, CkptcError):
+                    raise inner from None
+                # Anything else failing inside capture or planning: one error family, the cause chained.
+                raise UntraceableModelError.from_exception(model, inner) from inner
+            if isinstance(error, internals.DynamoError) and not isinstance(error, CkptcError):
                 raise UntraceableModelError.from_exception(model, error) from error
-            if isinstance(inner, CkptcError):
-                raise inner from None
-            # Anything else failing inside capture or planning: one error family, the cause chained.
-            raise UntraceableModelError.from_exception(model, inner) from inner
-        except internals.DynamoError as error:
-            raise UntraceableModelError.from_exception(model, error) from error
+            raise
+
+
+def _eager_raises_too(model: torch.nn.Module, saved: ForwardState, args: tuple, kwargs: dict, error: Exception) -> bool:
+    """Whether the forward run eagerly on the inputs as given raises ``error`` too (its type and
+    message): then it is the model's own error, not the capture's.  Buffers and the random state
+    are put back (``saved``)."""
+    try:
+        coverage.EagerForward.measure(model, *saved.inputs_as_given(args, kwargs))
+    except Exception as eager_error:
+        return type(eager_error) is type(error) and str(eager_error) == str(error)
+    finally:
+        saved.restore()
+    return False
 
 
 def _failed_to_trace(error: BaseException) -> bool:
@@ -667,6 +717,18 @@ class ForwardState:
             if isinstance(leaf, torch.Tensor) and not leaf.requires_grad and id(leaf) not in known:
                 known.add(id(leaf))
                 self.inputs.append([leaf, internals.version_counter(leaf), leaf.detach().clone()])
+
+    def inputs_as_given(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Copies of the call's inputs with the values they had when saved (a reference forward's
+        in-place updates stay in the copies)."""
+        given = {id(tensor): value for tensor, _, value in self.inputs}
+
+        def copy(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor) and id(leaf) in given:
+                return given[id(leaf)].clone()
+            return _detached_copy(leaf)
+
+        return internals.tree_map(copy, (args, kwargs))
 
     def restore(self) -> None:
         with torch.no_grad():

@@ -188,8 +188,9 @@ class BackendStepCheck:
         changed = self._count_repeats()
         if any(r.gradients_unexpected for r in self._ran) and self.replans.counting_result_gradients():
             log.warning(
-                "torch.compile(backend='ckptc'): the loss also used results other than the model's own loss "
-                "(logits); their gradients were priced as absent, so the graphs plan again counting them"
+                "torch.compile(backend='ckptc'): the loss also used results other than the scalar taken for the "
+                "model's own loss (logits, or auxiliary losses the forward stores on the module); their gradients "
+                "were priced as absent, so the graphs plan again counting them"
             )
             changed = True
         if self.replans.observed_results(self._tracker.results_held, self._ran):
