@@ -24,8 +24,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from ckptc import _torch_internals as internals
 from ckptc.capture.compiler import CheckpointCompiler
-from ckptc.errors import InvalidArgumentError
+from ckptc.errors import CkptcError, InvalidArgumentError
 from ckptc.options import CheckpointOptions
 from ckptc.plans import ModelPlan, applied_plan
 
@@ -79,12 +80,16 @@ def ckptc_backend(
     ``torch.compile`` hands string backends its ``mode`` too; ckptc has no modes (``mode=None`` or
     ``"default"`` is accepted), and anything else is refused saying what to pass instead.
     """
-    refuse_compile_args(compile_args)
-    options = options or {}
-    entry = _compilers.get(id(options))
-    if entry is None or entry[0] is not options:
-        entry = (options, backend(**options))
-        _compilers[id(options)] = entry
+    try:
+        refuse_compile_args(compile_args)
+        options = options or {}
+        entry = _compilers.get(id(options))
+        if entry is None or entry[0] is not options:
+            entry = (options, backend(**options))
+            _compilers[id(options)] = entry
+    except CkptcError as error:
+        # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
+        raise internals.raised_through_dynamo(error) from error.__cause__
     return entry[1](gm, example_inputs)
 
 

@@ -36,11 +36,18 @@ def test_backend_by_name_works_without_importing_ckptc() -> None:
     assert "ckptc imported by torch: True" in out.stdout
 
 
-def test_unknown_backend_option_is_refused() -> None:
-    model = nn.Linear(4, 4)
+def test_the_backends_errors_reach_the_caller_as_ckptc_errors() -> None:
+    """Dynamo wraps what a backend raises in its BackendCompilerFailed; ckptc's own errors (a bad option,
+    a budget below the floor) reach the caller as themselves, so ``except ckptc.InfeasibleBudgetError`` works."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     compiled = torch.compile(model, backend="ckptc", options={"budget_gib": 1})
-    with pytest.raises(Exception, match="unknown ckptc option"):
-        compiled(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(ckptc.UnknownOptionError, match="unknown ckptc option"):
+        compiled(torch.randn(2, 64)).sum().backward()
+    compiled = torch.compile(model, backend="ckptc", options={"budget_bytes": 1000})
+    with pytest.raises(ckptc.InfeasibleBudgetError, match="below the smallest feasible budget") as info:
+        compiled(torch.randn(32, 64)).sum().backward()
+    assert isinstance(info.value, ckptc.CkptcError) and type(info.value).__name__ == "InfeasibleBudgetError"
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("fraction", [0.2, 0.5, 0.9])

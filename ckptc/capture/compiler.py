@@ -34,6 +34,7 @@ from ckptc import _torch_internals as internals
 from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
+from ckptc.errors import CkptcError
 from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
@@ -240,6 +241,13 @@ class CheckpointCompiler:
 
     # -- torch.compile backend entry point ---------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        try:
+            return self._plan_dynamo_graph(gm, example_inputs)
+        except CkptcError as error:
+            # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
+            raise internals.raised_through_dynamo(error) from error.__cause__
+
+    def _plan_dynamo_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         events = self.step_check or self.step_events
