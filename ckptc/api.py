@@ -24,7 +24,7 @@ from ckptc.capture.compiler import CheckpointCompiler
 from ckptc.capture.coverage import Coverage
 from ckptc.capture.offline import offline_device, offline_step
 from ckptc.distributed import check_call_order, check_wrap_order, rank_context
-from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError
+from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planning.account import unnamed_gradient_bytes
 from ckptc.planning.planner import CapturedStep
@@ -182,13 +182,43 @@ class OptimizedModule(torch.nn.Module):
     @_model_signature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._ckptc_model
-        if not torch.is_grad_enabled() or not model.training or not any(p.requires_grad for p in model.parameters()):
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
             return model(*args, **kwargs)
+        if not model.training:
+            return _warn_on_backward_in_eval_mode(model, model(*args, **kwargs))
         check_call_order(self)
         return self._ckptc_runtime.call(args, kwargs)
 
     def __repr__(self) -> str:
         return f"OptimizedModule({self._ckptc_compiler!r}, module={type(self._ckptc_model).__name__})"
+
+
+_told_eval_training: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _warn_on_backward_in_eval_mode(model: torch.nn.Module, output: Any) -> Any:
+    """An eval-mode call with gradients enabled runs eagerly, unplanned: an evaluation that forgot
+    ``torch.no_grad()``, or training in eval mode (to turn dropout off).  If a backward runs through
+    it, it was training: warn once, since the budget did not hold for that step."""
+    if model in _told_eval_training:
+        return output
+    tensors = [t for t in internals.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def warn(_: torch.Tensor) -> None:
+        if model not in _told_eval_training:
+            _told_eval_training.add(model)
+            warn_once(
+                model,
+                "eval-training",
+                f"ckptc: a backward ran through a call of {type(model).__name__} made in eval mode; ckptc plans "
+                "only training-mode calls, so that step ran eagerly, unplanned and unmeasured, and the budget "
+                "did not hold for it. What to do: train in train mode (model.train(); set dropout's p to 0 to "
+                "turn it off), or run evaluation under torch.no_grad().",
+            )
+
+    if tensors:
+        tensors[0].register_hook(warn)
+    return output
 
 
 def optimize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -170,15 +171,28 @@ def test_keyword_inputs_dict_dataclass_and_non_tensor_outputs() -> None:
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
+def _scalar(output) -> torch.Tensor:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return sum(t.float().sum() for t in leaves)
+
+
 def test_no_grad_and_eval_run_eagerly_without_planning() -> None:
     case = get_case("mlp")
     optimized = ckptc.optimize(case.model, budget_gb=1)
     with torch.no_grad():
         optimized(*case.example_inputs)
     optimized.eval()
-    optimized(*case.example_inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an evaluation that forgets torch.no_grad is not warned about
+        output = optimized(*case.example_inputs)
     assert optimized.plan is None and not optimized.compiler.records
     assert not case.model.training
+    # A backward through it was training in eval mode: unplanned, so said once.
+    with pytest.warns(ckptc.CkptcWarning, match="made in eval mode"):
+        _scalar(output).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _scalar(optimized(*case.example_inputs)).backward()
     optimized.train()
     assert case.model.training
 
