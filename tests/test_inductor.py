@@ -167,8 +167,11 @@ def test_convolutions_are_planned_in_the_layout_inductor_runs_them(name: str) ->
     from tests.helpers import measure, step
 
     case = get_case(name, size="tiny")
+    # Inductor draws dropout's numbers per graph: with dropout on, the partitions' streams differ, and
+    # the torch.compile reference (an Inductor compile of its own) would go unused.
+    compared = not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in case.model.modules())
     reference = copy.deepcopy(case.model)
-    expected_loss = step(case, torch.compile(reference))
+    expected_loss = step(case, torch.compile(reference)) if compared else None
     captured = ckptc.capture(
         copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss, compiler="inductor"
     )
@@ -177,8 +180,7 @@ def test_convolutions_are_planned_in_the_layout_inductor_runs_them(name: str) ->
     optimized = ckptc.optimize(model, budget_bytes=budget, compiler="inductor", verify=False)
     planned = type(case)(case.name, model, case.example_inputs, case.example_kwargs, loss=case.loss)
     loss = step(planned, optimized)
-    # Inductor draws dropout's numbers per graph: with dropout on, the partitions' streams differ.
-    if not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+    if compared:
         torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-5)
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5)
