@@ -270,11 +270,17 @@ def budget_gb_type(text: str) -> float:
 
 def budget_bytes_type(text: str) -> int:
     """argparse type of ``--budget-bytes``: a positive whole number of bytes (``1e9`` is accepted)."""
-    value = _positive_finite(text, "bytes")
-    if not value.is_integer():
-        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got '{text}'")
     try:
-        return budget_to_bytes(None, int(value))  # type: ignore[return-value]
+        whole = int(text.strip().replace("_", ""))  # exact: a float would round 2**63 - 1 up to 2**63
+    except ValueError:
+        value = _positive_finite(text, "bytes")
+        if not value.is_integer():
+            raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got '{text}'") from None
+        whole = int(value)
+    if whole < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of bytes, got '{text}'")
+    try:
+        return budget_to_bytes(None, whole)  # type: ignore[return-value]
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"got '{text}': {error}") from None
 
@@ -415,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plot recompute overhead against peak memory per solver",
         description="Plan under budgets from the smallest feasible to the unoptimized "
         "peak with each solver; print the points and plot recompute "
-        "(%% of step FLOPs) against predicted peak.",
+        "(% of step FLOPs) against predicted peak.",
     )
     pareto.add_argument("factory", metavar="FILE.py:FACTORY", help=FACTORY_HELP)
     pareto.add_argument(
@@ -660,9 +666,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
 
 @contextlib.contextmanager
 def _logging_to_stderr(verbose: bool) -> Iterator[None]:
-    """With ``-v``, show ckptc's INFO messages on stderr for the duration of the command."""
+    """With ``-v``, show ckptc's INFO messages on stderr for the duration of the command.  Without it,
+    torch's own log records (a failed op's traceback logged by fake tensors before the error reaches
+    ckptc, which prints it as one line) stay off stderr."""
     if not verbose:
-        yield
+        torch_logger = logging.getLogger("torch")
+        previous = torch_logger.level
+        torch_logger.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            torch_logger.setLevel(previous)
         return
     logger = logging.getLogger("ckptc")
     handler = logging.StreamHandler(sys.stderr)

@@ -46,6 +46,11 @@ def wrong_shape() -> int:
     return 42
 
 
+def input_of_the_wrong_width() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A model given an input its first layer cannot take (a user's mistake, not ckptc's)."""
+    return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)), (torch.randn(4, 7),)
+
+
 def mlp_dropout() -> tuple[nn.Module, tuple[torch.Tensor]]:
     """A tiny MLP with dropout, built deterministically, as (model, example_inputs).
 

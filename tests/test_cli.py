@@ -213,6 +213,19 @@ def test_bad_input_gives_one_line_error(capsys: pytest.CaptureFixture[str], argv
     assert_one_line_error(code, err, expected)
 
 
+def test_an_input_the_model_cannot_take_gives_one_line_without_torchs_log() -> None:
+    """Fake tensors log the failed op's traceback through torch's logger before the error reaches ckptc:
+    the command still prints one line (run in a process of its own: that logger writes to the real stderr)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptc", "plan", f"{FACTORIES}:input_of_the_wrong_width"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert_one_line_error(result.returncode, result.stderr, "could not capture", "RuntimeError")
+
+
 @pytest.mark.parametrize(
     "content, expected",
     [
