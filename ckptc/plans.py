@@ -554,7 +554,7 @@ def load_plan(path: str | os.PathLike[str]) -> ModelPlan:
             "it is not a plan written by ckptc. Plan the model again."
         )
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # an editor's byte-order mark is not a change to the plan
     except UnicodeDecodeError:
         raise CorruptPlanError(f"{path} is not a text file; plan files are JSON") from None
     del raw

@@ -186,6 +186,13 @@ def test_unknown_node_names_are_refused_when_applied(planned, field: str) -> Non
         source(0, jp)
 
 
+def test_a_plan_file_saved_by_an_editor_with_a_byte_order_mark_or_crlf_loads_unchanged(planned, tmp_path: Path) -> None:
+    original = ckptc.load_plan(_write(tmp_path, planned[0]))
+    path = tmp_path / "edited.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(planned[0], indent=2).replace("\n", "\r\n").encode())
+    assert ckptc.load_plan(path).to_json() == original.to_json()
+
+
 def test_deeply_nested_huge_and_oversized_documents_are_refused(planned, tmp_path: Path) -> None:
     nested = _write(tmp_path, "[" * 200_000 + "]" * 200_000)
     with pytest.raises(ckptc.CorruptPlanError, match="nested too deeply"):
