@@ -668,6 +668,15 @@ from torch._dynamo.exc import ShortenTraceback as _PassedThroughDynamo  # noqa: 
 _passing_through: dict[type, type] = {}
 
 
+def _no_attribute(self: BaseException, value: Any = None) -> Any:
+    raise AttributeError("real_stack")
+
+
+# Dynamo appends its user-code stack and "Set TORCHDYNAMO_VERBOSE=1 ... reporting a bug to PyTorch" to an
+# error that has a ``real_stack``; ckptc's errors say what to do themselves, so they never have one.
+_no_real_stack = property(_no_attribute, lambda self, value: None)
+
+
 def raised_through_dynamo(error: BaseException) -> BaseException:
     """``error`` (raised by a backend while Dynamo compiles) re-typed so that Dynamo hands it to the
     caller as it is: Dynamo wraps whatever a backend raises in its ``BackendCompilerFailed``, except
@@ -679,7 +688,9 @@ def raised_through_dynamo(error: BaseException) -> BaseException:
         return error
     through = _passing_through.get(cls)
     if through is None:
-        through = type(cls.__name__, (cls, _PassedThroughDynamo), {"__module__": cls.__module__})
+        through = type(
+            cls.__name__, (cls, _PassedThroughDynamo), {"__module__": cls.__module__, "real_stack": _no_real_stack}
+        )
         through.__qualname__ = cls.__qualname__
         _passing_through[cls] = through
     error.__class__ = through

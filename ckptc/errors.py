@@ -117,7 +117,8 @@ def _user_frame(error: BaseException) -> str:
 
     skip = (os.path.dirname(torch.__file__ or ""), os.path.dirname(__file__))  # torch's and ckptc's own frames
     frames = [f for e in _chain(error) for f in traceback.extract_tb(e.__traceback__)]
-    mine = [f for f in frames if not f.filename.startswith(skip)]
+    # Code FX generates has a made-up file name ("proxy_tensor.py:1738 in wrapped"): not the model's.
+    mine = [f for f in frames if not f.filename.startswith(skip) and os.path.isfile(f.filename)]
     if not mine:
         return "the model's code"
     frame = mine[-1]

@@ -383,7 +383,7 @@ class Coverage:
             f"{100 * self.memory_share:.0f}% of activations"
         )
         if self.breaks:
-            text += f"; {sum(n for _, n in self.breaks)} break(s), most often: {self.breaks[0][0]}"
+            text += f"; {sum(n for _, n in self.breaks)} break(s), most often: {self.breaks[0][0].rstrip('.')}"
         return text
 
     def __str__(self) -> str:
