@@ -402,6 +402,25 @@ def ilp(
                     SolveInfo(status="fallback", bound=outcome.bound, candidate="keep_all"),
                 )
             info = attempt.solve_info()
+            if info.status != "optimal" and start_plan is not None:
+                # A cut solve may end on an incumbent worse than the plan it was offered (a start the
+                # solver could not use, or a re-solve without it): never return worse than that plan.
+                started_from = simulate(problem, start_plan)
+                if started_from.peak_bytes <= budget_bytes and started_from.recompute_cost < result.recompute_cost:
+                    log.warning(
+                        "ilp: the solve was cut (%s) at recompute cost %g, above the plan it started from (%g); "
+                        "returning that plan",
+                        info.status,
+                        result.recompute_cost,
+                        started_from.recompute_cost,
+                    )
+                    return _finish(
+                        problem,
+                        start_plan,
+                        budget_bytes,
+                        started,
+                        dataclasses.replace(info, candidate="warm start"),
+                    )
             if info.status == "time_limit":
                 log.warning(
                     "ilp: time limit of %.1f s reached; returning the best plan found "
