@@ -203,7 +203,7 @@ class ShapePlan:
                 break
             except Exception as error:
                 saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
-                if reference and not isinstance(error, CkptcError):
+                if reference and not isinstance(error, (CkptcError, MemoryError, torch.OutOfMemoryError)):
                     if _eager_raises_too(model, saved, args, kwargs, error):
                         raise  # the model's own error, as eager PyTorch raises it
                 if _failed_to_trace(error) and self.scalar_outputs:
