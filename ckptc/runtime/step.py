@@ -205,6 +205,7 @@ class ShapePlan:
                 saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
                 if reference and not isinstance(error, (CkptcError, MemoryError, torch.OutOfMemoryError)):
                     if _eager_raises_too(model, saved, args, kwargs, error):
+                        internals.unskip_forwards(model)
                         raise  # the model's own error, as eager PyTorch raises it
                 if _failed_to_trace(error) and self.scalar_outputs:
                     # Dynamo fails on some models with .item() kept in the graph where plain
@@ -216,6 +217,7 @@ class ShapePlan:
                     self.compile(model, template, step, self.compiler.step_events)
                     attempts = 0
                     continue
+                internals.unskip_forwards(model)  # see StepRuntime._call
                 if isinstance(error, CkptcError) or not reference:
                     raise
                 # The forward runs eagerly on these inputs: the captured step failed, not the model.
@@ -364,6 +366,9 @@ class StepRuntime:
             refuse_unplanned(self.model, self.active[before:], shape.eager)
             self._refuse_late_infeasible(shape, self.active[before:])
         except BaseException:
+            # Dynamo marks a frame that raised to be skipped from then on (every later call would run
+            # without a plan); a call that plans and tries again after a failure leaves the mark alone.
+            internals.unskip_forwards(self.model)
             if opened:
                 self._tracker.abort()
             raise
@@ -639,7 +644,6 @@ def run_compiled(
         try:
             return compiled(*args, **kwargs)
         except Exception as error:
-            internals.unskip_forwards(model)  # Dynamo skips a frame that raised from then on: not ours
             if isinstance(error, internals.BackendCompilerFailed):
                 # Our own backend raised (an infeasible budget, a plan that does
                 # not match): surface that error, not Dynamo's wrapper.
