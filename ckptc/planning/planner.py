@@ -402,8 +402,9 @@ def _refusal(
             f"this graph cannot fit the budget {solvers.format_bytes(budget)} ({budget} bytes) after what the "
             f"step's earlier graphs keep; with them at their own floors the step's floor is "
             f"{solvers.format_bytes(step_floor)} ({step_floor} bytes). What to do: give a budget of at least "
-            f"{own if own is not None else step_floor} bytes, or train through ckptc.optimize, which plans the "
-            "earlier graphs again to keep less",
+            f"{own if own is not None else step_floor} bytes. (Graphs of one call are planned again together so "
+            "that earlier ones keep less; graphs of an earlier call of the model in the same step, as two calls "
+            "before one backward, have already run under their plans.)",
         )
     how = f"solver {options.solver!r}" if options.strategy == "auto" else f"strategy {options.strategy!r}"
     return solvers.InfeasibleBudgetError(
