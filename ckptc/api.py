@@ -205,16 +205,15 @@ def _warn_on_backward_in_eval_mode(model: torch.nn.Module, output: Any) -> Any:
     tensors = [t for t in internals.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def warn(_: torch.Tensor) -> None:
-        if model not in _told_eval_training:
-            _told_eval_training.add(model)
-            warn_once(
-                model,
-                "eval-training",
-                f"ckptc: a backward ran through a call of {type(model).__name__} made in eval mode; ckptc plans "
-                "only training-mode calls, so that step ran eagerly, unplanned and unmeasured, and the budget "
-                "did not hold for it. What to do: train in train mode (model.train(); set dropout's p to 0 to "
-                "turn it off), or run evaluation under torch.no_grad().",
-            )
+        _told_eval_training.add(model)  # no more hooks on its eval calls; warn_once says it once
+        warn_once(
+            model,
+            "eval-training",
+            f"ckptc: a backward ran through a call of {type(model).__name__} made in eval mode; ckptc plans "
+            "only training-mode calls, so that step ran eagerly, unplanned and unmeasured, and the budget "
+            "did not hold for it. What to do: train in train mode (model.train(); set dropout's p to 0 to "
+            "turn it off), or run evaluation under torch.no_grad().",
+        )
 
     if tensors:
         tensors[0].register_hook(warn)

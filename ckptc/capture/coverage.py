@@ -263,8 +263,10 @@ class EagerForward:
     def capture_ended(self, model: torch.nn.Module, ran: Iterable[GraphRecord]) -> None:
         """Warn if the graphs that ran leave part of the forward to eager code (unplanned, only the
         run-time check sees it)."""
+        if not self.breaks:  # a step captured whole is its own reference: nothing left out
+            return
         report = Coverage.of(self, ran)
-        if report.breaks and report.flops_share < PARTIAL_COVERAGE_WARNING:
+        if report.flops_share < PARTIAL_COVERAGE_WARNING:
             warn_once(
                 model,
                 "coverage",
