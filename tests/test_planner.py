@@ -200,7 +200,16 @@ def test_only_the_replan_loop_changes_what_a_step_showed():
     """What a step shows (graph budgets, repeats, a measured correction, resident gradients, held
     outputs) becomes the next account in ``ckptc/planning/replan.py`` only: the capture path, the step runtime
     and the backend's check hold a ``Replans`` and never write those fields of the account themselves."""
-    fields = {"graph_budgets", "repeat_bytes", "correction_bytes", "gradients_resident", "hold_outputs"}
+    fields = {
+        "graph_budgets",
+        "repeat_bytes",
+        "repeat_runs",
+        "repeat_gradient_bytes",
+        "correction_bytes",
+        "gradients_resident",
+        "hold_outputs",
+        "earlier_calls_planned",
+    }
     offenders = []
     for path in sorted((REPO / "ckptc").rglob("*.py")):
         if path.name in ("replan.py", "account.py"):

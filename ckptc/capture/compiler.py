@@ -292,7 +292,6 @@ class CheckpointCompiler:
                 # its AOTAutograd function or else from Dynamo's graph (guards and bytecode stay as they are).
                 if events is not None:
                     events.planned()
-                planned_under = account
                 try:
                     again = self._plan_again(plans, gm, example_inputs, index) if plans is not None else None
                     if again is not None:
@@ -300,10 +299,15 @@ class CheckpointCompiler:
                     else:
                         compiled, record, plans = self._plan_graph(gm, example_inputs, index)
                 except solvers.InfeasibleBudgetError as error:
+                    # Not run on its old plan, made for an account the step showed wrong: every later
+                    # call plans again, and is refused again unless the account changed.
+                    if check is not None:
+                        check.abort()
                     refusal = self.replans.refusal(error)
                     if refusal is error:
                         raise
                     raise refusal from error
+                planned_under = account
             if events is not None:
                 events.graph_starts(record, args)
             try:
@@ -522,9 +526,9 @@ class CheckpointCompiler:
         holds outside it: its baseline), and rewrite it into AOTAutograd's forward and backward modules.
         A ``final`` plan is not made again: a graph that cannot fit is refused, never deferred."""
         placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
-        baseline_bytes, inputs = self.account.graph_baseline(
-            self.model, example_inputs, placeholders, self.active, index=index
-        )
+        baseline_bytes, inputs = self.account.graph_baseline(self.model, example_inputs, placeholders, self.active)
+        # What runs of graphs between its first and last run in the step leave alive (a graph run several times).
+        repeated = self.account.repeated_runs_bytes(index, {r.index: r for r in self.records})
         gradient_sink = self._gradient_sink(example_inputs, placeholders)
         policies = policies_from_patterns(
             {n.name: n for n in joint.graph.nodes}, self.options.must_save, self.options.must_recompute
@@ -532,7 +536,7 @@ class CheckpointCompiler:
         jp = joint_to_problem(
             joint,
             num_fwd_outputs,
-            baseline_bytes=baseline_bytes,
+            baseline_bytes=max(0, baseline_bytes + repeated),
             policies=policies,
             hold_outputs=self.account.hold_outputs,
             free_unused_grads=not self.account.result_gradients,
@@ -551,6 +555,7 @@ class CheckpointCompiler:
             progress=self.progress,
             inputs=inputs,
             started=start,
+            repeat_bytes=repeated,
         )
         record.break_after = internals.graph_break_after(gm)
         if index < len(self.records):

@@ -46,6 +46,7 @@ gives the solvers a planning budget (:func:`planning_budget`).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -100,10 +101,24 @@ class StepAccount:
         loss_bytes: what a measured step held, above its forward's end, between its last graph's
             forward and its first graph's backward (the caller's loss and its backward,
             :attr:`ckptc.meter.MemoryMeasurement.loss_bytes`): priced at the end of forward.
-        repeat_bytes: by graph index, for a graph run several times in one step
-            (identical layers compiled once, a break inside the layer loop), how
-            much more earlier runs leave alive at its last run than at its first
-            (:func:`repeat_bytes`): one plan serves every run.
+        repeat_runs: by graph index, for a graph run several times in one step (identical
+            layers compiled once, a break inside the layer loop, the model called twice before
+            one backward), how many runs of each graph (by index) are alive at its last run
+            beyond those alive at its first, which its plan was made for (:func:`repeat_bytes`):
+            one plan serves every run.  Each leaves alive what its graph's current plan keeps
+            (:meth:`repeated_runs_bytes`); its own earlier runs keep what its own plan keeps,
+            so the planner chooses that plan with them counted at its own bytes
+            (:func:`ckptc.planning.planner.decide`).
+        repeat_bytes: by graph index, the gradients counted at such a graph's first run
+            that do not exist yet at its last (zero or negative bytes).
+        repeat_gradient_bytes: the gradients of parameters that several runs of the step take
+            (the model called again before one backward under ``torch.compile``): an earlier
+            run's backward runs after the later runs' backwards have freed what they kept and made
+            these, so a graph run several times counts the larger of the two at its runs.
+        earlier_calls_planned: how many times earlier calls of the step (the model called again
+            before one backward) planned again to leave this call room
+            (:meth:`ckptc.planning.replan.Replans.make_room_for_later_calls`): this call's graphs,
+            whose baselines count what those keep, plan again after them.
     """
 
     budget_bytes: int | None = None
@@ -116,8 +131,11 @@ class StepAccount:
     graph_budgets: Mapping[int, int] = field(default_factory=dict)
     defer_infeasible: bool = False
     repeat_bytes: Mapping[int, int] = field(default_factory=dict)
+    repeat_runs: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
+    repeat_gradient_bytes: int = 0
     accumulate_in_backward: bool = False
     loss_bytes: int = 0
+    earlier_calls_planned: int = 0
 
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)
@@ -150,10 +168,10 @@ class StepAccount:
                 "the forward's results (logits), held until backward ends: drop them before backward "
                 "(loss = model(...).loss, or del the output object before loss.backward())"
             )
-        if self.repeat_bytes:
+        if self.repeat_runs:
             said.append(
-                f"what earlier runs of graphs run several times in one step leave alive "
-                f"({sum(self.repeat_bytes.values())} bytes)"
+                "what earlier runs of graphs run several times in one step (layers compiled once, the model "
+                "called again before one backward) leave alive until their backward"
             )
         if self.correction_bytes:
             said.append(f"{self.correction_bytes} bytes a measured step showed the prediction missed")
@@ -191,11 +209,31 @@ class StepAccount:
     def counting_repeats(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0) -> "StepAccount":
         """This account with :attr:`repeat_bytes` raised to what the step ``ran`` showed
         (:func:`repeat_bytes`); ``self`` when nothing grew."""
-        repeats = repeat_bytes(
+        correction, runs = repeat_bytes(
             ran, gradients_resident=self.gradients_resident, unnamed_gradient_bytes=unnamed_gradient_bytes
         )
-        grown = {i: n for i, n in repeats.items() if n > self.repeat_bytes.get(i, 0)}
-        return self.replace(repeat_bytes={**self.repeat_bytes, **grown}) if grown else self
+        latest = {r.index: r for r in ran}
+        worse = [
+            i
+            for i in runs
+            if i not in self.repeat_runs
+            or _priced(runs[i], correction[i], latest)
+            > _priced(self.repeat_runs[i], self.repeat_bytes.get(i, 0), latest)
+        ]
+        if not worse:
+            return self
+        return self.replace(
+            repeat_bytes={**self.repeat_bytes, **{i: correction[i] for i in worse}},
+            repeat_runs={**self.repeat_runs, **{i: runs[i] for i in worse}},
+        )
+
+    def repeated_runs_bytes(self, index: int, current: Mapping[int, GraphRecord]) -> int:
+        """What the runs of other graphs counted for graph ``index``'s last run (:attr:`repeat_runs`)
+        leave alive under their ``current`` plans (by graph index; its own runs are counted by the
+        planner at its own plan's bytes), with the gradient correction of :attr:`repeat_bytes`."""
+        counts = self.repeat_runs.get(index, {})
+        others = sum(n * current[j].step_bytes for j, n in counts.items() if j != index and j in current)
+        return others + self.repeat_bytes.get(index, 0)
 
     def graph_baseline(
         self,
@@ -203,12 +241,11 @@ class StepAccount:
         graph_inputs: Sequence[Any],
         placeholders: Sequence[Any],
         earlier: Sequence[GraphRecord],
-        index: int = 0,
     ) -> tuple[int, GraphInputs]:
         """The baseline of a graph taking ``graph_inputs`` (real tensors) whose joint graph's
         placeholder values are ``placeholders`` (fake tensors), after the graphs ``earlier``
-        in the same step, as graph ``index`` of the step.  Also returns the graph's tensor inputs
-        (:attr:`ckptc.records.GraphRecord.inputs`).
+        in the same step, at its first run in the step (its later runs: :meth:`repeated_runs_bytes`).
+        Also returns the graph's tensor inputs (:attr:`ckptc.records.GraphRecord.inputs`).
 
         A graph counts its own inputs; of earlier graphs' data inputs it counts those it
         does not take (the caller holds a first call's batch until backward), and from what
@@ -272,53 +309,68 @@ class StepAccount:
         handed_on = sum(inputs.data[i] for i in inputs.handed)
         device = graph_device([v for v in placeholders if isinstance(v, torch.Tensor)])
         return (
-            outside
-            + sum(earlier_data.values())
-            + sum(r.step_bytes for r in earlier)
-            - min(handed_on, held_by_earlier)
-            + self.repeat_bytes.get(index, 0)
-            + HELD_RESULTS_RESERVE_BYTES
-            + self.rank_bytes
-            + self.correction_bytes
-            + memory_model(device).step_overhead_bytes,
+            max(
+                0,
+                outside
+                + sum(earlier_data.values())
+                + sum(r.step_bytes for r in earlier)
+                - min(handed_on, held_by_earlier)
+                + HELD_RESULTS_RESERVE_BYTES
+                + self.rank_bytes
+                + self.correction_bytes
+                + memory_model(device).step_overhead_bytes,
+            ),
             inputs,
         )
 
 
 def repeat_bytes(
     ran: Sequence[GraphRecord], *, gradients_resident: bool = False, unnamed_gradient_bytes: int = 0
-) -> dict[int, int]:
+) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
     """For each graph run more than once in a step (``ran``, in run order, graphs by ``record.index``),
-    how much more the step holds outside it at its worst later run than at its first, which its plan
-    was made for.
+    what the step holds outside it at its worst later run beyond what it held at its first, which its
+    plan was made for: the runs of graphs in between, its own earlier runs among them, each of which
+    leaves alive what its graph's plan keeps (counted by graph index, so each is priced at its graph's
+    current plan), and a correction in bytes (zero or negative) for the gradients counted at the first
+    run that do not exist yet at the later one.
 
-    That is what the runs in between leave alive, less the gradients counted at the first run
-    (those of parameters no graph had taken yet, whose backward runs first) that do not exist yet
-    at the later run: parameters taken by the runs in between.  A record names the parameters of
-    the run it was compiled for; a later run of it takes its own (layers compiled once) or the
-    same (a shared block), so later runs are taken to use parameters no record names
-    (``unnamed_gradient_bytes``, their gradients' bytes) until there are none left.
+    Those gradients are of parameters no graph had taken yet (whose backward runs first) taken by the
+    runs in between.  A record names the parameters of the run it was compiled for; a later run of it
+    takes its own (layers compiled once) or the same (a shared block, the model called again), so later
+    runs are taken to use parameters no record names (``unnamed_gradient_bytes``, their gradients'
+    bytes) until there are none left.  Of the later runs, the one that holds the most under the plans
+    that ran is counted.
     """
-    first: dict[int, tuple[int, frozenset[int], int]] = {}
-    extra: dict[int, int] = {}
-    left = taken_unnamed = 0
+    latest = {r.index: r for r in ran}  # each graph's plan that ran
+    first: dict[int, tuple[Counter[int], frozenset[int], int]] = {}
+    correction: dict[int, int] = {}
+    runs: dict[int, dict[int, int]] = {}
+    alive: Counter[int] = Counter()  # runs so far, by graph index
+    taken_unnamed = 0
     seen: set[int] = set()
     grad_bytes: dict[int, int] = {}
     for record in ran:
+        i = record.index
         grad_bytes.update(record.inputs.parameters)
         seen |= record.inputs.ids
-        if record.index in first:
+        if i in first:
             own = sum(record.inputs.parameters.values())
             taken_unnamed += min(own, unnamed_gradient_bytes - taken_unnamed)
-            left_then, seen_then, taken_then = first[record.index]
-            not_yet = sum(grad_bytes.get(i, 0) for i in seen - seen_then) + taken_unnamed - taken_then
-            extra[record.index] = max(
-                extra.get(record.index, 0), left - left_then - (0 if gradients_resident else not_yet)
-            )
+            alive_then, seen_then, taken_then = first[i]
+            not_yet = sum(grad_bytes.get(j, 0) for j in seen - seen_then) + taken_unnamed - taken_then
+            fewer = 0 if gradients_resident else -not_yet
+            counts = dict(alive - alive_then)
+            if i not in runs or _priced(counts, fewer, latest) > _priced(runs[i], correction[i], latest):
+                correction[i], runs[i] = fewer, counts
         else:
-            first[record.index] = (left, frozenset(seen), taken_unnamed)
-        left += record.step_bytes
-    return {i: n for i, n in extra.items() if n > 0}
+            first[i] = (Counter(alive), frozenset(seen), taken_unnamed)
+        alive[i] += 1
+    return correction, runs
+
+
+def _priced(counts: Mapping[int, int], correction: int, plans: Mapping[int, GraphRecord]) -> int:
+    """What runs of graphs (``counts`` by index) leave alive under ``plans``, with ``correction``."""
+    return sum(n * plans[j].step_bytes for j, n in counts.items() if j in plans) + correction
 
 
 def unnamed_gradient_bytes(model: torch.nn.Module, ran: Sequence[GraphRecord]) -> int:

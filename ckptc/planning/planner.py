@@ -298,8 +298,110 @@ def decide(
     progress: Progress | None = None,
     inputs: GraphInputs | None = None,
     started: float | None = None,
+    repeat_bytes: int = 0,
 ) -> GraphRecord:
-    """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s baseline).
+    """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s
+    baseline, and ``repeat_bytes`` of other graphs' runs alive at its last run,
+    :meth:`StepAccount.repeated_runs_bytes`), as :func:`decide_at`; for a graph whose own earlier runs in
+    the step are alive at its last run (``account.repeat_runs``: layers compiled once, the model called
+    again before one backward), with each of them counted at what the chosen plan itself keeps.
+
+    That baseline depends on the plan, so the plan is made under an assumed kept size: first keeping
+    everything's (a plan made there keeps no more, so it fits beside its own runs), then, bisecting
+    towards the lowest-peak plan's size, smaller ones while their plans still keep no more than assumed
+    (at most :data:`REPEAT_SEARCH_STEPS` more plans); the cheapest plan that fits beside its own runs is
+    chosen.  Where none does, the lowest-peak plan (which fits beside its own runs whenever any plan
+    does), or its refusal."""
+    start = time.perf_counter() if started is None else started
+    runs = account.repeat_runs.get(index, {}).get(index, 0)
+
+    def at(assumed_kept: int, *, lowest_peak: bool = False) -> GraphRecord:
+        # An earlier run's backward runs after the later runs' have freed what they keep, with the
+        # gradients of the parameters they share made: the larger of the two is held beside it.
+        later = max(repeat_bytes + runs * assumed_kept, account.repeat_gradient_bytes if runs else 0)
+        return decide_at(
+            with_baseline(jp, jp.problem.baseline_bytes - repeat_bytes + later),
+            options,
+            account,
+            index=index,
+            earlier=earlier,
+            plan_source=plan_source,
+            progress=progress,
+            inputs=inputs,
+            started=start,
+            repeat_bytes=later,
+            lowest_peak=lowest_peak,
+        )
+
+    if not runs:
+        return at(0)
+    assumed = _kept_bytes(jp, keep_everything(jp))
+    if plan_source is not None:  # a plan file's plans are applied as they are
+        return at(assumed)
+    budget = account.graph_budget(index)
+    if budget is None:
+        return at(assumed)
+    lowest = solvers.lowest_peak_plan(jp.problem)
+    floor_kept = _kept_bytes(jp, lowest)
+    # The assumed size is searched between the lowest-peak plan's own and the largest beside which that
+    # plan still fits (larger: no plan fits); within it a larger assumption leaves less room, so its plan
+    # keeps less.  Bisection for the smallest assumption whose plan keeps no more than assumed: the
+    # cheapest plan that fits beside its own runs.
+    floor_peak = solvers.simulate(jp.problem, lowest).peak_bytes
+    margin = planning_margin(jp.problem, unoptimized_result(jp))
+    room = (planning_budget(budget, margin) - floor_peak) // runs
+    low, high = floor_kept, max(floor_kept, min(assumed, room))
+    assumed = high
+    best: GraphRecord | None = None
+    for _ in range(1 + REPEAT_SEARCH_STEPS):
+        try:
+            record: GraphRecord | None = at(assumed)
+        except solvers.InfeasibleBudgetError:
+            record = None
+        if record is not None and not record.infeasible and record.step_bytes <= assumed:
+            if best is None or record.result.recompute_cost < best.result.recompute_cost:
+                best = record
+            high = assumed
+        elif best is None and assumed == high:
+            break  # not even the largest assumption that can fit: none can
+        else:
+            low = assumed
+        if high - low <= high // 100:
+            break
+        assumed = (low + high) // 2
+    if best is not None:
+        return best
+    # No plan fits beside runs that keep what it keeps: the lowest-peak plan, which fits beside its
+    # own runs whenever any plan does, or its refusal with the step's floor.
+    return at(floor_kept, lowest_peak=True)
+
+
+#: How many more plans :func:`decide` makes for a graph run several times in a step.
+REPEAT_SEARCH_STEPS = 4
+
+
+def _kept_bytes(jp: JointProblem, plan: solvers.Plan) -> int:
+    """What a run of ``jp``'s graph under ``plan`` leaves alive after its forward (GraphRecord.step_bytes)."""
+    return solvers.simulate(jp.problem, plan).kept_bytes + jp.held_beside(plan.kept)
+
+
+def decide_at(
+    jp: JointProblem,
+    options: CheckpointOptions,
+    account: StepAccount,
+    *,
+    index: int,
+    earlier: Sequence[GraphRecord] = (),
+    plan_source: PlanSource | None = None,
+    progress: Progress | None = None,
+    inputs: GraphInputs | None = None,
+    started: float | None = None,
+    repeat_bytes: int = 0,
+    lowest_peak: bool = False,
+) -> GraphRecord:
+    """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s
+    baseline, and ``repeat_bytes`` of its own earlier runs', :func:`decide`); ``lowest_peak``: its
+    lowest-peak plan where that fits the budget (no other plan fits beside its own runs).
 
     The floor reported (``min_feasible_bytes``) is the step's: earlier graphs at
     their own lowest-peak plans would leave their ``slack_bytes`` fewer bytes alive.
@@ -325,7 +427,10 @@ def decide(
     step_floor = max([own_floor] + [r.min_feasible_bytes for r in earlier])
     infeasible = False
     try:
-        plan = _choose(jp, options, index, plan_source, progress, keep_all, margin, account)
+        if lowest_peak and floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin):
+            plan = floor_plan
+        else:
+            plan = _choose(jp, options, index, plan_source, progress, keep_all, margin, account)
     except solvers.InfeasibleBudgetError as error:
         if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
             # Applied as they are: a preset or a plan file has no other plan to fall back to.
@@ -338,8 +443,8 @@ def decide(
             plan = keep_everything(jp)  # within the budget, only not within the planning margin
         elif index in account.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
-        elif account.defer_infeasible and plan_source is None and index > 0:
-            infeasible = True  # earlier graphs of the step may keep less: seen by the caller
+        elif account.defer_infeasible and plan_source is None and earlier:
+            infeasible = True  # earlier graphs of the step (this call's or an earlier call's) may keep less
             plan = floor_plan
         else:
             refusal = _refusal(error, step_floor, options, account)
@@ -365,7 +470,7 @@ def decide(
         unoptimized_kept_bytes=keep_all.kept_bytes,
         infeasible=infeasible,
         earlier=tuple(earlier),
-        repeat_bytes=account.repeat_bytes.get(index, 0),
+        repeat_bytes=repeat_bytes,
     )
     log.info(
         "graph %d: %d nodes, kept %d forward values, predicted peak %s (unoptimized %s), recompute cost %.3g",
@@ -578,12 +683,12 @@ class CapturedStep:
         progress: Progress | None,
     ) -> list[GraphRecord]:
         decided: dict[int, GraphRecord] = {}
+        current = dict(enumerate(self.records))  # each graph's latest plan, by index
         out = []
         for position, captured in enumerate(self.records):
             earlier = [decided[id(e)] for e in captured.earlier if id(e) in decided]
-            baseline = (
-                captured.own_baseline_bytes + sum(e.step_bytes for e in earlier) + account.repeat_bytes.get(position, 0)
-            )
+            repeated = account.repeated_runs_bytes(position, current)
+            baseline = max(0, captured.own_baseline_bytes + sum(e.step_bytes for e in earlier) + repeated)
             jp = with_baseline(captured.joint_problem, baseline)
             record = decide(
                 jp,
@@ -594,8 +699,9 @@ class CapturedStep:
                 plan_source=plan_source,
                 progress=progress,
                 inputs=captured.inputs,
+                repeat_bytes=repeated,
             )
             record.break_after = captured.break_after
-            decided[id(captured)] = record
+            decided[id(captured)] = current[position] = record
             out.append(record)
         return out

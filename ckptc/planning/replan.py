@@ -83,6 +83,7 @@ class Replans:
         self._measured: tuple[int, tuple[GraphRecord, ...], bool] | None = None
         self._tightened = 0
         self._repeats = 0
+        self._room_made = 0  # times later calls of the step asked these graphs to keep less
 
     @property
     def budget_bytes(self) -> int | None:
@@ -112,6 +113,8 @@ class Replans:
             if any(r.joint_problem.droppable_output_bytes for r in ran):
                 if self._let_results_go_for_room():
                     return True  # planned again before earlier graphs are asked to keep less
+            if self._left_to_earlier_calls(ran):
+                return False  # run at its floor; the step runtime asks earlier calls to keep less
             budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
             self._tightened += 1
             self.account = self.account.replace(graph_budgets=budgets)
@@ -124,8 +127,52 @@ class Replans:
             return False
         self._repeats += 1
         self.account = counted
-        log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_bytes))
+        log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_runs))
         return True
+
+    def _left_to_earlier_calls(self, ran: Sequence[GraphRecord]) -> bool:
+        """Whether only graphs of earlier calls of the step (a model called twice before one backward)
+        can keep less for a graph of ``ran`` that did not fit, and keeping less there can make it fit:
+        nothing before it in this call, and the step's floor within the budget.  Those calls' graphs
+        ran already, so this call runs at its floor and the step runtime asks them to keep less in the
+        next step (:meth:`make_room_for_later_calls`)."""
+        short = [r for r in ran if r.infeasible]
+        assert self.budget_bytes is not None
+        floor = max(r.min_feasible_bytes for r in ran)
+        return max(r.index for r in short) == 0 and floor <= self.budget_bytes
+
+    def make_room_for_later_calls(self, need: int, ran: Sequence[GraphRecord]) -> None:
+        """A later call of the step (the model called again before one backward) could not fit beside
+        what this plan's graphs ``ran`` keep: they plan again keeping ``need`` bytes less, and the second
+        time as little as they can.
+
+        Raises:
+            solvers.InfeasibleBudgetError: asked :data:`MAX_STEP_RETRIES` times already.
+        """
+        assert self.budget_bytes is not None
+        if self._room_made >= MAX_STEP_RETRIES:
+            raise solvers.InfeasibleBudgetError(
+                self.budget_bytes,
+                None,
+                "ckptc could not make the calls of this step (the model called again before one backward) fit "
+                f"together in {solvers.format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes) after "
+                f"{MAX_STEP_RETRIES} retries with the earlier calls keeping less. What to do: give a few percent "
+                "more budget, or run one backward per call.",
+            )
+        indices = sorted({r.index for r in ran})
+        budgets = _budgets_keeping_less(
+            ran, indices, need, self.budget_bytes, self._room_made, self.account.graph_budgets
+        )
+        self._room_made += 1
+        self._measured = None
+        self.account = self.account.replace(graph_budgets={**self.account.graph_budgets, **budgets})
+        log.info("a later call of the step did not fit beside this call's plans; its graphs keep less: %s", budgets)
+
+    def planning_after_earlier_calls_again(self) -> None:
+        """The step's earlier calls plan again (:meth:`make_room_for_later_calls`): this call's graphs,
+        whose baselines count what those keep, plan again after theirs."""
+        self._measured = None
+        self.account = self.account.replace(earlier_calls_planned=self.account.earlier_calls_planned + 1)
 
     def measured_above_budget(
         self, measurement: MemoryMeasurement, ran: Sequence[GraphRecord], *, plans_again: bool = True
@@ -193,9 +240,20 @@ class Replans:
         if self.account.gradients_resident:
             return False
         self._measured = None
+        self._room_made = 0
         self.account = self.account.replace(
             gradients_resident=True, accumulate_in_backward=accumulate_in_backward, graph_budgets={}
         )
+        return True
+
+    def counting_gradients_of_later_runs(self, nbytes: int) -> bool:
+        """A step's graphs took parameters whose gradients are ``nbytes`` in several runs (the model
+        called again before one backward): an earlier run's backward runs after the later one's, with
+        those gradients made (:attr:`StepAccount.repeat_gradient_bytes`; whether the account changed)."""
+        if nbytes <= self.account.repeat_gradient_bytes:
+            return False
+        self._measured = None
+        self.account = self.account.replace(repeat_gradient_bytes=nbytes)
         return True
 
     def counting_loss(self, nbytes: int) -> bool:
@@ -347,7 +405,19 @@ def tighter_graph_budgets(
     last = max(r.index for r in short)
     # Nothing before the graph that did not fit can keep less: planning again cannot help.
     if floor > budget_bytes or last == 0:
-        raise solvers.InfeasibleBudgetError(budget_bytes, floor if floor > budget_bytes else None)
+        lowest = floor if floor > budget_bytes else None
+        mine = {id(r) for r in ran}
+        if lowest is None or not any(id(e) not in mine for r in short for e in r.earlier):
+            raise solvers.InfeasibleBudgetError(budget_bytes, lowest)
+        raise solvers.InfeasibleBudgetError(
+            budget_bytes,
+            lowest,
+            f"budget {solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes) is below this step's floor of "
+            f"{solvers.format_bytes(floor)} ({floor} bytes): the model is called again before one backward (two "
+            "calls per step), so the earlier calls' activations stay alive through this call, and their backwards "
+            "run after this call's with the parameters' gradients made. What to do: give a budget of at least "
+            f"{floor} bytes, or, where the loss allows it, run a backward after each call (gradient accumulation).",
+        )
     if attempt >= MAX_STEP_RETRIES:
         raise solvers.InfeasibleBudgetError(
             budget_bytes,
@@ -357,15 +427,34 @@ def tighter_graph_budgets(
             f"although each graph's floor with the graphs before it at theirs is at most {floor} bytes. "
             "What to do: give a few percent more budget, or pass solver='auto' if another solver was chosen.",
         )
+    return _budgets_keeping_less(ran, range(last), room_needed(short, budget_bytes), budget_bytes, attempt, current)
+
+
+def room_needed(short: Sequence[GraphRecord], budget_bytes: int) -> int:
+    """How many bytes the graphs ``short`` (planned at their floors, ``infeasible``) need earlier
+    graphs to keep less so that they fit ``budget_bytes`` with their planning margin."""
+    return max(budget_for_planning_floor(r.floor_peak_bytes, r.margin_bytes) - budget_bytes for r in short)
+
+
+def _budgets_keeping_less(
+    ran: Sequence[GraphRecord],
+    indices: Sequence[int],
+    need: int,
+    budget_bytes: int,
+    attempt: int,
+    current: Mapping[int, int],
+) -> dict[int, int]:
+    """Budgets for the graphs ``indices`` (of those that ``ran``) so that they keep ``need`` bytes less:
+    on the first ``attempt`` each lowers its peak by its share of ``need``, then each keeps as little as
+    it can (budget 0); never above a budget in ``current``."""
     if attempt == 0:
-        need = max(budget_for_planning_floor(r.floor_peak_bytes, r.margin_bytes) - budget_bytes for r in short)
-        # Each earlier graph lowers its own peak (keeping less) by its share of `need` (the budget
-        # alone would not bind a graph whose peak is well below it); a graph run for several
-        # layers (blocks compiled once) keeps its bytes once per run.
-        runs = Counter(r.index for r in ran if r.index < last)
+        # Each graph lowers its own peak (keeping less) by its share of `need` (the budget alone
+        # would not bind a graph whose peak is well below it); a graph run for several layers
+        # (blocks compiled once) keeps its bytes once per run.
+        runs = Counter(r.index for r in ran if r.index in indices)
         peaks = {r.index: r.result.peak_bytes for r in ran}
-        shares = {j: -(-need // runs.get(j, 1)) for j in range(last)}  # ceil(need / runs)
-        tighter = {j: max(0, min(budget_bytes, peaks.get(j, budget_bytes)) - shares[j]) for j in range(last)}
-    else:  # keep as little as possible before the last graph that did not fit
-        tighter = {j: 0 for j in range(last)}
+        shares = {j: -(-need // runs.get(j, 1)) for j in indices}  # ceil(need / runs)
+        tighter = {j: max(0, min(budget_bytes, peaks.get(j, budget_bytes)) - shares[j]) for j in indices}
+    else:
+        tighter = {j: 0 for j in indices}
     return {j: min(b, current.get(j, b)) for j, b in tighter.items()}

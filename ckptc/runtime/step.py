@@ -53,7 +53,7 @@ from ckptc.errors import (
 from ckptc.meter import MemoryMeasurement, resident_bytes
 from ckptc.planning import policies
 from ckptc.planning.account import StepAccount, gradients_resident, unnamed_gradient_bytes
-from ckptc.planning.replan import Replans, settle
+from ckptc.planning.replan import Replans, room_needed, settle
 from ckptc.records import GraphRecord
 from ckptc.runtime.lengths import LengthBuckets
 from ckptc.runtime.tracker import StepEvents, StepTracker
@@ -347,6 +347,7 @@ class StepRuntime:
             self._step_plans.append(shape)
         self.last = shape
         before = len(self.active)
+        was_planned = shape.planned
         try:
             try:
                 output = self._run(shape, args, kwargs)
@@ -364,7 +365,10 @@ class StepRuntime:
                 self._forget(shape, error)
                 raise
             refuse_unplanned(self.model, self.active[before:], shape.eager)
-            self._refuse_late_infeasible(shape, self.active[before:])
+            if was_planned:
+                self._refuse_late_infeasible(shape, self.active[before:])
+            if not opened:
+                self._account_for_earlier_calls(shape, self.active[before:], planned=not was_planned)
         except BaseException:
             # Dynamo marks a frame that raised to be skipped from then on (every later call would run
             # without a plan); a call that plans and tries again after a failure leaves the mark alone.
@@ -395,6 +399,41 @@ class StepRuntime:
                 "captures and plans the step again for every new value (seconds to minutes each; beyond "
                 f"{self.max_plans} values the oldest plans are forgotten and made again). What to do: pass an "
                 "argument that changes between steps as a tensor (torch.tensor(value)), or keep it constant.",
+            )
+
+    def _account_for_earlier_calls(self, shape: ShapePlan, ran: list[GraphRecord], *, planned: bool) -> None:
+        """After a call of ``shape`` that ran the graphs ``ran`` after earlier calls of the same step (the
+        model called again before one backward: siamese, contrastive), whose plans were made before this
+        call was seen (``planned``: this call planned).
+
+        Its backward runs before theirs, so their backwards run with the parameters' gradients made:
+        they count gradients resident and add theirs into them as they are made.  A graph of this call
+        that could not fit beside what they keep ran at its floor
+        (:meth:`~ckptc.planning.replan.Replans.after_run`): they plan again keeping less, once their
+        plans count what they hold.  Either way this call plans again after them, and a step predicted
+        over the budget is said to be."""
+        earlier = self._step_plans[: self._step_plans.index(shape)]
+        recounted = [s for s in earlier if s.replans.counting_gradients(accumulate_in_backward=self.ranks is None)]
+        short = [r for r in ran if r.infeasible] if planned else []
+        budget = self.template.budget_bytes
+        if short and budget is not None and not recounted:
+            need = room_needed(short, budget)
+            for call in earlier:
+                mine = {id(r) for r in call.compiler.records}
+                call.replans.make_room_for_later_calls(need, [r for r in self.active if id(r) in mine])
+        if not (recounted or short):
+            return
+        log.info("a later call of the step ran after earlier calls' plans: they plan again, then it does")
+        shape.replans.planning_after_earlier_calls_again()
+        predicted = max((r.result.peak_bytes for r in short), default=0)
+        if budget is not None and predicted > budget:
+            self._warn_once(
+                "later-call",
+                f"ckptc: {type(self.model).__name__} was called again before backward (several calls in one "
+                "step), and the plans of the step's earlier calls, made before ckptc saw this one, leave it too "
+                f"little of the budget of {budget} bytes: this step runs it at its lowest peak, predicted "
+                f"{predicted} bytes ({predicted - budget} bytes over the budget). The next steps plan the earlier "
+                "calls again to leave it room, and the first step under the new plans is measured as usual.",
             )
 
     def _refuse_late_infeasible(self, shape: ShapePlan, ran: list[GraphRecord]) -> None:
