@@ -7,6 +7,7 @@ the file stays well under a minute and a half on 2 CPU cores.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import ckptc
 from ckptc import report
@@ -165,6 +167,36 @@ def test_pareto_plots_curves_and_prints_points(capsys: pytest.CaptureFixture[str
     rows = [line.split() for line in out.splitlines() if line.startswith(("chen_greedy ", "hierarchical "))]
     assert len(rows) == 6  # 3 budgets x 2 solvers, infeasible ones included and marked
     assert any(row[0] == "chen_greedy" and row[-1].endswith("%") for row in rows)
+
+
+def test_the_report_shows_the_plan_of_the_step_it_measured() -> None:
+    """A loss computed outside the model that takes memory between forward and backward (``square()``) is
+    measured on the step that plans, and the next step plans again pricing it: the report's plan and its
+    predicted timeline are those of the step it measured (they were the first plan's)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, 256), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    captured = ckptc.capture(copy.deepcopy(model), (x,), loss_fn=loss)
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    timelines = report.memory_timelines(model, (x,), budget_bytes=budget, loss_fn=loss)
+    predicted = timelines.get(optimized=True, measured=False)
+    measured = timelines.get(optimized=True, measured=True)
+    assert predicted is not None and measured is not None
+    assert max(predicted.values) == timelines.model_plan.predicted_peak_bytes
+    assert max(measured.values) <= budget
+    # The plan that ran prices the loss at what it measured: its prediction covers the measured step (the
+    # first plan's missed the loss) and is within a few percent of it.
+    assert max(measured.values) <= max(predicted.values) <= 1.05 * max(measured.values), (
+        max(measured.values),
+        max(predicted.values),
+    )
 
 
 # --------------------------------------------------------------------------- #
