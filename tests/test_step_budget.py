@@ -185,15 +185,15 @@ def test_a_causal_lm_called_twice_before_one_backward_plans_its_first_call_again
     verified_at = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(5):
-            a, b = batch(step)
+        for i in range(5):
+            a, b = batch(i)
             expected = _two_calls_one_backward(reference, reference, a, b)
             if verified_at is None:
                 loss = _two_calls_one_backward(fast, model, a, b)
                 measured_peak = fast.plan.measured_peak_bytes
                 if measured_peak is not None:
-                    assert measured_peak <= budget, (step, measured_peak, budget)
-                    verified_at = step
+                    assert measured_peak <= budget, (i, measured_peak, budget)
+                    verified_at = i
             else:
                 for p in model.parameters():
                     p.grad = None
@@ -201,7 +201,7 @@ def test_a_causal_lm_called_twice_before_one_backward_plans_its_first_call_again
                     lambda a=a, b=b: _two_calls_one_backward(fast, model, a, b),
                     baseline_bytes=resident_bytes(model, a, b),
                 )
-                assert independent.peak_bytes <= budget, (step, independent.peak_bytes, budget)
+                assert independent.peak_bytes <= budget, (i, independent.peak_bytes, budget)
             torch.testing.assert_close(loss, expected)
             for p, q in zip(model.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
@@ -229,8 +229,8 @@ def test_the_backend_plans_a_graph_run_by_two_calls_before_one_backward_for_both
     budget = int(0.7 * measured.peak_bytes)
     check = ckptc.backend(budget_bytes=budget)
     compiled = torch.compile(model, backend=check)
-    for step in range(4):
-        g = torch.Generator().manual_seed(step)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
         a, b = torch.randint(0, 128, (2, 2, 32), generator=g)
         loss = _two_calls_one_backward(compiled, model, a, b)
         torch.testing.assert_close(loss, _two_calls_one_backward(reference, reference, a, b))
