@@ -69,7 +69,9 @@ def test_aot_eager_fails_without_the_workaround_and_trains_with_it() -> None:
 
 @pytest.mark.parametrize("name", SSM_MODELS)
 def test_trains_through_ckptc_like_eager_within_a_halfway_budget(name: str) -> None:
-    case = get_case(name)
+    # The slow path unrolls its scan loop into the graph (~7 ops per step per layer, twice for Caduceus's
+    # two strands), which capture and planning pay for per step; 8 steps still fail without the workaround.
+    case = get_case(name, seq_len=8)
     reference = copy.deepcopy(case.model)
     bounds = budget_bounds(case)
     assert bounds.floor < bounds.unoptimized, bounds
