@@ -335,9 +335,9 @@ def decide(
 
     if not runs:
         return at(0)
+    if plan_source is not None:  # a plan file's plan is applied as it is: its runs keep what it keeps
+        return at(_kept_bytes(jp, plan_source(index, jp)))
     assumed = _kept_bytes(jp, keep_everything(jp))
-    if plan_source is not None:  # a plan file's plans are applied as they are
-        return at(assumed)
     budget = account.graph_budget(index)
     if budget is None:
         return at(assumed)
