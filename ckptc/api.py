@@ -402,27 +402,24 @@ def capture(
         with training_state_restored(model):
             for p in model.parameters():
                 p.grad = None
-            try:
+            with _capture_errors(model):
                 shape.compile(model, template, ran)
                 output = shape.plan_call(model, template, ran, inputs, kwargs, reference=ranks is None)
                 refuse_unplanned(model, ran, shape.eager)
-                try:
-                    loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-                except RuntimeError as error:
-                    if target is None or "meta" not in str(error):
-                        raise
-                    why = str(error).splitlines()[0][:200]
-                    raise UntraceableModelError(
-                        f"ckptc captured {type(model).__name__} offline for {target}, but the loss function read a "
-                        f"tensor on the meta device ({why}): it closes over a tensor that is not one of "
-                        "the example inputs, so the capture could not replace it.\nWhat to do: pass what the loss "
-                        "reads as an input (labels=ids) or compute the loss inside the model's forward."
-                    ) from None
+            try:  # the caller's loss function: its own errors are raised as they are
+                loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            except RuntimeError as error:
+                if target is None or "meta" not in str(error):
+                    raise
+                why = str(error).splitlines()[0][:200]
+                raise UntraceableModelError(
+                    f"ckptc captured {type(model).__name__} offline for {target}, but the loss function read a "
+                    f"tensor on the meta device ({why}): it closes over a tensor that is not one of "
+                    "the example inputs, so the capture could not replace it.\nWhat to do: pass what the loss "
+                    "reads as an input (labels=ids) or compute the loss inside the model's forward."
+                ) from None
+            with _capture_errors(model):
                 loss.backward()
-            except (CkptcError, MemoryError, torch.OutOfMemoryError):
-                raise
-            except Exception as error:  # one error family: the underlying error chained
-                raise UntraceableModelError.from_exception(model, error) from error
     records = list({id(r): r for r in ran}.values())
     warn_unmatched_patterns(model, type(model).__name__, [r.joint_problem for r in records], checked)
     position = {id(r): i for i, r in enumerate(records)}
@@ -479,6 +476,18 @@ def training_state_restored(model: torch.nn.Module) -> Iterator[None]:
         for p, g in saved_grads.items():
             p.grad = g
         saved.restore()
+
+
+@contextlib.contextmanager
+def _capture_errors(model: torch.nn.Module) -> Iterator[None]:
+    """ckptc's errors and running out of memory as they are; any other failure of the captured step as
+    one :class:`UntraceableModelError`, the underlying error chained."""
+    try:
+        yield
+    except (CkptcError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as error:
+        raise UntraceableModelError.from_exception(model, error) from error
 
 
 def _default_loss(output: Any) -> torch.Tensor:

@@ -8,6 +8,7 @@ Tiny models only: the whole module runs in seconds.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -112,6 +113,23 @@ def test_a_forwards_side_effects_happen_once_per_call_and_its_own_error_is_raise
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
         plan = fast.plan if entry == "optimize" else ckptc.applied(model).plan
         assert plan is not None and plan.graphs and plan.measured_peak_bytes is not None, step
+
+
+def test_a_loss_function_that_raises_reaches_the_caller_as_it_raises_and_the_model_is_unchanged() -> None:
+    """``capture(loss_fn=...)``'s loss is the caller's code: its error is the caller's (it was reported as a
+    failure to capture the model, with graph-break advice)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def loss(out: Any) -> torch.Tensor:
+        return out.logits.sum()  # the model returns a tensor, not an output object
+
+    with pytest.raises(AttributeError, match="logits"):
+        ckptc.capture(model, (torch.randn(4, 8),), loss_fn=loss)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    captured = ckptc.capture(model, (torch.randn(4, 8),), loss_fn=lambda out: out.sum())
+    assert captured.graphs == 1
 
 
 # -- one error family --------------------------------------------------------------------------
@@ -309,7 +327,7 @@ def test_a_graph_too_large_to_plan_is_refused_before_planning_naming_the_loop(mo
         ckptc.optimize(model, budget_bytes=10**9)(torch.randn(2, 100, 8)).backward()
     message = str(info.value)
     assert "more than the 300 ckptc plans" in message
-    assert "400 of them come from one line" in message and "the time-step loop" in message  # the line, quoted
+    assert "400 of them come from one line" in message and "the time-step loop" in message, message  # quoted
     assert "parallel scan" in message and "What to do" in message
     assert time.perf_counter() - started < 30
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
