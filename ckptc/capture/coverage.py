@@ -162,15 +162,21 @@ def refuse_oversized(gm: torch.fx.GraphModule, model_name: str) -> None:
     )
 
 
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
 def _innermost_frame(stack_trace: str | None) -> tuple[str, str] | None:
-    """``("file.py:123", "code")`` of the last frame of an FX node's ``stack_trace``."""
+    """``("file.py:123", "code")`` of the last frame of an FX node's ``stack_trace`` outside torch itself
+    (an ``nn.Linear`` called from the loop counts for the loop's line, whether or not Dynamo recorded
+    the module's own frame)."""
     if not stack_trace:
         return None
     # A frame's code line is missing when linecache had no copy of the file at trace time: read it again.
     found = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n(?! *File ") +([^\n]*))?', stack_trace)
-    if not found:
+    outside_torch = [f for f in found if not os.path.abspath(f[0]).startswith(_TORCH_DIR)]
+    if not (outside_torch or found):
         return None
-    path, line, code = found[-1]
+    path, line, code = (outside_torch or found)[-1]
     code = code or linecache.getline(path, int(line))
     return f"{os.path.basename(path)}:{line}", code.strip()
 
