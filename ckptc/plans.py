@@ -659,22 +659,21 @@ def _op_differences(expected: GraphPlan, jp: "JointProblem") -> str:
     if missing:
         # Only the plan's kept and recomputed values are in the file: what the graph has beyond them is unknown.
         words.append(f"values of the plan this graph does not have: {', '.join(missing[:5])}")
-    kernels = sorted(op for op in captured if op in _DEVICE_VARIANTS)
+    words.append(
+        "the plan was made with other parameters trainable (requires_grad: a frozen parameter gets no "
+        "gradient, so backward changes), for the other compiler (compiler='eager' or 'inductor': their graphs "
+        "are traced with different decompositions; plan with the compiler you train with), or the model's code "
+        "or configuration changed"
+    )
+    # The file names only kept and recomputed values' ops: a kernel it does not name may still be in the plan.
+    kernels = sorted(op for op in captured if op in _DEVICE_VARIANTS and op not in planned)
     if kernels:
         words.append(
-            f"this graph runs aten op {kernels[0]!r}, a {_DEVICE_VARIANTS[kernels[0]]} kernel; a plan made for "
-            "another device type has that device's kernel instead, which saves other tensors for backward: plan "
-            "for this device (ckptc.plan(..., device=...) plans offline)"
+            f"or it was made on another device type: this graph runs aten op {kernels[0]!r}, a "
+            f"{_DEVICE_VARIANTS[kernels[0]]} kernel, where another device's kernel saves other tensors for "
+            "backward (plan for this device; ckptc.plan(..., device=...) plans offline)"
         )
-    return "; ".join(
-        words
-        + [
-            "otherwise the plan was made with other parameters trainable (requires_grad: a frozen parameter "
-            "gets no gradient, so backward changes), for the other compiler (compiler='eager' or 'inductor': "
-            "their graphs are traced with different decompositions; plan with the compiler you train with), "
-            "or the model's code or configuration changed"
-        ]
-    )
+    return "; ".join(words)
 
 
 def _has_symbolic_size(inputs: list[list[Any]]) -> bool:

@@ -156,6 +156,20 @@ def test_a_plan_for_another_device_type_names_the_attention_kernel() -> None:
         ckptc.optimize(_llama(), plan=ModelPlan.from_dict(data), verify=False)(ids, labels=ids)
 
 
+def test_a_plan_made_with_other_parameters_trainable_says_so_before_any_device_kernel() -> None:
+    """A frozen parameter changes the backward, so the fingerprint differs: the refusal names that first,
+    and says nothing of the attention kernel the plan itself was made with (it used to lead with it)."""
+    real_plan, _ = _real_plan(0.0)  # at the floor the plan names the CPU attention op
+    model = _llama()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    ids = _ids()
+    with pytest.raises(ckptc.PlanMismatchError) as refused:
+        ckptc.optimize(model, plan=real_plan, verify=False)(ids, labels=ids)
+    message = str(refused.value)
+    assert "fingerprint differs" in message and "requires_grad" in message, message
+    assert "kernel, where" not in message and "another device type" not in message, message
+
+
 def test_a_plan_with_other_inputs_names_the_inputs_that_differ() -> None:
     real_plan, _ = _real_plan()
     data = real_plan.to_dict()
