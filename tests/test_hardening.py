@@ -132,6 +132,55 @@ def test_a_loss_function_that_raises_reaches_the_caller_as_it_raises_and_the_mod
     assert captured.graphs == 1
 
 
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(nn.functional.gelu(self.up(self.norm(h))))
+
+
+class _SharedBlockWithBreak(nn.Module):
+    """ALBERT-style: one block used for every layer, with a graph break inside the layer loop (Dynamo then
+    compiles the block's own frame, run once per layer)."""
+
+    def __init__(self, layers: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(128, 64)
+        self.block = _Residual(64)
+        self.head = nn.Linear(64, 128)
+        self.layers = layers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for _ in range(self.layers):
+            torch._dynamo.graph_break()
+            h = self.block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def test_a_block_shared_across_a_graph_break_is_refused_under_a_budget_and_trains_without_one() -> None:
+    """The same graph run several times in a step on the same parameters gave wrong gradients in some
+    processes (about 1 in 4, the same plans in good and bad runs; not yet understood): under a budget the
+    step is refused saying what to do, never trained silently wrong; without a budget it trains like eager."""
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = _SharedBlockWithBreak()
+    with pytest.raises(ckptc.UntraceableModelError, match="(?s)same parameters.*What to do"):
+        ckptc.optimize(model, budget_bytes=1_400_000)(ids).backward()
+    assert all(p.grad is None for p in model.parameters())
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model)
+    loss = fast(ids)
+    loss.backward()
+    expected = reference(ids)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
 # -- one error family --------------------------------------------------------------------------
 def _tiny() -> nn.Module:
     torch.manual_seed(0)

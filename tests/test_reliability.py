@@ -171,6 +171,31 @@ def test_keyword_inputs_dict_dataclass_and_non_tensor_outputs() -> None:
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_an_output_object_of_the_models_own_is_seen_and_its_step_verified() -> None:
+    """A model returning ``types.SimpleNamespace(loss=..., logits=...)`` (or an object of its own class):
+    ckptc finds the tensors in its attributes, so it sees the step's backward end and verifies the budget.
+    It used to find none: the step was never measured and the budget never verified, without a word."""
+    import types
+
+    class Namespaced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 16))
+
+        def forward(self, x: torch.Tensor) -> types.SimpleNamespace:
+            logits = self.body(x)
+            return types.SimpleNamespace(loss=logits.square().mean(), logits=logits)
+
+    torch.manual_seed(0)
+    model = Namespaced()
+    x = torch.randn(512, 16)
+    optimized = ckptc.optimize(model, budget_gb=1)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        optimized(x).loss.backward()
+    assert optimized.plan.measured_peak_bytes is not None
+
+
 def _scalar(output) -> torch.Tensor:
     leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     return sum(t.float().sum() for t in leaves)

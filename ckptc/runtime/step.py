@@ -293,6 +293,8 @@ class StepRuntime:
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
         self._step_inputs: tuple[tuple, dict] | None = None  # the open step's first call's inputs
+        self._taken_by_graph: dict[int, set[int]] = {}  # see graph_starts
+        self._shared_runs = False
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -365,6 +367,7 @@ class StepRuntime:
                 self._forget(shape, error)
                 raise
             refuse_unplanned(self.model, self.active[before:], shape.eager)
+            self._refuse_shared_runs()
             if was_planned:
                 self._refuse_late_infeasible(shape, self.active[before:])
             if not opened:
@@ -376,7 +379,17 @@ class StepRuntime:
             if opened:
                 self._tracker.abort()
             raise
-        self._tracker.returned([t for t in _tensors_in(output) if t.requires_grad])
+        returned = [t for t in _tensors_in(output) if t.requires_grad]
+        if not returned:
+            self._warn_once(
+                "no-outputs",
+                f"ckptc: {type(self.model).__name__} returned no tensor that requires grad where ckptc looks "
+                f"(a {type(output).__name__}; it looks in tensors, tuples, lists, dicts, dataclasses and objects' "
+                "attributes), so it cannot tell when the step's backward ends: the step is not measured and the "
+                "budget is not verified. What to do: return the loss or the outputs as tensors, or in one of those "
+                "containers.",
+            )
+        self._tracker.returned(returned)
         return output
 
     def _warn_if_only_numbers_changed(self, args: tuple, kwargs: dict) -> None:
@@ -471,10 +484,31 @@ class StepRuntime:
         the step is measured from here: nothing it holds was allocated yet beyond what the baseline
         counts, so this is the measurement of the whole step, made on the step that planned instead
         of the one after it (which then runs verified plans, or plans again with the excess counted)."""
+        params = {id(a) for a in args if isinstance(a, torch.nn.Parameter) and a.requires_grad}
+        taken = self._taken_by_graph.setdefault(id(record), set())
+        if params & taken:
+            self._shared_runs = True
+        taken |= params
         if self.active or not self._step_compiled or not self._tracker.open or self._tracker.measuring:
             return
         if self._step_inputs is not None and self.last is not None:
             self._measure(self.last, *self._step_inputs)
+
+    def _refuse_shared_runs(self) -> None:
+        """Refuse a step in which one graph ran several times on the same parameters (a block shared by
+        several layers, ALBERT-style, with a graph break inside the loop) under a budget: its gradients
+        came out wrong in some processes and not others (not yet understood), and a wrong gradient must
+        never pass silently."""
+        if not self._shared_runs or self.template.budget_bytes is None:
+            return
+        raise UntraceableModelError(
+            f"ckptc will not train {type(self.model).__name__} under a budget through ckptc.optimize: one of "
+            "its graphs ran several times in one step on the same parameters (a block shared by several layers "
+            "with a graph break inside the loop), a case where ckptc's plans have given wrong gradients.\n"
+            "What to do: remove the graph break inside the loop (so the shared block is captured in one graph), "
+            "or train through torch.compile(model, backend=ckptc.backend(budget_bytes=...)), or checkpoint the "
+            "shared block with torch.utils.checkpoint."
+        )
 
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
@@ -561,6 +595,8 @@ class StepRuntime:
         self._step_compiled = False
         self._step_state = gradients
         self._step_inputs = (args, kwargs)
+        self._taken_by_graph = {}  # parameters each graph took in this step, by record
+        self._shared_runs = False
         # Not a step that plans (again): planning profiles ops itself, and profilers do not nest.
         if shape.planned:
             self._measure(shape, args, kwargs)
@@ -801,7 +837,8 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors in a model output: nested tuples, lists, dicts (ModelOutput) and dataclasses."""
+    """Tensors in a model output: nested tuples, lists, dicts (ModelOutput), dataclasses and plain
+    objects' attributes (``types.SimpleNamespace``, a class of the model's own)."""
     if depth > 6:
         return
     if isinstance(obj, torch.Tensor):
@@ -815,6 +852,9 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from _tensors_in(getattr(obj, f.name, None), depth + 1)
+    elif not isinstance(obj, (type, torch.nn.Module)) and isinstance(getattr(obj, "__dict__", None), dict):
+        for v in list(vars(obj).values()):
+            yield from _tensors_in(v, depth + 1)
 
 
 def _model_signature(model: torch.nn.Module) -> int:
