@@ -159,6 +159,18 @@ def _two_calls_one_backward(model: Any, params: nn.Module, a: torch.Tensor, b: t
     return loss.detach()
 
 
+def _eager_peak_of_two_calls(reference: nn.Module, a: torch.Tensor, b: torch.Tensor) -> int:
+    """Eager PyTorch's peak for a step of two calls before one backward, after a warm-up step (on a copy)."""
+    eager = copy.deepcopy(reference)
+    _two_calls_one_backward(eager, eager, a, b)
+    for p in eager.parameters():
+        p.grad = None
+    _, measured = measure_peak(
+        lambda: _two_calls_one_backward(eager, eager, a, b), baseline_bytes=resident_bytes(eager, a, b)
+    )
+    return measured.peak_bytes
+
+
 def test_a_causal_lm_called_twice_before_one_backward_plans_its_first_call_again_to_leave_room() -> None:
     """The first call of a step is planned before ckptc sees a second call of the same step; planned for
     the whole budget, it leaves the second too little.  The step that finds it runs the second call at
@@ -173,14 +185,8 @@ def test_a_causal_lm_called_twice_before_one_backward_plans_its_first_call_again
         return torch.randint(0, 128, (2, 32), generator=g), torch.randint(0, 128, (2, 32), generator=g)
 
     a, b = batch(0)
-    eager = copy.deepcopy(reference)
-    _two_calls_one_backward(eager, eager, a, b)
-    for p in eager.parameters():
-        p.grad = None
-    _, measured = measure_peak(
-        lambda: _two_calls_one_backward(eager, eager, a, b), baseline_bytes=resident_bytes(eager, a, b)
-    )
-    budget = int(0.75 * measured.peak_bytes)  # the first call planned alone leaves the second no room
+    eager_peak = _eager_peak_of_two_calls(reference, a, b)
+    budget = int(0.75 * eager_peak)  # the first call planned alone leaves the second no room
     fast = ckptc.optimize(model, budget_bytes=budget)
     verified_at = None
     with warnings.catch_warnings(record=True) as caught:
@@ -219,14 +225,8 @@ def test_the_backend_plans_a_graph_run_by_two_calls_before_one_backward_for_both
     reference = _tiny_causal_lm()
     model = copy.deepcopy(reference)
     a, b = torch.randint(0, 128, (2, 2, 32), generator=torch.Generator().manual_seed(0))
-    eager = copy.deepcopy(reference)
-    _two_calls_one_backward(eager, eager, a, b)
-    for p in eager.parameters():
-        p.grad = None
-    _, measured = measure_peak(
-        lambda: _two_calls_one_backward(eager, eager, a, b), baseline_bytes=resident_bytes(eager, a, b)
-    )
-    budget = int(0.7 * measured.peak_bytes)
+    eager_peak = _eager_peak_of_two_calls(reference, a, b)
+    budget = int(0.7 * eager_peak)
     check = ckptc.backend(budget_bytes=budget)
     compiled = torch.compile(model, backend=check)
     for seed in range(4):
