@@ -318,7 +318,9 @@ def decide(
     def at(assumed_kept: int, *, lowest_peak: bool = False) -> GraphRecord:
         # An earlier run's backward runs after the later runs' have freed what they keep, with the
         # gradients of the parameters they share made: the larger of the two is held beside it.
-        later = max(repeat_bytes + runs * assumed_kept, account.repeat_gradient_bytes if runs else 0)
+        later = repeat_bytes + runs * assumed_kept
+        if runs:
+            later = max(later, account.repeat_gradient_bytes)
         return decide_at(
             with_baseline(jp, jp.problem.baseline_bytes - repeat_bytes + later),
             options,

@@ -403,15 +403,15 @@ def tighter_graph_budgets(
     short = [r for r in ran if r.infeasible]
     floor = max(r.min_feasible_bytes for r in ran)
     last = max(r.index for r in short)
-    # Nothing before the graph that did not fit can keep less: planning again cannot help.
-    if floor > budget_bytes or last == 0:
-        lowest = floor if floor > budget_bytes else None
+    # The step's floor is above the budget: planning again cannot help.  (A short first graph of a call,
+    # within it, is left to the earlier calls of the step: Replans._left_to_earlier_calls.)
+    if floor > budget_bytes:
         mine = {id(r) for r in ran}
-        if lowest is None or not any(id(e) not in mine for r in short for e in r.earlier):
-            raise solvers.InfeasibleBudgetError(budget_bytes, lowest)
+        if not any(id(e) not in mine for r in short for e in r.earlier):
+            raise solvers.InfeasibleBudgetError(budget_bytes, floor)
         raise solvers.InfeasibleBudgetError(
             budget_bytes,
-            lowest,
+            floor,
             f"budget {solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes) is below this step's floor of "
             f"{solvers.format_bytes(floor)} ({floor} bytes): the model is called again before one backward (two "
             "calls per step), so the earlier calls' activations stay alive through this call, and their backwards "

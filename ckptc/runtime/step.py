@@ -56,7 +56,7 @@ from ckptc.planning.account import StepAccount, gradients_resident, unnamed_grad
 from ckptc.planning.replan import Replans, room_needed, settle
 from ckptc.records import GraphRecord
 from ckptc.runtime.lengths import LengthBuckets
-from ckptc.runtime.tracker import StepEvents, StepTracker
+from ckptc.runtime.tracker import StepEvents, StepTracker, TakenParameters
 
 log = logging.getLogger("ckptc.runtime.step")
 
@@ -293,8 +293,7 @@ class StepRuntime:
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
         self._step_inputs: tuple[tuple, dict] | None = None  # the open step's first call's inputs
-        self._taken_by_graph: dict[int, set[int]] = {}  # see graph_starts
-        self._shared_runs = False
+        self._taken = TakenParameters()  # by the open step's graph runs (see _refuse_shared_runs)
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -484,11 +483,7 @@ class StepRuntime:
         the step is measured from here: nothing it holds was allocated yet beyond what the baseline
         counts, so this is the measurement of the whole step, made on the step that planned instead
         of the one after it (which then runs verified plans, or plans again with the excess counted)."""
-        params = {id(a) for a in args if isinstance(a, torch.nn.Parameter) and a.requires_grad}
-        taken = self._taken_by_graph.setdefault(id(record), set())
-        if params & taken:
-            self._shared_runs = True
-        taken |= params
+        self._taken.add(record, args)
         if self.active or not self._step_compiled or not self._tracker.open or self._tracker.measuring:
             return
         if self._step_inputs is not None and self.last is not None:
@@ -499,7 +494,7 @@ class StepRuntime:
         several layers, ALBERT-style, with a graph break inside the loop) under a budget: its gradients
         came out wrong in some processes and not others (not yet understood), and a wrong gradient must
         never pass silently."""
-        if not self._shared_runs or self.template.budget_bytes is None:
+        if not self._taken.same_graph_again or self.template.budget_bytes is None:
             return
         raise UntraceableModelError(
             f"ckptc will not train {type(self.model).__name__} under a budget through ckptc.optimize: one of "
@@ -595,8 +590,7 @@ class StepRuntime:
         self._step_compiled = False
         self._step_state = gradients
         self._step_inputs = (args, kwargs)
-        self._taken_by_graph = {}  # parameters each graph took in this step, by record
-        self._shared_runs = False
+        self._taken = TakenParameters()
         # Not a step that plans (again): planning profiles ops itself, and profilers do not nest.
         if shape.planned:
             self._measure(shape, args, kwargs)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
+from ckptc.distributed import local_nbytes
 from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns
 from ckptc.records import GraphRecord
 
@@ -188,3 +189,26 @@ def _graph_ref(tensor: torch.Tensor, callback: Callable[[weakref.ref], None]) ->
         except TypeError:
             pass
     return weakref.ref(tensor, callback)
+
+
+class TakenParameters:
+    """The trainable parameters the graph runs of one step take, by graph: what both run-time checks
+    need to know of a step whose graphs take the same parameters more than once (the model called
+    again before one backward, a block shared by several layers)."""
+
+    def __init__(self) -> None:
+        self._by_graph: dict[int, set[int]] = {}
+        self._all: set[int] = set()
+        self.again_bytes: dict[int, int] = {}  # gradient bytes of those taken by several runs, by id
+        self.same_graph_again = False  # one graph ran again on parameters it took before
+
+    def add(self, record: GraphRecord, args: Sequence[Any]) -> None:
+        """Graph ``record`` runs on ``args`` (the real tensors Dynamo passes, parameters included)."""
+        mine = self._by_graph.setdefault(id(record), set())
+        for a in args:
+            if isinstance(a, torch.nn.Parameter) and a.requires_grad:
+                if id(a) in self._all:
+                    self.again_bytes[id(a)] = local_nbytes(a)
+                    self.same_graph_again = self.same_graph_again or id(a) in mine
+                self._all.add(id(a))
+                mine.add(id(a))

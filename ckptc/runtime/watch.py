@@ -40,12 +40,11 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.distributed import local_nbytes
 from ckptc.meter import MemoryMeasurement, resident_bytes
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
-from ckptc.runtime.tracker import StepTracker
+from ckptc.runtime.tracker import StepTracker, TakenParameters
 
 log = logging.getLogger("ckptc.runtime.watch")
 
@@ -79,8 +78,7 @@ class BackendStepCheck:
         self._tracker = StepTracker(self._ended, self._second_backward)
         self._counted: set[Any] = set()  # storages already in the meter's baseline
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
-        self._taken: set[int] = set()  # parameters taken by the open step's graphs so far
-        self._taken_again: dict[int, int] = {}  # gradient bytes of those taken by several runs, by id
+        self._taken = TakenParameters()  # by the open step's graph runs
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
@@ -119,8 +117,7 @@ class BackendStepCheck:
         self._count_missed()
         self._tracker.begin()
         self._ran = []
-        self._taken = set()
-        self._taken_again = {}
+        self._taken = TakenParameters()
         sizes = tuple(
             tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
         )
@@ -141,11 +138,7 @@ class BackendStepCheck:
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Graph ``record`` runs on ``args`` now, under its current plan."""
         self._ran.append(record)
-        for a in args:
-            if isinstance(a, torch.nn.Parameter) and a.requires_grad:
-                if id(a) in self._taken:
-                    self._taken_again[id(a)] = local_nbytes(a)
-                self._taken.add(id(a))
+        self._taken.add(record, args)
         if self._measure and not self._tracker.measuring:
             self._counted = set()
             self._tracker.measure(_device_of(args), 0)
@@ -195,7 +188,7 @@ class BackendStepCheck:
             self._count_gradients(accumulate=False)
 
     def _ended(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
-        changed = self.replans.counting_gradients_of_later_runs(sum(self._taken_again.values()))
+        changed = self.replans.counting_gradients_of_later_runs(sum(self._taken.again_bytes.values()))
         changed = self._count_repeats() or changed
         if any(r.gradients_unexpected for r in self._ran) and self.replans.counting_result_gradients():
             log.warning(
