@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import ckptc
+from ckptc.runtime.tracker import StepTracker
 
 
 # -- inputs updated in place -------------------------------------------------------------------
@@ -161,24 +162,48 @@ class _SharedBlockWithBreak(nn.Module):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
 
 
-def test_a_block_shared_across_a_graph_break_is_refused_under_a_budget_and_trains_without_one() -> None:
-    """The same graph run several times in a step on the same parameters gave wrong gradients in some
-    processes (about 1 in 4, the same plans in good and bad runs; not yet understood): under a budget the
-    step is refused saying what to do, never trained silently wrong; without a budget it trains like eager."""
+def test_a_block_shared_across_a_graph_break_trains_under_a_budget_with_eagers_gradients() -> None:
+    """A block shared by every layer with a graph break inside the loop: the first call runs its forward
+    twice (the block's repeats change the step's account) and plans the block again inside its run, where
+    the step's meter stops.  A meter started again right there received the compiled region's late
+    profiler events, written into freed memory: saved activations came out corrupted in about one process
+    in three (wrong gradients, once a wrong loss).  Eager's loss and gradients on every step, and the
+    measured step within the budget."""
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     model = _SharedBlockWithBreak()
-    with pytest.raises(ckptc.UntraceableModelError, match="(?s)same parameters.*What to do"):
-        ckptc.optimize(model, budget_bytes=1_400_000)(ids).backward()
-    assert all(p.grad is None for p in model.parameters())
     reference = copy.deepcopy(model)
-    fast = ckptc.optimize(model)
-    loss = fast(ids)
-    loss.backward()
-    expected = reference(ids)
-    expected.backward()
-    torch.testing.assert_close(loss, expected)
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    fast = ckptc.optimize(model, budget_bytes=1_400_000)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        loss = fast(ids)
+        loss.backward()
+        expected = reference(ids)
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    measured = fast.plan.measured_peak_bytes
+    assert measured is not None and measured <= 1_400_000
+
+
+def test_a_step_whose_meter_stopped_inside_it_is_not_measured_again() -> None:
+    """The mechanism of the test above, which fails only in some processes: once something planned inside
+    a step stopped its meter, no meter starts again until the next step."""
+    cpu = torch.device("cpu")
+    tracker = StepTracker(lambda measured, measurement: None, lambda: None)
+    tracker.begin()
+    tracker.measure(cpu, 0)
+    assert tracker.measuring
+    tracker.unmeasured()  # a graph plans inside the step
+    tracker.measure(cpu, 0)
+    assert not tracker.measuring
+    tracker.end(measured=False)
+    tracker.begin()
+    tracker.measure(cpu, 0)
+    assert tracker.measuring
+    tracker.abort()
+    assert not tracker.measuring and not tracker.open
 
 
 # -- one error family --------------------------------------------------------------------------

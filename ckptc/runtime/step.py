@@ -56,7 +56,7 @@ from ckptc.planning.account import StepAccount, gradients_resident, unnamed_grad
 from ckptc.planning.replan import Replans, room_needed, settle
 from ckptc.records import GraphRecord
 from ckptc.runtime.lengths import LengthBuckets
-from ckptc.runtime.tracker import StepEvents, StepTracker, TakenParameters
+from ckptc.runtime.tracker import StepEvents, StepTracker
 
 log = logging.getLogger("ckptc.runtime.step")
 
@@ -293,7 +293,6 @@ class StepRuntime:
         self._pending: BaseException | None = None
         self._step_state = False  # whether the current step began with gradients resident
         self._step_inputs: tuple[tuple, dict] | None = None  # the open step's first call's inputs
-        self._taken = TakenParameters()  # by the open step's graph runs (see _refuse_shared_runs)
         self.lengths = LengthBuckets()
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
@@ -366,7 +365,6 @@ class StepRuntime:
                 self._forget(shape, error)
                 raise
             refuse_unplanned(self.model, self.active[before:], shape.eager)
-            self._refuse_shared_runs()
             if was_planned:
                 self._refuse_late_infeasible(shape, self.active[before:])
             if not opened:
@@ -482,28 +480,12 @@ class StepRuntime:
         first call of a shape whose model is one graph, or its graphs planned again from the first),
         the step is measured from here: nothing it holds was allocated yet beyond what the baseline
         counts, so this is the measurement of the whole step, made on the step that planned instead
-        of the one after it (which then runs verified plans, or plans again with the excess counted)."""
-        self._taken.add(record, args)
+        of the one after it (which then runs verified plans, or plans again with the excess counted).
+        Not a step whose meter stopped when it planned (:class:`~ckptc.runtime.tracker.StepTracker`)."""
         if self.active or not self._step_compiled or not self._tracker.open or self._tracker.measuring:
             return
         if self._step_inputs is not None and self.last is not None:
             self._measure(self.last, *self._step_inputs)
-
-    def _refuse_shared_runs(self) -> None:
-        """Refuse a step in which one graph ran several times on the same parameters (a block shared by
-        several layers, ALBERT-style, with a graph break inside the loop) under a budget: its gradients
-        came out wrong in some processes and not others (not yet understood), and a wrong gradient must
-        never pass silently."""
-        if not self._taken.same_graph_again or self.template.budget_bytes is None:
-            return
-        raise UntraceableModelError(
-            f"ckptc will not train {type(self.model).__name__} under a budget through ckptc.optimize: one of "
-            "its graphs ran several times in one step on the same parameters (a block shared by several layers "
-            "with a graph break inside the loop), a case where ckptc's plans have given wrong gradients.\n"
-            "What to do: remove the graph break inside the loop (so the shared block is captured in one graph), "
-            "or train through torch.compile(model, backend=ckptc.backend(budget_bytes=...)), or checkpoint the "
-            "shared block with torch.utils.checkpoint."
-        )
 
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
@@ -590,7 +572,6 @@ class StepRuntime:
         self._step_compiled = False
         self._step_state = gradients
         self._step_inputs = (args, kwargs)
-        self._taken = TakenParameters()
         # Not a step that plans (again): planning profiles ops itself, and profilers do not nest.
         if shape.planned:
             self._measure(shape, args, kwargs)

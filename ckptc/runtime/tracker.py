@@ -10,7 +10,12 @@ graphs.  Both follow a step through one :class:`StepTracker`:
   ends when they are returned (an inference call);
 * its owner may measure it (:class:`ckptc.meter.StepMeter`, from the owner's baseline) and stops
   measuring it when something plans during it (planning profiles ops itself, and profilers do not
-  nest);
+  nest); a step whose meter stopped so is not measured again.  That stop comes from inside a
+  graph's run, inside the record-function scopes torch opens around compiled code ("Torch-Compiled
+  Region"), which opened while the meter's profiler ran; a profiler started before they close
+  (a second meter, right there) receives their late end events, written through the stopped
+  profiler's freed records: torch 2.13 then corrupts whatever memory took their place (saved
+  activations: wrong gradients in some processes, crashes in others);
 * a CPU meter is stopped on the first Python event after the engine returns
   (:func:`ckptc.meter.after_backward_returns`): stopped inside the engine's callback, the profiler
   would come back as a stale "enabled" one;
@@ -34,7 +39,6 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.distributed import local_nbytes
 from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns
 from ckptc.records import GraphRecord
 
@@ -81,6 +85,7 @@ class StepTracker:
         self.results_held: bool | None = None
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
+        self._meter_stopped = False  # a meter of the open step stopped before its end: none starts again
 
     def __repr__(self) -> str:
         return f"StepTracker(open={self.open}, measuring={self.measuring})"
@@ -95,11 +100,14 @@ class StepTracker:
         self._graphs = []
         self._non_scalar = []
         self.results_held = None
+        self._meter_stopped = False
         self.open = True
 
     def measure(self, device: torch.device, baseline_bytes: int) -> None:
-        """Measure the open step from now on, ``baseline_bytes`` resident from its start."""
-        self._meter = StepMeter(device, baseline_bytes).start()
+        """Measure the open step from now on, ``baseline_bytes`` resident from its start; not a step
+        whose meter stopped before (see the module docstring)."""
+        if not self._meter_stopped:
+            self._meter = StepMeter(device, baseline_bytes).start()
 
     def add_baseline(self, nbytes: int) -> None:
         """Bytes resident from the step's start that the baseline did not hold yet."""
@@ -111,6 +119,7 @@ class StepTracker:
         if self._meter is not None:
             self._meter.abort()
             self._meter = None
+            self._meter_stopped = True
 
     def returned(self, tensors: Sequence[torch.Tensor]) -> None:
         """A call (or graph) of the open step returned ``tensors``, the results that need a gradient:
@@ -189,26 +198,3 @@ def _graph_ref(tensor: torch.Tensor, callback: Callable[[weakref.ref], None]) ->
         except TypeError:
             pass
     return weakref.ref(tensor, callback)
-
-
-class TakenParameters:
-    """The trainable parameters the graph runs of one step take, by graph: what both run-time checks
-    need to know of a step whose graphs take the same parameters more than once (the model called
-    again before one backward, a block shared by several layers)."""
-
-    def __init__(self) -> None:
-        self._by_graph: dict[int, set[int]] = {}
-        self._all: set[int] = set()
-        self.again_bytes: dict[int, int] = {}  # gradient bytes of those taken by several runs, by id
-        self.same_graph_again = False  # one graph ran again on parameters it took before
-
-    def add(self, record: GraphRecord, args: Sequence[Any]) -> None:
-        """Graph ``record`` runs on ``args`` (the real tensors Dynamo passes, parameters included)."""
-        mine = self._by_graph.setdefault(id(record), set())
-        for a in args:
-            if isinstance(a, torch.nn.Parameter) and a.requires_grad:
-                if id(a) in self._all:
-                    self.again_bytes[id(a)] = local_nbytes(a)
-                    self.same_graph_again = self.same_graph_again or id(a) in mine
-                self._all.add(id(a))
-                mine.add(id(a))

@@ -40,11 +40,12 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
+from ckptc.distributed import local_nbytes
 from ckptc.meter import MemoryMeasurement, resident_bytes
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
-from ckptc.runtime.tracker import StepTracker, TakenParameters
+from ckptc.runtime.tracker import StepTracker
 
 log = logging.getLogger("ckptc.runtime.watch")
 
@@ -78,7 +79,7 @@ class BackendStepCheck:
         self._tracker = StepTracker(self._ended, self._second_backward)
         self._counted: set[Any] = set()  # storages already in the meter's baseline
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
-        self._taken = TakenParameters()  # by the open step's graph runs
+        self._taken = _TakenParameters()  # by the open step's graph runs
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
@@ -117,7 +118,7 @@ class BackendStepCheck:
         self._count_missed()
         self._tracker.begin()
         self._ran = []
-        self._taken = TakenParameters()
+        self._taken = _TakenParameters()
         sizes = tuple(
             tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
         )
@@ -138,7 +139,7 @@ class BackendStepCheck:
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Graph ``record`` runs on ``args`` now, under its current plan."""
         self._ran.append(record)
-        self._taken.add(record, args)
+        self._taken.add(args)
         if self._measure and not self._tracker.measuring:
             self._counted = set()
             self._tracker.measure(_device_of(args), 0)
@@ -235,3 +236,21 @@ def _device_of(args: Sequence[Any]) -> torch.device:
         if isinstance(arg, torch.Tensor):
             return arg.device
     return torch.device("cpu")
+
+
+class _TakenParameters:
+    """The trainable parameters the graph runs of one step take: those taken by several runs (the model
+    called again before one backward, a block shared by several layers) have their gradients made by
+    the later runs' backwards, which run first, resident through the earlier runs' backwards."""
+
+    def __init__(self) -> None:
+        self._all: set[int] = set()
+        self.again_bytes: dict[int, int] = {}  # gradient bytes of those taken by several runs, by id
+
+    def add(self, args: Sequence[Any]) -> None:
+        """A graph runs on ``args`` (the real tensors Dynamo passes, parameters included)."""
+        for a in args:
+            if isinstance(a, torch.nn.Parameter) and a.requires_grad:
+                if id(a) in self._all:
+                    self.again_bytes[id(a)] = local_nbytes(a)
+                self._all.add(id(a))
