@@ -52,7 +52,13 @@ def backend(
     unknown name or a bad value raises ``ValueError``.  ``plan`` applies a plan
     file or :class:`ModelPlan` instead of solving.  ``model``, when given, lets
     each graph count the parameters, buffers and gradients that it does not see
-    (after a graph break) in its baseline.
+    (after a graph break) in its baseline; without it they are learned from the
+    first step that runs.
+
+    The backend plans and measures only what Dynamo hands it: code Dynamo runs
+    eagerly (a skipped frame, say after a graph break inside a loop) is neither
+    planned nor counted.  ``torch.compile(..., fullgraph=True)`` makes Dynamo raise
+    at a break instead; :func:`ckptc.optimize` refuses such a model naming the line.
 
     Example:
         >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP

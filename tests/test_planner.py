@@ -204,7 +204,7 @@ def test_only_the_replan_loop_changes_what_a_step_showed():
         "graph_budgets",
         "repeat_bytes",
         "repeat_runs",
-        "repeat_gradient_bytes",
+        "outside_baseline_bytes",
         "correction_bytes",
         "gradients_resident",
         "hold_outputs",

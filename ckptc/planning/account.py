@@ -111,10 +111,14 @@ class StepAccount:
             (:func:`ckptc.planning.planner.decide`).
         repeat_bytes: by graph index, the gradients counted at such a graph's first run
             that do not exist yet at its last (zero or negative bytes).
-        repeat_gradient_bytes: the gradients of parameters that several runs of the step take
-            (the model called again before one backward under ``torch.compile``): an earlier
-            run's backward runs after the later runs' backwards have freed what they kept and made
-            these, so a graph run several times counts the larger of the two at its runs.
+        outside_baseline_bytes: by graph index, what the step holds beside the graph at its first
+            and at its last run that its baseline does not count, learned from a step that ran under
+            a torch.compile backend (:class:`ckptc.runtime.watch.BackendStepCheck`): the parameters of
+            runs its baseline does not name (a backend not given the model knows parameters only from
+            the graphs that take them, and a record names those of the run it was compiled for), and
+            the gradients of the parameters later runs take, made by their backwards, which run before
+            this run's (a baseline of a backend given the model counts all but those taken again: the
+            model called twice before one backward, a shared block).
         earlier_calls_planned: how many times earlier calls of the step (the model called again
             before one backward) planned again to leave this call room
             (:meth:`ckptc.planning.replan.Replans.make_room_for_later_calls`): this call's graphs,
@@ -132,7 +136,7 @@ class StepAccount:
     defer_infeasible: bool = False
     repeat_bytes: Mapping[int, int] = field(default_factory=dict)
     repeat_runs: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
-    repeat_gradient_bytes: int = 0
+    outside_baseline_bytes: Mapping[int, tuple[int, int]] = field(default_factory=dict)
     accumulate_in_backward: bool = False
     loss_bytes: int = 0
     earlier_calls_planned: int = 0
@@ -206,11 +210,16 @@ class StepAccount:
             return None
         return min(self.budget_bytes, self.graph_budgets.get(index, self.budget_bytes))
 
-    def counting_repeats(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0) -> "StepAccount":
+    def counting_repeats(
+        self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0, *, later_gradients_counted: bool = True
+    ) -> "StepAccount":
         """This account with :attr:`repeat_bytes` raised to what the step ``ran`` showed
-        (:func:`repeat_bytes`); ``self`` when nothing grew."""
+        (:func:`repeat_bytes`; ``later_gradients_counted``: whether graph baselines count the gradients
+        later graphs make); ``self`` when nothing grew."""
         correction, runs = repeat_bytes(
-            ran, gradients_resident=self.gradients_resident, unnamed_gradient_bytes=unnamed_gradient_bytes
+            ran,
+            corrects_gradients=later_gradients_counted and not self.gradients_resident,
+            unnamed_gradient_bytes=unnamed_gradient_bytes,
         )
         latest = {r.index: r for r in ran}
         worse = [
@@ -325,7 +334,7 @@ class StepAccount:
 
 
 def repeat_bytes(
-    ran: Sequence[GraphRecord], *, gradients_resident: bool = False, unnamed_gradient_bytes: int = 0
+    ran: Sequence[GraphRecord], *, corrects_gradients: bool = True, unnamed_gradient_bytes: int = 0
 ) -> tuple[dict[int, int], dict[int, dict[int, int]]]:
     """For each graph run more than once in a step (``ran``, in run order, graphs by ``record.index``),
     what the step holds outside it at its worst later run beyond what it held at its first, which its
@@ -338,8 +347,9 @@ def repeat_bytes(
     runs in between.  A record names the parameters of the run it was compiled for; a later run of it
     takes its own (layers compiled once) or the same (a shared block, the model called again), so later
     runs are taken to use parameters no record names (``unnamed_gradient_bytes``, their gradients'
-    bytes) until there are none left.  Of the later runs, the one that holds the most under the plans
-    that ran is counted.
+    bytes) until there are none left.  Without ``corrects_gradients`` (gradients resident from the
+    step's start, or baselines that count none made later) the correction is zero.  Of the later runs,
+    the one that holds the most under the plans that ran is counted.
     """
     latest = {r.index: r for r in ran}  # each graph's plan that ran
     first: dict[int, tuple[Counter[int], frozenset[int], int]] = {}
@@ -358,7 +368,7 @@ def repeat_bytes(
             taken_unnamed += min(own, unnamed_gradient_bytes - taken_unnamed)
             alive_then, seen_then, taken_then = first[i]
             not_yet = sum(grad_bytes.get(j, 0) for j in seen - seen_then) + taken_unnamed - taken_then
-            fewer = 0 if gradients_resident else -not_yet
+            fewer = -not_yet if corrects_gradients else 0
             counts = dict(alive - alive_then)
             if i not in runs or _priced(counts, fewer, latest) > _priced(runs[i], correction[i], latest):
                 correction[i], runs[i] = fewer, counts

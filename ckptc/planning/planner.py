@@ -302,7 +302,8 @@ def decide(
 ) -> GraphRecord:
     """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s
     baseline, and ``repeat_bytes`` of other graphs' runs alive at its last run,
-    :meth:`StepAccount.repeated_runs_bytes`), as :func:`decide_at`; for a graph whose own earlier runs in
+    :meth:`StepAccount.repeated_runs_bytes`, and what a step showed the baseline does not count,
+    :attr:`StepAccount.outside_baseline_bytes`), as :func:`decide_at`; for a graph whose own earlier runs in
     the step are alive at its last run (``account.repeat_runs``: layers compiled once, the model called
     again before one backward), with each of them counted at what the chosen plan itself keeps.
 
@@ -314,13 +315,13 @@ def decide(
     does), or its refusal."""
     start = time.perf_counter() if started is None else started
     runs = account.repeat_runs.get(index, {}).get(index, 0)
+    first_outside, last_outside = account.outside_baseline_bytes.get(index, (0, 0))
 
     def at(assumed_kept: int, *, lowest_peak: bool = False) -> GraphRecord:
-        # An earlier run's backward runs after the later runs' have freed what they keep, with the
-        # gradients of the parameters they share made: the larger of the two is held beside it.
-        later = repeat_bytes + runs * assumed_kept
-        if runs:
-            later = max(later, account.repeat_gradient_bytes)
+        # Its last run's backward runs first, beside its earlier runs; its first run's backward runs
+        # last, after the later runs freed what they keep and made their gradients: the larger of the
+        # two is held beside it.
+        later = max(repeat_bytes + runs * assumed_kept + last_outside, first_outside)
         return decide_at(
             with_baseline(jp, jp.problem.baseline_bytes - repeat_bytes + later),
             options,

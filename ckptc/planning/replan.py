@@ -97,12 +97,15 @@ class Replans:
         """A new planning run begins (a call that plans, a plan under a new budget): its retries start at 0."""
         self._tightened = self._repeats = 0
 
-    def after_run(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0) -> bool:
+    def after_run(
+        self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0, *, later_gradients_counted: bool = True
+    ) -> bool:
         """After the graphs ``ran`` (in run order) under :attr:`account`: whether the step must be
         planned again (the account changed).  Earlier graphs are first asked to keep less for a graph
         that did not fit, then repeats are counted: counted first, they can leave the first graph
         unable to fit at its floor (its earlier runs keeping what the tighter budgets would not), a
-        refusal where keeping less fits.
+        refusal where keeping less fits.  ``later_gradients_counted``: whether the graphs' baselines
+        count the gradients later graphs make (:meth:`StepAccount.counting_repeats`).
 
         Raises:
             solvers.InfeasibleBudgetError: a graph cannot fit even with earlier graphs keeping as
@@ -122,7 +125,9 @@ class Replans:
             return True
         if self._repeats >= MAX_STEP_RETRIES:
             return False
-        counted = self.account.counting_repeats(ran, unnamed_gradient_bytes)
+        counted = self.account.counting_repeats(
+            ran, unnamed_gradient_bytes, later_gradients_counted=later_gradients_counted
+        )
         if counted is self.account:
             return False
         self._repeats += 1
@@ -246,14 +251,19 @@ class Replans:
         )
         return True
 
-    def counting_gradients_of_later_runs(self, nbytes: int) -> bool:
-        """A step's graphs took parameters whose gradients are ``nbytes`` in several runs (the model
-        called again before one backward): an earlier run's backward runs after the later one's, with
-        those gradients made (:attr:`StepAccount.repeat_gradient_bytes`; whether the account changed)."""
-        if nbytes <= self.account.repeat_gradient_bytes:
+    def counting_outside_baselines(self, outside: Mapping[int, tuple[int, int]]) -> bool:
+        """A step showed, by graph index, what it holds beside the graph at its first and last run that
+        its baseline does not count (:attr:`StepAccount.outside_baseline_bytes`): count it, never less
+        than counted before (whether the account changed)."""
+        counted = dict(self.account.outside_baseline_bytes)
+        for index, (first, last) in outside.items():
+            was = counted.get(index, (0, 0))
+            if first > was[0] or last > was[1]:
+                counted[index] = (max(first, was[0]), max(last, was[1]))
+        if counted == self.account.outside_baseline_bytes:
             return False
         self._measured = None
-        self.account = self.account.replace(repeat_gradient_bytes=nbytes)
+        self.account = self.account.replace(outside_baseline_bytes=counted)
         return True
 
     def counting_loss(self, nbytes: int) -> bool:

@@ -79,7 +79,7 @@ class BackendStepCheck:
         self._tracker = StepTracker(self._ended, self._second_backward)
         self._counted: set[Any] = set()  # storages already in the meter's baseline
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
-        self._taken = _TakenParameters()  # by the open step's graph runs
+        self._runs = _StepRuns()  # of the open step's graphs
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
@@ -118,7 +118,7 @@ class BackendStepCheck:
         self._count_missed()
         self._tracker.begin()
         self._ran = []
-        self._taken = _TakenParameters()
+        self._runs = _StepRuns()
         sizes = tuple(
             tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
         )
@@ -139,7 +139,7 @@ class BackendStepCheck:
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Graph ``record`` runs on ``args`` now, under its current plan."""
         self._ran.append(record)
-        self._taken.add(args)
+        self._runs.add(record, args)
         if self._measure and not self._tracker.measuring:
             self._counted = set()
             self._tracker.measure(_device_of(args), 0)
@@ -189,7 +189,8 @@ class BackendStepCheck:
             self._count_gradients(accumulate=False)
 
     def _ended(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
-        changed = self.replans.counting_gradients_of_later_runs(sum(self._taken.again_bytes.values()))
+        outside = self._runs.outside_baseline_bytes(model_known=self.model is not None)
+        changed = self.replans.counting_outside_baselines(outside)
         changed = self._count_repeats() or changed
         if any(r.gradients_unexpected for r in self._ran) and self.replans.counting_result_gradients():
             log.warning(
@@ -227,8 +228,9 @@ class BackendStepCheck:
     def _count_repeats(self) -> bool:
         """A graph run several times in the step (two calls, layers compiled once): plan it for its last
         run.  Whether the account changed."""
-        unnamed = unnamed_gradient_bytes(self.model, self._ran) if self.model is not None else 0
-        return self.replans.after_run(self._ran, unnamed)
+        if self.model is None:
+            return self.replans.after_run(self._ran, later_gradients_counted=False)
+        return self.replans.after_run(self._ran, unnamed_gradient_bytes(self.model, self._ran))
 
 
 def _device_of(args: Sequence[Any]) -> torch.device:
@@ -238,19 +240,50 @@ def _device_of(args: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-class _TakenParameters:
-    """The trainable parameters the graph runs of one step take: those taken by several runs (the model
-    called again before one backward, a block shared by several layers) have their gradients made by
-    the later runs' backwards, which run first, resident through the earlier runs' backwards."""
+class _StepRuns:
+    """The graph runs of one step, in order, with the trainable parameters each took (the real tensors
+    Dynamo passes): what :attr:`StepAccount.outside_baseline_bytes` is learned from."""
 
     def __init__(self) -> None:
-        self._all: set[int] = set()
-        self.again_bytes: dict[int, int] = {}  # gradient bytes of those taken by several runs, by id
+        self._runs: list[tuple[GraphRecord, frozenset[int]]] = []  # (graph, parameter ids)
+        self._bytes: dict[int, int] = {}  # parameter (and gradient) bytes by parameter id
 
-    def add(self, args: Sequence[Any]) -> None:
-        """A graph runs on ``args`` (the real tensors Dynamo passes, parameters included)."""
-        for a in args:
-            if isinstance(a, torch.nn.Parameter) and a.requires_grad:
-                if id(a) in self._all:
-                    self.again_bytes[id(a)] = local_nbytes(a)
-                self._all.add(id(a))
+    def add(self, record: GraphRecord, args: Sequence[Any]) -> None:
+        taken = [a for a in args if isinstance(a, torch.nn.Parameter) and a.requires_grad]
+        self._bytes.update((id(a), local_nbytes(a)) for a in taken)
+        self._runs.append((record, frozenset(id(a) for a in taken)))
+
+    def outside_baseline_bytes(self, *, model_known: bool) -> dict[int, tuple[int, int]]:
+        """By graph index, what the step holds beside it at its first and at its last run that its
+        baseline does not count (:attr:`StepAccount.outside_baseline_bytes`; ``model_known``: the
+        baselines count every parameter, and the gradients of those no run up to that one took)."""
+        after: list[frozenset[int]] = []
+        taken_after: frozenset[int] = frozenset()
+        for _, taken in reversed(self._runs):
+            after.append(taken_after)
+            taken_after = taken_after | taken
+        after.reverse()
+        everything = taken_after
+        seen: set[int] = set()
+        seen_by: list[frozenset[int]] = []
+        positions: dict[int, list[int]] = {}
+        latest: dict[int, GraphRecord] = {}
+        for k, (record, taken) in enumerate(self._runs):
+            seen |= taken
+            seen_by.append(frozenset(seen))
+            positions.setdefault(record.index, []).append(k)
+            latest[record.index] = record
+
+        def nbytes(ids: frozenset[int]) -> int:
+            return sum(self._bytes[i] for i in ids)
+
+        def gradients_made_after(k: int) -> int:
+            return nbytes(after[k] & seen_by[k] if model_known else after[k])
+
+        outside = {}
+        for index, ks in positions.items():
+            record = latest[index]
+            named = set(record.inputs.parameters).union(*(e.inputs.parameters for e in record.earlier))
+            unnamed = 0 if model_known else nbytes(everything - named)
+            outside[index] = (unnamed + gradients_made_after(ks[0]), unnamed + gradients_made_after(ks[-1]))
+        return outside
