@@ -151,9 +151,11 @@ class StepAccount:
         if self.gradients_resident:
             said.append(
                 "the parameters' gradients, resident while the step runs (gradient accumulation, "
-                "zero_grad(set_to_none=False), a second backward, or a forward with gradients enabled "
-                "between backward and zero_grad): zero them with zero_grad(set_to_none=True) before a "
-                "step that does not accumulate, and run evaluation forwards under torch.no_grad()"
+                "zero_grad(set_to_none=False), a second backward, a forward with gradients enabled "
+                "between backward and zero_grad, or the model called again before one backward, whose "
+                "later call's backward makes them before the earlier calls' run): zero them with "
+                "zero_grad(set_to_none=True) before a step that does not accumulate, run evaluation "
+                "forwards under torch.no_grad(), and, where the loss allows it, run a backward after each call"
             )
         if self.loss_bytes:
             said.append(

@@ -416,14 +416,16 @@ class StepRuntime:
         model called again before one backward: siamese, contrastive), whose plans were made before this
         call was seen (``planned``: this call planned).
 
-        Its backward runs before theirs, so their backwards run with the parameters' gradients made:
-        they count gradients resident and add theirs into them as they are made.  A graph of this call
+        Its backward runs before theirs, so their backwards run with the parameters' gradients made: they
+        count gradients resident, and return theirs at their end as usual (both calls' gradients of a
+        parameter meet in the autograd engine's buffer, summed when the last of them arrives, and reach
+        ``.grad`` only then: nothing is resident in ``.grad`` to add into).  A graph of this call
         that could not fit beside what they keep ran at its floor
         (:meth:`~ckptc.planning.replan.Replans.after_run`): they plan again keeping less, once their
         plans count what they hold.  Either way this call plans again after them, and a step predicted
         over the budget is said to be."""
         earlier = self._step_plans[: self._step_plans.index(shape)]
-        recounted = [s for s in earlier if s.replans.counting_gradients(accumulate_in_backward=self.ranks is None)]
+        recounted = [s for s in earlier if s.replans.counting_gradients(accumulate_in_backward=False)]
         short = [r for r in ran if r.infeasible] if planned else []
         budget = self.template.budget_bytes
         if short and budget is not None and not recounted:
