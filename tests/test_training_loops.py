@@ -236,6 +236,44 @@ def test_a_users_profiler_around_planning_and_later_steps_sees_the_steps() -> No
     assert _peak(plain, fast, model, _batches(9)) <= budget
 
 
+def test_a_step_under_a_python_profiler_says_it_is_not_verified_and_a_later_step_is() -> None:
+    """Under a Python profiler hooked in with ``sys.setprofile`` (cProfile, tracers) ckptc cannot stop its
+    meter where it does (the first Python event after backward returns) without disturbing it: it says so
+    once, instead of leaving the step unverified without a word, and verifies a later step run without it."""
+    import cProfile
+
+    torch.manual_seed(0)
+    reference = _Net()
+    budget = _budget(plain, reference)
+    eager, model, fast = _eager_and_optimized(reference, budget)
+    profiler = cProfile.Profile()
+    with pytest.warns(ckptc.CkptcWarning, match="Python profiler"):
+        profiler.enable()
+        try:
+            plain(fast, _batches(0))  # plans, and would be measured from its graph's start
+        finally:
+            profiler.disable()
+    assert fast.plan.measured_peak_bytes is None
+    plain(eager, _batches(0))
+    _assert_same_gradients(model, eager)
+    for step in range(1, 3):  # without it: ckptc verifies
+        plain(fast, _batches(step))
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+    # Started between forward and backward: the meter running since the forward is stopped by the next step.
+    eager, model, fast = _eager_and_optimized(reference, budget)
+    loss = _loss(fast(_batches(0)[0]))
+    profiler.enable()
+    try:
+        loss.backward()
+    finally:
+        profiler.disable()
+    plain(fast, _batches(1))
+    assert not internals.profiler_active()
+    for step in range(2, 4):
+        plain(fast, _batches(step))
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+
+
 def test_a_step_under_flop_counter_mode_runs_the_plan_or_says_why() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -33,12 +33,14 @@ graphs.  Both follow a step through one :class:`StepTracker`:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from ckptc import _torch_internals as internals
+from ckptc.errors import warn_once
 from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns
 from ckptc.records import GraphRecord
 
@@ -86,6 +88,7 @@ class StepTracker:
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
         self._meter_stopped = False  # a meter of the open step stopped before its end: none starts again
+        self._meter_to_stop: StepMeter | None = None  # one a backward ended under a Python profiler
 
     def __repr__(self) -> str:
         return f"StepTracker(open={self.open}, measuring={self.measuring})"
@@ -101,13 +104,31 @@ class StepTracker:
         self._non_scalar = []
         self.results_held = None
         self._meter_stopped = False
+        if self._meter_to_stop is not None:
+            self._meter_to_stop.abort()
+            self._meter_to_stop = None
+            self._meter_stopped = True  # stopped inside this call: no meter starts again in it
         self.open = True
 
     def measure(self, device: torch.device, baseline_bytes: int) -> None:
         """Measure the open step from now on, ``baseline_bytes`` resident from its start; not a step
-        whose meter stopped before (see the module docstring)."""
-        if not self._meter_stopped:
-            self._meter = StepMeter(device, baseline_bytes).start()
+        whose meter stopped before (see the module docstring), nor one under a Python profiler."""
+        if self._meter_stopped:
+            return
+        if torch.device(device).type == "cpu" and sys.getprofile() is not None:
+            self._under_python_profiler()
+            return
+        self._meter = StepMeter(device, baseline_bytes).start()
+
+    def _under_python_profiler(self) -> None:
+        warn_once(
+            self,
+            "python-profiler",
+            "ckptc cannot verify a step's peak memory while a Python profiler hooked in with sys.setprofile "
+            "(cProfile, a tracer) runs: its CPU meter stops on the first Python event after backward returns, "
+            "through that hook. The step runs on the predicted plan; verification resumes on a step run "
+            "without it.",
+        )
 
     def add_baseline(self, nbytes: int) -> None:
         """Bytes resident from the step's start that the baseline did not hold yet."""
@@ -176,7 +197,11 @@ class StepTracker:
         elif after_backward_returns(self._end_scheduled_step):
             self._end_scheduled = True
         else:
-            self.end(measured=False)  # someone else profiles Python calls: do not interfere
+            # A Python profiler started during the step: not disturbed, and the step is not verified.  Its
+            # meter cannot stop inside the engine's callback (module docstring): the next step stops it.
+            self._under_python_profiler()
+            self._meter_to_stop, self._meter = self._meter, None
+            self.end(measured=False)
 
     def _end_scheduled_step(self) -> None:
         self.end(measured=True)
