@@ -257,33 +257,31 @@ class _StepRuns:
         """By graph index, what the step holds beside it at its first and at its last run that its
         baseline does not count (:attr:`StepAccount.outside_baseline_bytes`; ``model_known``: the
         baselines count every parameter, and the gradients of those no run up to that one took)."""
-        after: list[frozenset[int]] = []
-        taken_after: frozenset[int] = frozenset()
-        for _, taken in reversed(self._runs):
-            after.append(taken_after)
-            taken_after = taken_after | taken
-        after.reverse()
+        positions: dict[int, list[int]] = {}
+        for k, (record, _) in enumerate(self._runs):
+            positions.setdefault(record.index, []).append(k)
+        wanted = {k for ks in positions.values() for k in (ks[0], ks[-1])}
+        # Parameters taken after, and up to, each wanted run: one pass each way.
+        after: dict[int, set[int]] = {}
+        taken_after: set[int] = set()
+        for k in range(len(self._runs) - 1, -1, -1):
+            if k in wanted:
+                after[k] = set(taken_after)
+            taken_after |= self._runs[k][1]
         everything = taken_after
         seen: set[int] = set()
-        seen_by: list[frozenset[int]] = []
-        positions: dict[int, list[int]] = {}
-        latest: dict[int, GraphRecord] = {}
-        for k, (record, taken) in enumerate(self._runs):
+        for k, (_, taken) in enumerate(self._runs):
             seen |= taken
-            seen_by.append(frozenset(seen))
-            positions.setdefault(record.index, []).append(k)
-            latest[record.index] = record
+            if k in wanted and model_known:
+                after[k] &= seen
 
-        def nbytes(ids: frozenset[int]) -> int:
+        def nbytes(ids: set[int]) -> int:
             return sum(self._bytes[i] for i in ids)
-
-        def gradients_made_after(k: int) -> int:
-            return nbytes(after[k] & seen_by[k] if model_known else after[k])
 
         outside = {}
         for index, ks in positions.items():
-            record = latest[index]
+            record = self._runs[ks[-1]][0]
             named = set(record.inputs.parameters).union(*(e.inputs.parameters for e in record.earlier))
             unnamed = 0 if model_known else nbytes(everything - named)
-            outside[index] = (unnamed + gradients_made_after(ks[0]), unnamed + gradients_made_after(ks[-1]))
+            outside[index] = (unnamed + nbytes(after[ks[0]]), unnamed + nbytes(after[ks[-1]]))
         return outside
