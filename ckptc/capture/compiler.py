@@ -526,7 +526,14 @@ class CheckpointCompiler:
         holds outside it: its baseline), and rewrite it into AOTAutograd's forward and backward modules.
         A ``final`` plan is not made again: a graph that cannot fit is refused, never deferred."""
         placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
-        baseline_bytes, inputs = self.account.graph_baseline(self.model, example_inputs, placeholders, self.active)
+        mine = {id(r) for r in self.records}
+        baseline_bytes, inputs = self.account.graph_baseline(
+            self.model,
+            example_inputs,
+            placeholders,
+            self.active,
+            earlier_calls={id(r) for r in self.active if id(r) not in mine},
+        )
         # What runs of graphs between its first and last run in the step leave alive (a graph run several times).
         repeated = self.account.repeated_runs_bytes(index, {r.index: r for r in self.records})
         gradient_sink = self._gradient_sink(example_inputs, placeholders)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 
@@ -252,11 +252,15 @@ class StepAccount:
         graph_inputs: Sequence[Any],
         placeholders: Sequence[Any],
         earlier: Sequence[GraphRecord],
+        *,
+        earlier_calls: Collection[int] = frozenset(),
     ) -> tuple[int, GraphInputs]:
         """The baseline of a graph taking ``graph_inputs`` (real tensors) whose joint graph's
         placeholder values are ``placeholders`` (fake tensors), after the graphs ``earlier``
         in the same step, at its first run in the step (its later runs: :meth:`repeated_runs_bytes`).
         Also returns the graph's tensor inputs (:attr:`ckptc.records.GraphRecord.inputs`).
+        ``earlier_calls``: the ids of the records in ``earlier`` run by earlier calls of the step (the
+        model called again before one backward), whose backwards run after this graph's.
 
         A graph counts its own inputs; of earlier graphs' data inputs it counts those it
         does not take (the caller holds a first call's batch until backward), and from what
@@ -280,7 +284,10 @@ class StepAccount:
         if model is not None:
             state = resident_bytes(*params.values(), *model.buffers())
             in_graph = resident_bytes(*[t for t in tensors if id(t) in state_ids])
-            seen = inputs.ids.union(*(r.inputs.ids for r in earlier))
+            # The gradients made before this graph's backward are those of the parameters that later
+            # graphs of its own call take: earlier calls' backwards run after it.
+            this_call = [r for r in earlier if id(r) not in earlier_calls]
+            seen = inputs.ids.union(*(r.inputs.ids for r in this_call))
             grads = later = 0
             for i, p in params.items():
                 if not p.requires_grad:
@@ -292,7 +299,7 @@ class StepAccount:
             # A graph run again for another block takes parameters its record does not name (those of
             # the run it was compiled for): as many of the unnamed ones ran already, not later.
             runs: dict[int, int] = {}
-            for record in earlier:
+            for record in this_call:
                 runs[id(record)] = runs.get(id(record), -1) + 1
                 if runs[id(record)]:
                     later -= min(later, sum(record.inputs.parameters.values()))

@@ -137,14 +137,21 @@ class Replans:
 
     def _left_to_earlier_calls(self, ran: Sequence[GraphRecord]) -> bool:
         """Whether only graphs of earlier calls of the step (a model called twice before one backward)
-        can keep less for a graph of ``ran`` that did not fit, and keeping less there can make it fit:
-        nothing before it in this call, and the step's floor within the budget.  Those calls' graphs
-        ran already, so this call runs at its floor and the step runtime asks them to keep less in the
-        next step (:meth:`make_room_for_later_calls`)."""
-        short = [r for r in ran if r.infeasible]
+        can keep less for the first graph of ``ran`` that did not fit, and keeping less there can make
+        it fit: nothing before it in this call, or less than it needs even if those graphs kept
+        nothing; and the step's floor within the budget.  Those calls' graphs ran already, so this call
+        runs at its floor and the step runtime asks them to keep less in the next step
+        (:meth:`make_room_for_later_calls`)."""
         assert self.budget_bytes is not None
-        floor = max(r.min_feasible_bytes for r in ran)
-        return max(r.index for r in short) == 0 and floor <= self.budget_bytes
+        if max(r.min_feasible_bytes for r in ran) > self.budget_bytes:
+            return False
+        first = min((r for r in ran if r.infeasible), key=lambda r: r.index)
+        if first.index == 0:
+            return True
+        mine = {id(r) for r in ran}
+        after_earlier_calls = any(id(e) not in mine for e in first.earlier)
+        room_here = sum(r.step_bytes for r in ran if r.index < first.index)  # each run keeps its own
+        return after_earlier_calls and room_here < room_needed([first], self.budget_bytes)
 
     def make_room_for_later_calls(self, need: int, ran: Sequence[GraphRecord]) -> None:
         """A later call of the step (the model called again before one backward) could not fit beside
