@@ -317,7 +317,7 @@ def decide(
     runs = account.repeat_runs.get(index, {}).get(index, 0)
     first_outside, last_outside = account.outside_baseline_bytes.get(index, (0, 0))
 
-    def at(assumed_kept: int, *, lowest_peak: bool = False) -> GraphRecord:
+    def at(assumed_kept: int, *, lowest_peak: bool = False, plan: solvers.Plan | None = None) -> GraphRecord:
         # Its last run's backward runs first, beside its earlier runs; its first run's backward runs
         # last, after the later runs freed what they keep and made their gradients: the larger of the
         # two is held beside it.
@@ -328,7 +328,7 @@ def decide(
             account,
             index=index,
             earlier=earlier,
-            plan_source=plan_source,
+            plan_source=plan_source if plan is None else lambda _index, _jp: plan,
             progress=progress,
             inputs=inputs,
             started=start,
@@ -356,6 +356,7 @@ def decide(
     low, high = floor_kept, max(floor_kept, min(assumed, room))
     assumed = high
     best: GraphRecord | None = None
+    best_assumed = 0
     for _ in range(1 + REPEAT_SEARCH_STEPS):
         try:
             record: GraphRecord | None = at(assumed)
@@ -363,7 +364,7 @@ def decide(
             record = None
         if record is not None and not record.infeasible and record.step_bytes <= assumed:
             if best is None or record.result.recompute_cost < best.result.recompute_cost:
-                best = record
+                best, best_assumed = record, assumed
             high = assumed
         elif best is None and assumed == high:
             break  # not even the largest assumption that can fit: none can
@@ -372,6 +373,10 @@ def decide(
         if high - low <= high // 100:
             break
         assumed = (low + high) // 2
+    if best is not None and best.step_bytes < best_assumed:
+        # Planned beside runs assumed to keep more than its plan keeps: the same plan beside runs that
+        # keep what it keeps, predicted exactly (a lower peak than the one it was chosen under).
+        return at(best.step_bytes, plan=best.plan)
     if best is not None:
         return best
     # No plan fits beside runs that keep what it keeps: the lowest-peak plan, which fits beside its
