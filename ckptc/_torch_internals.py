@@ -56,7 +56,7 @@ __all__ = [
     "current_graph_task_id",
     "has_gradient_hooks",
     "module_hooks",
-    "gradient_accumulator",
+    "running_gradient_accumulator",
     "backward_accumulates",
     "workaround_decompositions",
     "upper_bound",
@@ -818,10 +818,18 @@ def has_gradient_hooks(parameter: torch.Tensor) -> bool:
     return bool(parameter._backward_hooks) or bool(getattr(parameter, "_post_accumulate_grad_hooks", None))
 
 
-def gradient_accumulator(parameter: torch.Tensor) -> Any:
-    """The autograd node that accumulates ``parameter``'s gradient into ``.grad``."""
-    with torch.enable_grad():  # also from inside a backward, where grad mode is off
-        return parameter.view_as(parameter).grad_fn.next_functions[0][0]
+def running_gradient_accumulator(edge: int, edges: int) -> Any:
+    """The node that accumulates into ``.grad`` the gradient the backward node running now hands on at
+    its ``edge``-th next edge (a leaf's ``AccumulateGrad``, whose ``variable`` is the leaf), or None when
+    that gradient goes elsewhere, no backward node runs, or the node has other than ``edges`` edges.
+
+    A compiled graph's backward node has one edge per tensor input of its forward, in order (its
+    integer and symbolic-size inputs have none)."""
+    node = torch._C._current_autograd_node()
+    if node is None or len(node.next_functions) != edges:
+        return None
+    accumulator = node.next_functions[edge][0]
+    return accumulator if isinstance(getattr(accumulator, "variable", None), torch.nn.Parameter) else None
 
 
 def backward_accumulates(accumulator: Any) -> bool:

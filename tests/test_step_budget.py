@@ -571,3 +571,25 @@ def test_layers_compiled_once_and_called_twice_before_one_backward_train_within_
         lambda: _two_calls_one_backward(fast, model, a, b), baseline_bytes=resident_bytes(model, a, b)
     )
     assert independent.peak_bytes <= budget, (independent.peak_bytes, budget)
+
+
+def test_gradient_accumulation_through_layers_compiled_once_adds_each_layers_gradient_into_its_own_grad() -> None:
+    """Under accumulation the compiled backward adds each parameter gradient into the resident ``.grad``
+    as it is made.  A graph compiled once runs for every layer (a graph break in every layer), each run
+    on its own layer's parameters; the backward added every layer's gradients into the first layer's
+    ``.grad`` (the parameters the graph was compiled with), and the other layers' stayed as the first
+    micro-batch left them: wrong gradients, silently, from the second micro-batch on."""
+    reference = _causal_lm_with_a_break_in_every_layer(3)
+    model = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(0)
+    batches = torch.randint(0, 128, (3, 2, 2, 32), generator=g)
+    budget = int(0.85 * _eager_peak_of_two_calls(reference, batches[0, 0], batches[0, 1]))
+    compiled = torch.compile(model, backend=ckptc.backend(budget_bytes=budget))
+    for micro_batches in batches:
+        for net, params in ((compiled, model), (reference, reference)):
+            for p in params.parameters():
+                p.grad = None
+            for ids in micro_batches:
+                net(ids, labels=ids).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -397,13 +397,12 @@ class CheckpointCompiler:
             return None
         if len(example_inputs) > len(placeholders):
             return None
-        parameters = {}
-        for i, (real, fake) in enumerate(zip(example_inputs, placeholders[: len(example_inputs)], strict=True)):
+        for real, fake in zip(example_inputs, placeholders[: len(example_inputs)], strict=True):
             if isinstance(real, torch.nn.Parameter) and real.requires_grad:
                 if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != tuple(real.shape):
                     return None  # AOTAutograd reordered the inputs: leave accumulation to autograd
-                parameters[i] = real
-        return GradientSink(parameters) if parameters else None
+        sink = GradientSink(example_inputs)
+        return sink if sink.positions else None
 
     def _pricing_sizes(self) -> Any:
         """How dynamic sizes are priced: a backend prices them at the sizes it captured (its check

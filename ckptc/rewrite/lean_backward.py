@@ -56,19 +56,18 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-import weakref
 from collections import ChainMap
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from ckptc._torch_internals import (
     backward_accumulates,
-    gradient_accumulator,
     graph_module,
     has_gradient_hooks,
     outside_fake_mode,
+    running_gradient_accumulator,
 )
 from ckptc.pricing.costs import BACKWARD
 
@@ -361,40 +360,49 @@ class GradientSink:
     ``position`` is the parameter's position among the graph's inputs; returns
     ``None`` when it added the gradient, else the gradient (returned by the
     graph, accumulated by autograd as usual).
+
+    The parameter is the one the running backward node hands that position's
+    gradient to, not the one the graph was compiled with: a graph compiled once
+    runs for every layer (a graph break inside the layer loop), each run on its
+    own layer's parameters.
     """
 
-    def __init__(self, parameters: Mapping[int, torch.nn.Parameter]) -> None:
-        self._by_position = {i: weakref.ref(p) for i, p in parameters.items()}
-        # Looked up in the first backward (not while tracing, under fake tensors) and held while the
-        # sink lives: a parameter's accumulator node is made anew once nothing holds it.
-        self._accumulators: dict[int, Any] = {}
-        self.positions = frozenset(self._by_position)
+    def __init__(self, graph_inputs: Sequence[Any]) -> None:
+        """``graph_inputs``: the inputs the graph was compiled with; the sink takes the gradients of its
+        parameters."""
+        tensors = [i for i, t in enumerate(graph_inputs) if isinstance(t, torch.Tensor)]
+        self._edges = len(tensors)  # the backward node's edges: one per tensor input, in order
+        self._edge = {i: k for k, i in enumerate(tensors)}
+        # What the compiled-for parameter at each position looks like: a run's parameter there must match.
+        self._compiled_for = {
+            i: (t.shape, t.dtype, t.device)
+            for i, t in enumerate(graph_inputs)
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad
+        }
+        self.positions = frozenset(self._compiled_for)
         self.added = 0  # gradients added in place so far (for tests and logs)
         self.__name__ = "gradient_sink"  # FX names a call_function target's global after it
 
     def __repr__(self) -> str:
-        return f"GradientSink(parameters={len(self._by_position)}, added={self.added})"
-
-    def _accumulator(self, position: int, parameter: torch.nn.Parameter) -> Any:
-        node = self._accumulators.get(position)
-        if node is None:
-            node = self._accumulators[position] = gradient_accumulator(parameter)
-        return node
+        return f"GradientSink(parameters={len(self._compiled_for)}, added={self.added})"
 
     def __call__(self, gradient: torch.Tensor | None, position: int) -> torch.Tensor | None:
-        ref = self._by_position.get(position)
-        parameter = ref() if ref is not None else None
-        if gradient is None or parameter is None:
+        if gradient is None or position not in self._compiled_for:
             return gradient
+        accumulator = running_gradient_accumulator(self._edge[position], self._edges)
+        if accumulator is None:
+            return gradient
+        parameter = accumulator.variable
         resident = parameter.grad
         if (
-            resident is None
+            (parameter.shape, parameter.dtype, parameter.device) != self._compiled_for[position]
+            or resident is None
             or resident.shape != gradient.shape
             or resident.dtype != gradient.dtype
             or resident.device != gradient.device
             or resident.stride() != gradient.stride()
             or has_gradient_hooks(parameter)
-            or not backward_accumulates(self._accumulator(position, parameter))  # torch.autograd.grad
+            or not backward_accumulates(accumulator)  # torch.autograd.grad
         ):
             return gradient
         with torch.no_grad():
