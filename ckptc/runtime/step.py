@@ -336,7 +336,9 @@ class StepRuntime:
         self._step_keys.append(signature)
         if key not in self.plans and key not in self._refused:
             self._warn_if_only_numbers_changed(args, kwargs)
-        resident = opened and gradients_resident(self.model)  # walks every parameter: once per call
+        # A later call of the step runs in the step's state: its backward runs with the gradients the
+        # step started with resident, as the first call's does.
+        resident = gradients_resident(self.model) if opened else self._step_state  # walks every parameter
         shape = self._plan_for(key, gradients=resident)
         if opened:
             self._count_measured()
