@@ -187,6 +187,26 @@ def test_a_block_shared_across_a_graph_break_trains_under_a_budget_with_eagers_g
     assert measured is not None and measured <= 1_400_000
 
 
+def test_a_step_whose_result_made_by_eager_code_is_dropped_before_backward_is_verified() -> None:
+    """The loss is made by code Dynamo runs eagerly (the layer loop's frame is skipped), so its autograd
+    node is made in C++ and takes no weak reference; the step watched the loss tensor itself instead, and
+    ``(model(ids) / 2).backward()`` (the loss scaled for accumulation, or ``sum(losses)``) drops it before
+    backward: the step was taken for one whose graph died, and no step was ever verified."""
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = _SharedBlockWithBreak(layers=3)
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_bytes=1_400_000)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        (fast(ids) / 2).backward()
+        (reference(ids) / 2).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    measured = fast.plan.measured_peak_bytes
+    assert measured is not None and measured <= 1_400_000
+
+
 def test_a_step_whose_meter_stopped_inside_it_is_not_measured_again() -> None:
     """The mechanism of the test above, which fails only in some processes: once something planned inside
     a step stopped its meter, no meter starts again until the next step."""

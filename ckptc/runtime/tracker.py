@@ -213,13 +213,19 @@ class StepTracker:
         self._ended_backward = None
 
 
+class _GraphAlive:
+    """Kept in a C++ autograd node's ``metadata``: it dies with the node (which takes no weak reference)."""
+
+
 def _graph_ref(tensor: torch.Tensor, callback: Callable[[weakref.ref], None]) -> weakref.ref:
-    """A weak reference to ``tensor``'s autograd node (a compiled graph's is a Python object), which dies
-    with the graph; to ``tensor`` itself for a leaf or a node made in C++, which takes none."""
+    """A weak reference that dies with ``tensor``'s autograd graph: to its node (a compiled graph's is a
+    Python object), or to a marker the node holds (a node made in C++, as the results of code run
+    eagerly after a graph break; the result itself may die long before its graph, ``sum(losses)``);
+    to ``tensor`` itself for a leaf."""
     node = tensor.grad_fn
-    if node is not None:
-        try:
-            return weakref.ref(node, callback)
-        except TypeError:
-            pass
-    return weakref.ref(tensor, callback)
+    if node is None:
+        return weakref.ref(tensor, callback)
+    try:
+        return weakref.ref(node, callback)
+    except TypeError:
+        return weakref.ref(node.metadata.setdefault("ckptc.graph_alive", _GraphAlive()), callback)
