@@ -207,6 +207,33 @@ def test_a_step_whose_result_made_by_eager_code_is_dropped_before_backward_is_ve
     assert measured is not None and measured <= 1_400_000
 
 
+def test_results_only_a_reference_cycle_keeps_are_not_taken_for_results_the_caller_holds() -> None:
+    """Whether the caller holds a step's results through backward decides whether they are priced held.
+    Results kept alive only by a reference cycle (an exception's frames, a model's own cycles) were taken
+    for held, depending on when the garbage collector last ran: the second Longformer step planned in a
+    process counted its logits held and refused the budget that passed in a fresh process."""
+    import gc
+
+    weight = torch.randn(8, 8, requires_grad=True)
+    for caller_holds in (False, True):
+        tracker = StepTracker(lambda measured, measurement: None, lambda: None)
+        tracker.begin()
+        logits = torch.randn(4, 8) @ weight
+        tracker.returned([logits])
+        loss = logits.square().mean()
+        cycle: list[Any] = [logits]
+        cycle.append(cycle)
+        gc.disable()  # the cycle survives until the tracker looks, whatever the collector's counts
+        try:
+            if not caller_holds:
+                del logits
+            del cycle
+            loss.backward()
+        finally:
+            gc.enable()
+        assert tracker.results_held is caller_holds
+
+
 def test_a_step_whose_meter_stopped_inside_it_is_not_measured_again() -> None:
     """The mechanism of the test above, which fails only in some processes: once something planned inside
     a step stopped its meter, no meter starts again until the next step."""

@@ -33,6 +33,7 @@ graphs.  Both follow a step through one :class:`StepTracker`:
 
 from __future__ import annotations
 
+import gc
 import sys
 import weakref
 from typing import Any, Callable, Protocol, Sequence
@@ -85,6 +86,7 @@ class StepTracker:
         self._graphs: list[weakref.ref] = []  # the results' autograd nodes (or the results, for leaves)
         self._non_scalar: list[weakref.ref] = []  # results other than a loss
         self.results_held: bool | None = None
+        self._held_after_collection = False  # a step's results were alive even after a garbage collection
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
         self._meter_stopped = False  # a meter of the open step stopped before its end: none starts again
@@ -191,7 +193,7 @@ class StepTracker:
         if self._end_scheduled:
             return
         self._ended_backward = task
-        self.results_held = any(ref() is not None for ref in self._non_scalar)
+        self.results_held = self._results_alive()
         if self._meter is None or self._meter.device.type != "cpu":
             self.end(measured=True)
         elif after_backward_returns(self._end_scheduled_step):
@@ -202,6 +204,17 @@ class StepTracker:
             self._under_python_profiler()
             self._meter_to_stop, self._meter = self._meter, None
             self.end(measured=False)
+
+    def _results_alive(self) -> bool:
+        """Whether the step's results other than a loss are alive as its backward ends (the caller holds
+        them).  Results only a reference cycle keeps (an exception's frames, a model's own cycles) are
+        not the caller's: a garbage collection frees them, until a step shows results held after one
+        (then the caller does hold them, and no step collects again)."""
+        alive = any(ref() is not None for ref in self._non_scalar)
+        if alive and not self._held_after_collection:
+            gc.collect()
+            alive = self._held_after_collection = any(ref() is not None for ref in self._non_scalar)
+        return alive
 
     def _end_scheduled_step(self) -> None:
         self.end(measured=True)
