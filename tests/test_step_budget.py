@@ -626,3 +626,53 @@ def test_accumulation_over_micro_batches_of_two_calls_counts_the_resident_gradie
             measured.append(fast.plan.measured_peak_bytes)
     assert any(m is not None for m in measured), measured
     assert all(m is None or m <= budget for m in measured), (measured, budget)
+
+
+def test_the_backend_counts_the_gradients_of_parameters_no_graph_names_once_gradients_are_resident() -> None:
+    """The backend knows parameters only from the graphs that take them, and a layer graph compiled once
+    names the first layer's: what the others hold is learned from a step (OPT's layer loop breaks on
+    LayerDrop's draw).  Learned on a step without gradients, it counted their parameters but not their
+    gradients, and the first micro-batch with gradients resident (accumulation over micro-batches of two
+    calls) measured 1.15x the budget (2,701,324 B against 2,340,000 B)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=128,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        word_embed_proj_dim=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
+    reference = OPTForCausalLM(config).train()
+    model = copy.deepcopy(reference)
+    batches = torch.randint(0, 128, (3, 2, 2, 2, 32), generator=torch.Generator().manual_seed(0))
+
+    def train(net: Any, params: nn.Module, micro_batches: torch.Tensor) -> None:
+        for p in params.parameters():
+            p.grad = None
+        for a, b in micro_batches:
+            (net(a, labels=a).loss + net(b, labels=b).loss).backward()
+
+    eager = copy.deepcopy(reference)
+    train(eager, eager, batches[0])
+    for p in eager.parameters():
+        p.grad = None
+    _, eager_peak = measure_peak(lambda: train(eager, eager, batches[0]), baseline_bytes=resident_bytes(eager, batches))
+    budget = int(0.86 * eager_peak.peak_bytes)
+    check = ckptc.backend(budget_bytes=budget)
+    compiled = torch.compile(model, backend=check)
+    measured = []
+    for micro_batches in batches:
+        train(compiled, model, micro_batches)
+        measured.append(check.plan.measured_peak_bytes)
+        train(reference, reference, micro_batches)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert any(m is not None for m in measured), measured
+    assert all(m is None or m <= budget for m in measured), (measured, budget)

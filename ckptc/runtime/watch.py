@@ -114,6 +114,10 @@ class BackendStepCheck:
         state = any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in args)
         if state and not self.account.gradients_resident:
             log.info("torch.compile(backend='ckptc'): a step starts with gradients resident; planning again")
+            # What the last step showed the baselines miss, now with the parameters' gradients resident.
+            self.replans.counting_outside_baselines(
+                self._runs.outside_baseline_bytes(model_known=self.model is not None, gradients_resident=True)
+            )
             self._count_gradients()
         self._count_missed()
         self._tracker.begin()
@@ -189,7 +193,9 @@ class BackendStepCheck:
             self._count_gradients(accumulate=False)
 
     def _ended(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
-        outside = self._runs.outside_baseline_bytes(model_known=self.model is not None)
+        outside = self._runs.outside_baseline_bytes(
+            model_known=self.model is not None, gradients_resident=self._state[0]
+        )
         changed = self.replans.counting_outside_baselines(outside)
         changed = self._count_repeats() or changed
         if any(r.gradients_unexpected for r in self._ran) and self.replans.counting_result_gradients():
@@ -253,10 +259,15 @@ class _StepRuns:
         self._bytes.update((id(a), local_nbytes(a)) for a in taken)
         self._runs.append((record, frozenset(id(a) for a in taken)))
 
-    def outside_baseline_bytes(self, *, model_known: bool) -> dict[int, tuple[int, int]]:
+    def outside_baseline_bytes(
+        self, *, model_known: bool, gradients_resident: bool = False
+    ) -> dict[int, tuple[int, int]]:
         """By graph index, what the step holds beside it at its first and at its last run that its
         baseline does not count (:attr:`StepAccount.outside_baseline_bytes`; ``model_known``: the
-        baselines count every parameter, and the gradients of those no run up to that one took)."""
+        baselines count every parameter, and the gradients of those no run up to that one took).
+        With ``gradients_resident`` (a step that starts with them: accumulation) the baselines count
+        the gradients of the parameters they name, and no gradient is made later: a parameter no
+        record names is held with its gradient."""
         positions: dict[int, list[int]] = {}
         for k, (record, _) in enumerate(self._runs):
             positions.setdefault(record.index, []).append(k)
@@ -283,5 +294,8 @@ class _StepRuns:
             record = self._runs[ks[-1]][0]
             named = set(record.inputs.parameters).union(*(e.inputs.parameters for e in record.earlier))
             unnamed = 0 if model_known else nbytes(everything - named)
-            outside[index] = (unnamed + nbytes(after[ks[0]]), unnamed + nbytes(after[ks[-1]]))
+            if gradients_resident:
+                outside[index] = (2 * unnamed, 2 * unnamed)
+            else:
+                outside[index] = (unnamed + nbytes(after[ks[0]]), unnamed + nbytes(after[ks[-1]]))
         return outside
