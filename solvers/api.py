@@ -21,7 +21,7 @@ from solvers.chen import Progress, chen_greedy, chen_sqrt
 from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
 from solvers.plan import Plan
 from solvers.problem import Problem
-from solvers.refine import fill_budget
+from solvers.refine import drop_unread, fill_budget
 from solvers.simulator import simulate
 
 __all__ = ["solve", "METHODS", "min_feasible_budget", "lowest_peak_plan", "auto"]
@@ -62,7 +62,16 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     from solvers.chen import lowest_peak_plan as chen_lowest
     from solvers.hierarchical import lowest_peak_plan as hierarchical_lowest
 
-    plans = [hierarchical_lowest(problem), chen_lowest(problem)]
+    plans = []
+    for plan in (hierarchical_lowest(problem), chen_lowest(problem)):
+        trimmed = drop_unread(problem, plan)
+        if trimmed is not plan:
+            result = simulate(problem, trimmed)
+            trimmed = dataclasses.replace(
+                trimmed,
+                info=plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost),
+            )
+        plans.append(trimmed)
     best = min(plans, key=lambda p: (p.info.predicted_peak_bytes, p.info.recompute_cost))
     problem._cache["api.lowest_peak_plan"] = best
     return best
@@ -122,7 +131,8 @@ def auto(
     problem and budget only, never on the machine's load: ``time_limit`` does
     not cut any of these searches (only ``method="ilp"`` honours it); an ILP
     still running after :data:`AUTO_ILP_SAFETY_SECONDS` is dropped with a
-    warning. Derived-schedule plans then
+    warning. Derived-schedule plans then drop
+    kept values no backward step reads (:func:`solvers.refine.drop_unread`) and
     keep more where the budget allows (:func:`solvers.refine.fill_budget`).
     If none fits, the floor plan (:func:`lowest_peak_plan`) is the last
     candidate. Every plan is judged by simulate(); the winner has the least
@@ -152,7 +162,7 @@ def auto(
         try:
             plan = METHODS[name](problem, budget_bytes, **options)
             if plan.schedule is None:
-                plan = fill_budget(problem, plan, budget_bytes)
+                plan = fill_budget(problem, drop_unread(problem, plan), budget_bytes)
             result = simulate(problem, plan)
         except InfeasibleBudgetError:
             tried[name] = {"status": "infeasible", "seconds": time.perf_counter() - started}
@@ -294,6 +304,8 @@ def solve(
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
     started = time.perf_counter()
     plan = function(problem, budget_bytes, time_limit=time_limit, progress=progress, **options)
+    if function is not auto:  # auto's candidates are trimmed already
+        plan = drop_unread(problem, plan)
     result = simulate(problem, plan)
     if result.peak_bytes > budget_bytes:
         raise SolverError(

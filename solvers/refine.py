@@ -30,11 +30,11 @@ import functools
 import logging
 from typing import Callable
 
-from solvers.plan import Plan
-from solvers.problem import Problem
+from solvers.plan import BACKWARD_PHASE, Plan
+from solvers.problem import SAVE_CODE, Problem
 from solvers.simulator import evaluate_mask, honour_policies_mask, mask_of, names_of, simulate
 
-__all__ = ["fill_budget"]
+__all__ = ["fill_budget", "drop_unread"]
 
 log = logging.getLogger("solvers.refine")
 
@@ -79,6 +79,54 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     log.debug("fill_budget: recompute cost %.4g -> %.4g", core.recompute_cost, result.recompute_cost)
     info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost, refined=True)
     return dataclasses.replace(refined, info=info)
+
+
+def drop_unread(problem: Problem, plan: Plan) -> Plan:
+    """``plan`` (derived schedule) without the kept values that no backward step reads.
+
+    A block option that keeps everything keeps values backward never reads (the input of a
+    ``tanh`` whose backward reads its output): they save no recomputation, the rewritten graphs
+    do not save them (they die after their last forward use), and the simulator would hold
+    them to the end of forward, over-predicting a peak there (a loss computed by the caller
+    runs there).  Values whose policy is "save" and outputs stay.  Plans with an explicit
+    schedule are returned unchanged.  One derived schedule: O(nodes + edges).
+
+    Example (``h = tanh(a)``, whose backward reads ``h`` only):
+        >>> from solvers import Node, Plan, Problem
+        >>> p = Problem(nodes=(
+        ...     Node("x", 4, 0.0, "input"),
+        ...     Node("a", 4, 1.0, "forward", ("x",)),
+        ...     Node("h", 4, 1.0, "forward", ("a",)),
+        ...     Node("loss", 1, 1.0, "forward", ("h",), output=True),
+        ...     Node("grad_h", 4, 1.0, "backward", ("loss",)),
+        ...     Node("grad_a", 4, 1.0, "backward", ("grad_h", "h"), output=True),
+        ... ))
+        >>> sorted(drop_unread(p, Plan(kept={"a", "h"})).kept)
+        ['h']
+    """
+    if not plan.kept:
+        return plan
+    from solvers.simulator import derived_schedule
+
+    mask = mask_of(problem, plan.kept)
+    if plan.schedule is None:
+        nodes, n_fwd = derived_schedule(problem, mask)
+        backward = nodes[n_fwd:]
+    else:
+        backward = [problem.index[step.node] for step in plan.schedule if step.phase == BACKWARD_PHASE]
+    read = bytearray(len(problem.nodes))
+    fwd_preds = problem._fwd_preds
+    for v in backward:
+        for q in fwd_preds[v]:
+            read[q] = 1
+    policy, output = problem._policy, problem._output
+    unread = [v for v in problem._forward_idx if mask[v] and not read[v] and not output[v] and policy[v] != SAVE_CODE]
+    if not unread:
+        return plan
+    for v in unread:
+        mask[v] = 0
+    log.debug("drop_unread: %d kept values no backward step reads", len(unread))
+    return dataclasses.replace(plan, kept=names_of(problem, mask))
 
 
 def _prefix_fits(

@@ -31,8 +31,10 @@ from solvers import (
     simulate,
     solve,
 )
+from solvers.api import lowest_peak_plan
 from solvers.chen import chen_greedy, chen_sqrt, cut_points, keep_all_plan
 from solvers.chen import lowest_peak_plan as chen_lowest_peak_plan
+from solvers.refine import drop_unread
 from solvers.simulator import honour_policies
 
 REPO = Path(__file__).resolve().parents[1]
@@ -774,6 +776,32 @@ def test_a_kept_value_no_backward_step_reads_is_not_kept_bytes():
     )
     assert simulate(problem, Plan(kept={"f1", "f2"})).kept_bytes == 10
     assert simulate(problem, Plan(kept={"f1"})).kept_bytes == 10
+
+
+def test_plans_drop_kept_values_no_backward_step_reads():
+    """The same graph with a transient at the end of forward (a loss the caller computes): the
+    simulator holds a kept value to the end of forward, so keeping f2 (read by f3 only) predicted
+    the peak 20 bytes above what the run shows (the rewritten graphs do not save it).  Every
+    method's plan drops it, and the floor too; the plan's prediction is then the run's peak."""
+    problem = Problem(
+        [
+            Node("x", 100, 0.0, "input"),
+            Node("f1", 10, 1.0, "forward", preds=("x",)),
+            Node("f2", 20, 1.0, "forward", preds=("f1",)),
+            Node("f3", 1, 1.0, "forward", preds=("f2",), output=True),
+            Node("loss", 50, 0.0, "forward", preds=("f3",), policy="recompute"),
+            Node("loss_done", 0, 0.0, "forward", preds=("loss",), output=True),
+            Node("b3", 2, 0.0, "backward", preds=("f3",)),
+            Node("b2", 4, 0.0, "backward", preds=("b3", "f1")),
+            Node("b1", 8, 0.0, "backward", preds=("b2", "x"), output=True),
+        ]
+    )
+    assert simulate(problem, Plan(kept={"f1", "f2"})).peak_bytes == simulate(problem, Plan(kept={"f1"})).peak_bytes + 20
+    assert drop_unread(problem, Plan(kept={"f1", "f2"})).kept == {"f1"}
+    for method in ("hierarchical", "chen_greedy", "chen_sqrt", "auto"):
+        plan = solve(problem, 10_000, method=method)
+        assert "f2" not in plan.kept, (method, plan.kept)
+    assert "f2" not in lowest_peak_plan(problem).kept
 
 
 # -------------------------------------------------------- fusing compilers (Node.fusion)
