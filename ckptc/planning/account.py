@@ -84,6 +84,8 @@ class StepAccount:
         rank_bytes: what this rank holds outside the graphs' view (DDP buckets, FSDP2 buffers).
         hold_outputs: whether the caller holds forward results until backward
             ends (None: decided per graph, see :func:`ckptc.pricing.problem.joint_to_problem`).
+            False with ``result_gradients``: a step showed that the caller drops them once its loss
+            has used them (:attr:`results_dropped_by_caller`).
         outputs_assumed_held: ``hold_outputs`` is True only until a step shows whether the caller
             holds the results (a training loop that was not told,
             :meth:`ckptc.planning.replan.Replans.observed_results`).  Not compared: an account
@@ -140,6 +142,14 @@ class StepAccount:
     accumulate_in_backward: bool = False
     loss_bytes: int = 0
     earlier_calls_planned: int = 0
+
+    @property
+    def results_dropped_by_caller(self) -> bool:
+        """A step showed that the caller drops the results once its loss has used them
+        (``loss = loss_fn(model(x), y)``): they die at the end of forward, their gradients arrive in
+        backward (:meth:`ckptc.planning.replan.Replans.observed_results`; a caller's own
+        ``hold_outputs=False`` prices their gradients as absent instead)."""
+        return self.hold_outputs is False and self.result_gradients
 
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)

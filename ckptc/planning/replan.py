@@ -293,20 +293,39 @@ class Replans:
         self.account = account.replace(hold_outputs=True, result_gradients=True, outputs_assumed_held=False)
         return True
 
-    def observed_results(self, held: bool | None, ran: Sequence[GraphRecord]) -> bool:
+    def observed_results(self, held: bool | None, ran: Sequence[GraphRecord], loss_bytes: int | None = None) -> bool:
         """A step of the graphs ``ran`` showed whether its caller held the forward's results until its
         backward ended (``held``; None: no backward showed it); whether the plans must be made again.
 
         Results only assumed held (:attr:`StepAccount.outputs_assumed_held`) that died are let go:
-        graphs computing their own loss plan again with them dropped after forward.  Results counted
-        dropped that outlived the backward (a loop that keeps the output object) are counted held
-        from now on: the step's excess is theirs, and a budget without room for them is refused
-        saying so.  A caller's ``hold_outputs=True``/``False`` is never changed.
+        graphs computing their own loss plan again with them dropped after forward.  A single graph
+        whose results feed the caller's loss (``loss = loss_fn(model(x), y)``) plans again with them
+        dropped once the caller's loss has run, their gradients arriving in backward, when the step
+        was measured (``loss_bytes``: what the caller's loss held between forward and backward, priced
+        there; :attr:`StepAccount.results_dropped_by_caller`).  Results counted dropped that outlived
+        the backward (a loop that keeps the output object) are counted held from now on: the step's
+        excess is theirs, and a budget without room for them is refused saying so.  A caller's
+        ``hold_outputs=True``/``False`` is never changed.
         """
         account = self.account
+        if held and account.results_dropped_by_caller:
+            log.info("the caller holds the forward's results through backward: planning again counting them")
+            self._measured = None
+            self.account = account.replace(hold_outputs=True, result_gradients=False)
+            return True
         if held is None or account.hold_outputs is False:
             return False
         releases = any(r.joint_problem.own_loss and r.joint_problem.results for r in ran)
+        if not held and account.outputs_assumed_held and not releases and len(ran) == 1 and loss_bytes is not None:
+            log.info("the caller drops the forward's results after its loss: planning again without them")
+            self._measured = None
+            self.account = account.replace(
+                hold_outputs=False,
+                result_gradients=True,
+                outputs_assumed_held=False,
+                loss_bytes=max(account.loss_bytes, loss_bytes),
+            )
+            return True
         if held and account.hold_outputs is None and releases:
             log.info("the caller holds the forward's results through backward: planning again counting them")
             self._measured = None

@@ -631,7 +631,11 @@ class StepRuntime:
             shape.last_records = [r for r in self.active if id(r) in mine]
         self._check_gradient_assumption()
         for shape in self._step_plans:
-            shape.replans.observed_results(self._tracker.results_held, shape.last_records)
+            shape.replans.observed_results(
+                self._tracker.results_held,
+                shape.last_records,
+                loss_bytes=None if measurement is None else measurement.loss_bytes,
+            )
         if measurement is None:
             return
         budget = self.template.budget_bytes
