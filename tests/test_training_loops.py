@@ -983,6 +983,36 @@ def test_a_loss_the_caller_computes_is_predicted_within_one_percent_on_the_first
         assert later is not None and later <= budget, (later, budget)
 
 
+def test_two_optimized_models_before_one_backward_say_their_steps_are_not_verified() -> None:
+    """A generator and a discriminator (or two towers of one loss), each optimized, run before one
+    backward: a meter measures the whole device, so each model's measurement counted the other's
+    memory (one measured 1.18x its budget, a correction for memory that was not its own) and the
+    second meter saw the first one's hook as a Python profiler (a false warning).  Now neither step
+    is measured and one warning says why and what to do; gradients equal eager's, nothing is left
+    enabled."""
+    torch.manual_seed(0)
+    generator, discriminator = nn.Sequential(_Block(), _Block()), nn.Sequential(_Block(), _Block())
+    x = torch.randn(BATCH, WIDTH)
+    eager_g, eager_d = copy.deepcopy(generator), copy.deepcopy(discriminator)
+    fast_g = ckptc.optimize(generator, budget_bytes=10**6)
+    fast_d = ckptc.optimize(discriminator, budget_bytes=10**6)
+    with pytest.warns(ckptc.CkptcWarning) as warned:
+        for _ in range(3):
+            for model in (eager_g, eager_d, generator, discriminator):
+                _zero(model)
+            eager_d(eager_g(x)).square().mean().backward()
+            fast_d(fast_g(x)).square().mean().backward()
+            _assert_same_gradients(generator, eager_g)
+            _assert_same_gradients(discriminator, eager_d)
+            assert not internals.profiler_active() and sys.getprofile() is None
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 1 and "another model optimized by ckptc" in messages[0], messages
+    assert "one nn.Module" in messages[0]
+    assert fast_g.plan.measured_peak_bytes is None and fast_d.plan.measured_peak_bytes is None
+    fast_g(x).square().mean().backward()  # a step of one model alone is measured again
+    assert fast_g.plan.measured_peak_bytes is not None
+
+
 def test_a_refused_shape_stays_refused_when_the_caller_goes_on() -> None:
     """The caller keeps the logits at a budget with room only for them dropped: the step that plans
     runs them dropped (measured over the budget), the next plans them held and is refused naming them.

@@ -111,6 +111,27 @@ class StepTracker:
             self._meter_to_stop = None
             self._meter_stopped = True  # stopped inside this call: no meter starts again in it
         self.open = True
+        others = [tracker for tracker in _OPEN_STEPS if tracker is not self and tracker.open]
+        _OPEN_STEPS.add(self)
+        if others:
+            self._overlaps_another_model(others)
+
+    def _overlaps_another_model(self, others: list[StepTracker]) -> None:
+        """Steps of two optimized models are open at once (one backward for both): a meter measures
+        the whole device, so each model's would count the other's memory (a budget breach, a
+        correction, a refusal that is not this model's).  Neither step is measured; say why, once."""
+        for tracker in (self, *others):
+            tracker.unmeasured()
+            tracker._meter_stopped = True
+        warn_once(
+            self,
+            "overlapping-steps",
+            "ckptc: this model's training step ran while a step of another model optimized by ckptc was open "
+            "(two optimized models before one backward: a generator and a discriminator, two towers of one "
+            "loss). A step's peak is measured over the whole device, so each model's measurement would count "
+            "the other's memory: neither step is verified against its budget. What to do: put both models in "
+            "one nn.Module whose forward runs them, and optimize that with one budget for the step.",
+        )
 
     def measure(self, device: torch.device, baseline_bytes: int) -> None:
         """Measure the open step from now on, ``baseline_bytes`` resident from its start; not a step
@@ -174,6 +195,7 @@ class StepTracker:
         if not self.open:
             return
         self.open = False
+        _OPEN_STEPS.discard(self)
         self._end_scheduled = False
         if self._ended_backward is None:  # not ended by a backward: nothing more can reach it
             self._forget_hooks()
@@ -224,6 +246,10 @@ class StepTracker:
             handle.remove()
         self._handles = []
         self._ended_backward = None
+
+
+# Trackers with a step open, of every optimized model of the process (StepTracker._overlaps_another_model).
+_OPEN_STEPS: weakref.WeakSet[StepTracker] = weakref.WeakSet()
 
 
 class _GraphAlive:
