@@ -330,6 +330,17 @@ def _check_model(model: Any) -> None:
             f"ckptc.apply was already called on this {type(model).__name__}; train it as it is, "
             "or call ckptc.remove(model) first"
         )
+    for name, submodule in model.named_modules():
+        if name and (
+            isinstance(submodule, OptimizedModule)
+            or isinstance(getattr(internals.module_call_override(submodule), "optimized", None), OptimizedModule)
+        ):
+            raise ArgumentTypeError(
+                f"{type(model).__name__}.{name} is already optimized by ckptc: a plan covers either the whole "
+                f"model or its submodules, not both. Optimize the whole model with the submodule restored "
+                f"(model.{name} = model.{name}.original_module, or ckptc.remove on it), or keep only the "
+                "submodules optimized and train the model as it is"
+            )
     check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise InvalidArgumentError(

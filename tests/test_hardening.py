@@ -285,6 +285,23 @@ def test_every_argument_error_is_a_ckptc_error_and_a_value_or_type_error(call, a
     assert isinstance(info.value, also), (type(info.value).__mro__, info.value)
 
 
+def test_a_model_with_a_submodule_optimized_already_is_refused_naming_it_and_left_as_it_was() -> None:
+    """Optimizing a model one of whose submodules ckptc already optimizes (or applied in place) is
+    refused before anything runs, naming the submodule and what to do (before: the first training call
+    failed inside Dynamo, ``AttributeError: 'dict' object has no attribute 'node'``)."""
+    model = nn.Sequential(_tiny(), nn.Linear(8, 8))
+    inner = ckptc.optimize(model[0], budget_gb=1)
+    model[0] = inner
+    with pytest.raises(ckptc.ArgumentTypeError, match=r"Sequential\.0 is already optimized by ckptc") as info:
+        ckptc.optimize(model, budget_gb=1)
+    assert "original_module" in str(info.value)
+    assert model[0] is inner
+    model[0] = inner.original_module
+    ckptc.apply(model[1], budget_gb=1)
+    with pytest.raises(ckptc.ArgumentTypeError, match=r"Sequential\.1 is already optimized"):
+        ckptc.optimize(model, budget_gb=1)
+
+
 def test_an_unknown_keyword_lists_the_valid_names_and_the_closest_one() -> None:
     with pytest.raises(ckptc.UnknownOptionError) as info:
         ckptc.optimize(_tiny(), budget_gbb=1)
