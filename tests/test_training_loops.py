@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -577,6 +578,31 @@ def test_the_torch_compile_backend_measures_a_size_again_once_a_new_graph_may_ru
                 plain(compiled, [x])
     except ckptc.BudgetExceededError as refused:
         assert "dynamic=False" in str(refused)
+
+
+def test_the_backends_refusal_after_a_smaller_last_batch_never_suggests_a_budget_that_failed() -> None:
+    """``dynamic`` left to Dynamo, a smaller batch once (an epoch's last, ``drop_last=False``) compiles a
+    graph with a symbolic batch, priced at the smaller batch; the full batch then runs on its plan, over
+    the budget, and the graph cannot plan again.  The refusal names Dynamo's automatic dynamic shapes and
+    what to do (it blamed ``dynamic=True``, which the caller never passed), and never suggests a budget
+    at or below the one that failed (on GPT-2 tiny at 0.7x eager's peak it suggested 0.93x of it, which
+    failed again with a lower suggestion still; this MLP's suggestion happened to be above it)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = _Net(loss_inside=True, layers=8)
+    captured = ckptc.capture(copy.deepcopy(model), (torch.randn(BATCH, WIDTH),))
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    compiled = torch.compile(model, backend=ckptc.backend(budget_bytes=budget))
+    sizes = [BATCH, BATCH, BATCH // 2] + [BATCH] * 4
+    with pytest.raises(ckptc.BudgetExceededError) as refused:
+        for size in sizes:
+            plain(compiled, [torch.randn(size, WIDTH)])
+    message = str(refused.value)
+    assert "automatic dynamic shapes" in message and "dynamic=False" in message, message
+    assert refused.value.min_feasible_bytes > budget, (refused.value.min_feasible_bytes, budget)
+    suggested = [int(n) for n in re.findall(r"at least (\d+) bytes", message)]
+    assert all(n > budget for n in suggested), (suggested, budget)
+    assert not internals.profiler_active()
 
 
 def test_the_torch_compile_backend_plans_a_new_input_shape_on_its_own() -> None:

@@ -234,15 +234,23 @@ class Replans:
         missed = missed_bytes(peak_bytes, self.budget_bytes, ran)
         if self.replans >= MAX_REPLANS or not plans_again:
             floor = max((r.min_feasible_bytes for r in ran), default=self.budget_bytes)
-            what_to_do = None  # the default: replanned MAX_REPLANS times
             if not plans_again:
+                suggested = floor + missed
+                advice = f"give a budget of at least {suggested} bytes, "
+                if suggested <= self.budget_bytes:
+                    # The excess grew with the sizes (larger than the plan was priced at), not by a fixed
+                    # amount a larger budget would cover: no budget is promised, only the measured peak.
+                    suggested, advice = peak_bytes, ""
                 what_to_do = (
                     "and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
-                    "(dynamic=True, or sizes that depend on data). What to do: give a budget of at least "
-                    f"{floor + missed} bytes, compile with dynamic=False, or train through ckptc.optimize, "
-                    "which plans such a step again with the excess counted."
+                    "(dynamic=True, Dynamo's automatic dynamic shapes once a second input size ran, such as a "
+                    "smaller last batch, or sizes that depend on data): its plan was priced at the sizes it was "
+                    f"compiled with. What to do: {advice}compile with dynamic=False (each input size then gets a "
+                    "plan of its own; or drop the last partial batch), or train through ckptc.optimize, which "
+                    "plans such a step again with the excess counted."
                 )
-            raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans, what_to_do)
+                raise BudgetExceededError(peak_bytes, self.budget_bytes, suggested, self.replans, what_to_do)
+            raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans)
         self._measured = None
         self.replans += 1
         self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
