@@ -1039,6 +1039,28 @@ def test_two_optimized_models_before_one_backward_say_their_steps_are_not_verifi
     assert fast_g.plan.measured_peak_bytes is not None
 
 
+def test_the_plan_reports_the_measured_peak_of_the_graphs_that_ran() -> None:
+    """Frozen parameters (``requires_grad_(False)``) compile and plan other graphs; unfrozen again, the
+    step runs the first graphs, verified before.  ``plan.measured_peak_bytes`` is that of the graphs the
+    last step ran (it showed the frozen graphs' measurement beside the first graphs' prediction)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = _Net(loss_inside=True)
+    x = torch.randn(BATCH, WIDTH)
+    captured = ckptc.capture(copy.deepcopy(model), (x,))
+    fast = ckptc.optimize(model, budget_bytes=(captured.floor_bytes + captured.unoptimized_peak_bytes) // 2)
+    figures = {}
+    for frozen in (False, True, False):
+        model.layers[0].requires_grad_(not frozen)
+        for _ in range(2):
+            plain(fast, [x])
+        plan = fast.plan
+        assert plan.measured_peak_bytes is not None
+        figures.setdefault(frozen, (plan.predicted_peak_bytes, plan.measured_peak_bytes))
+        assert (plan.predicted_peak_bytes, plan.measured_peak_bytes) == figures[frozen], (frozen, figures)
+    assert figures[True][1] != figures[False][1], figures
+
+
 def test_a_refused_shape_stays_refused_when_the_caller_goes_on() -> None:
     """The caller keeps the logits at a budget with room only for them dropped: the step that plans
     runs them dropped (measured over the budget), the next plans them held and is refused naming them.

@@ -75,8 +75,9 @@ class ShapePlan:
     replans: Replans = dataclasses.field(default_factory=lambda: Replans(StepAccount()))
     # The step states measured within the budget: False (from None gradients), True (gradients resident).
     verified_states: set[bool] = dataclasses.field(default_factory=set)
-    # The current plan's measured peak (None until a step under it is measured).
-    measured_peak_bytes: int | None = None
+    # The measured peak of each set of the current plans' graphs a step ran (by their records' ids):
+    # a step whose graphs changed (parameters frozen, then unfrozen) runs another set.
+    measured_peaks: dict[frozenset[int], int] = dataclasses.field(default_factory=dict, repr=False)
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
     # Whether Dynamo keeps .item() and data-dependent shapes in the graph (internals.compile_config):
@@ -121,6 +122,12 @@ class ShapePlan:
         return self.replans.account
 
     @property
+    def measured_peak_bytes(self) -> int | None:
+        """The measured peak of a step that ran the graphs the last step ran, under the current plans
+        (None until one is measured)."""
+        return self.measured_peaks.get(frozenset(id(r) for r in self.last_records))
+
+    @property
     def planned(self) -> bool:
         """Its graphs are planned under its current account: a call runs them without planning."""
         return bool(self.compiler.records) and not self.needs_replan
@@ -152,7 +159,7 @@ class ShapePlan:
     def new_plans(self) -> None:
         """The plans are made (again): nothing measured or verified under them yet."""
         self.verified_states = set()
-        self.measured_peak_bytes = None
+        self.measured_peaks = {}
 
     def plan_call(
         self,
@@ -476,8 +483,9 @@ class StepRuntime:
         self._tracker.unmeasured()
         if self.last is not None and self.last.planned:
             # torch.compile compiled a new graph for a shape planned before (one of its guards
-            # changed): its plans are no longer the ones measured, so the next step is measured.
-            self.last.new_plans()
+            # changed): the next step runs graphs not measured yet, so it is measured.  What steps of
+            # the other graphs measured stands (their plans did not change).
+            self.last.verified_states = set()
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """A graph of the open step starts.  When the step planned before any of its graphs ran (the
@@ -641,7 +649,7 @@ class StepRuntime:
         budget = self.template.budget_bytes
         peak = measurement.peak_bytes
         for shape in self._step_plans:
-            shape.measured_peak_bytes = peak
+            shape.measured_peaks[frozenset(id(r) for r in shape.last_records)] = peak
         if budget is None or peak <= budget:
             for shape in self._step_plans:
                 shape.verified_states.add(self._step_state)
