@@ -636,6 +636,41 @@ def test_an_int_or_float_argument_changing_value_warns_once_that_each_value_is_p
     assert len([w for w in warned if issubclass(w.category, ckptc.CkptcWarning)]) == 1
 
 
+class _CountedMlp(_ScaledMlp):
+    """Counts its calls in a Python attribute: torch.compile guards on it, so every call compiles again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x, scale)
+
+
+def test_a_module_attribute_changed_in_forward_warns_once_that_every_call_compiles_and_plans_again() -> None:
+    """A call counter kept in a Python attribute fails a guard on every call: each call was compiled and
+    planned again (3-6x a step's time) without a word.  One warning names the cause and what to do; the
+    steps still train like eager."""
+    torch.manual_seed(0)
+    model = _CountedMlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    fast = ckptc.optimize(model, budget_gb=1)
+    with pytest.warns(ckptc.CkptcWarning) as warned:
+        for _ in range(6):
+            for m in (model, reference):
+                for p in m.parameters():
+                    p.grad = None
+            reference(x).backward()
+            fast(x).backward()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad)
+    said = [str(w.message) for w in warned if "compiled" in str(w.message)]
+    assert len(said) == 1 and "TORCH_LOGS=recompiles" in said[0] and "tensor buffer" in said[0], said
+    assert model.calls == reference.calls == 6
+
+
 def test_a_new_input_shape_that_does_not_fit_is_named_in_the_refusal() -> None:
     torch.manual_seed(0)
     model = _ScaledMlp()

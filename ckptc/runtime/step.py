@@ -61,6 +61,8 @@ from ckptc.runtime.tracker import StepEvents, StepTracker
 log = logging.getLogger("ckptc.runtime.step")
 
 MAX_DISTINCT_SIGNATURES = 256
+# New graphs for one planned shape after which a failing guard is named (train/eval, frozen or not: a few).
+RECOMPILES_WARNED = 4
 
 
 @dataclasses.dataclass
@@ -80,6 +82,8 @@ class ShapePlan:
     measured_peaks: dict[frozenset[int], int] = dataclasses.field(default_factory=dict, repr=False)
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
+    # How many graphs torch.compile compiled for this shape after it was planned (a guard failed).
+    recompiled: int = 0
     # Whether Dynamo keeps .item() and data-dependent shapes in the graph (internals.compile_config):
     # turned off, once, for a model it fails to trace with them on.
     scalar_outputs: bool = True
@@ -486,6 +490,17 @@ class StepRuntime:
             # changed): the next step runs graphs not measured yet, so it is measured.  What steps of
             # the other graphs measured stands (their plans did not change).
             self.last.verified_states = set()
+            self.last.recompiled += 1
+            if self.last.recompiled == RECOMPILES_WARNED:
+                self._warn_once(
+                    "recompiles",
+                    f"ckptc: torch.compile compiled {type(self.model).__name__}'s step again {RECOMPILES_WARNED} "
+                    "times for inputs of the same shapes, and ckptc plans every new graph (seconds each): a guard "
+                    "on Python state keeps failing (a module attribute changed in forward, such as a call "
+                    "counter, a global, a flag toggled between steps). What to do: run with "
+                    "TORCH_LOGS=recompiles to see the guard, then keep that state in a tensor buffer or out of "
+                    "forward.",
+                )
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """A graph of the open step starts.  When the step planned before any of its graphs ran (the
