@@ -647,7 +647,7 @@ def test_infeasible_budget_error_message():
 def test_min_feasible_budget_is_reached_by_auto_and_by_no_derived_family_below():
     from solvers.chen import lowest_peak_plan as chen_lowest
 
-    p = Problem.training_chain(30)
+    p = Problem.training_chain(20)
     lowest = min_feasible_budget(p)
     assert lowest < simulate(p, keep_all_plan(p)).peak_bytes
     assert lowest <= chen_lowest(p).info.predicted_peak_bytes
