@@ -32,7 +32,7 @@ from typing import Callable
 
 from solvers.plan import BACKWARD_PHASE, Plan
 from solvers.problem import SAVE_CODE, Problem
-from solvers.simulator import evaluate_mask, honour_policies_mask, mask_of, names_of, simulate
+from solvers.simulator import derived_schedule, evaluate_mask, honour_policies_mask, mask_of, names_of, simulate
 
 __all__ = ["fill_budget", "drop_unread"]
 
@@ -82,14 +82,14 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
 
 
 def drop_unread(problem: Problem, plan: Plan) -> Plan:
-    """``plan`` (derived schedule) without the kept values that no backward step reads.
+    """``plan`` without the kept values that no backward step reads.
 
     A block option that keeps everything keeps values backward never reads (the input of a
     ``tanh`` whose backward reads its output): they save no recomputation, the rewritten graphs
     do not save them (they die after their last forward use), and the simulator would hold
     them to the end of forward, over-predicting a peak there (a loss computed by the caller
-    runs there).  Values whose policy is "save" and outputs stay.  Plans with an explicit
-    schedule are returned unchanged.  One derived schedule: O(nodes + edges).
+    runs there).  Values whose policy is "save" and outputs stay; a plan with an explicit
+    schedule keeps the values its backward steps read.  One derived schedule: O(nodes + edges).
 
     Example (``h = tanh(a)``, whose backward reads ``h`` only):
         >>> from solvers import Node, Plan, Problem
@@ -106,8 +106,6 @@ def drop_unread(problem: Problem, plan: Plan) -> Plan:
     """
     if not plan.kept:
         return plan
-    from solvers.simulator import derived_schedule
-
     mask = mask_of(problem, plan.kept)
     if plan.schedule is None:
         nodes, n_fwd = derived_schedule(problem, mask)
@@ -209,8 +207,6 @@ def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> lis
 
 def _recomputed(problem: Problem, mask: bytearray) -> list[int]:
     """Forward nodes the derived schedule of ``mask`` recomputes in backward."""
-    from solvers.simulator import derived_schedule
-
     nodes, n_fwd = derived_schedule(problem, mask)
     kind = problem._kind
     return list(dict.fromkeys(v for v in nodes[n_fwd:] if kind[v] == _FORWARD))

@@ -129,7 +129,14 @@ class ShapePlan:
     def measured_peak_bytes(self) -> int | None:
         """The measured peak of a step that ran the graphs the last step ran, under the current plans
         (None until one is measured)."""
-        return self.measured_peaks.get(frozenset(id(r) for r in self.last_records))
+        return self.measured_peaks.get(self._graphs_ran())
+
+    def measured(self, peak_bytes: int) -> None:
+        """The last step, which ran :attr:`last_records`, measured ``peak_bytes``."""
+        self.measured_peaks[self._graphs_ran()] = peak_bytes
+
+    def _graphs_ran(self) -> frozenset[int]:
+        return frozenset(id(r) for r in self.last_records)
 
     @property
     def planned(self) -> bool:
@@ -664,7 +671,7 @@ class StepRuntime:
         budget = self.template.budget_bytes
         peak = measurement.peak_bytes
         for shape in self._step_plans:
-            shape.measured_peaks[frozenset(id(r) for r in shape.last_records)] = peak
+            shape.measured(peak)
         if budget is None or peak <= budget:
             for shape in self._step_plans:
                 shape.verified_states.add(self._step_state)
