@@ -266,8 +266,11 @@ def optimize(
             does; if the model computes and returns its own scalar loss and the
             caller dropped the results before backward ended
             (``loss = model(x, labels=y).loss``), the step is planned again with
-            them counted only during forward.  Without its own loss
-            (``loss = criterion(model(x), y)``) they count until backward ends.
+            them counted only during forward.  Without its own loss, a single
+            graph whose results died once the caller's loss used them
+            (``loss = criterion(model(x), y)``) is planned again with them
+            dropped after forward and what that loss held counted there, once a
+            measured step showed it; otherwise they count until backward ends.
             True (results held, and their gradients counted: the loss may use
             them) / False (dropped after forward) decide upfront.
         verify: measure the peak of the first step of every plan (forward start
