@@ -419,7 +419,7 @@ def capture(
             with _capture_errors(model):
                 shape.compile(model, template, ran)
                 output = shape.plan_call(model, template, ran, inputs, kwargs, reference=ranks is None)
-                refuse_unplanned(model, ran, shape.eager)
+                refuse_unplanned(model, ran, shape.eager, output)
             try:  # the caller's loss function: its own errors are raised as they are
                 loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
             except RuntimeError as error:

@@ -302,6 +302,40 @@ def test_a_model_with_a_submodule_optimized_already_is_refused_naming_it_and_lef
         ckptc.optimize(model, budget_gb=1)
 
 
+class _Adapted(nn.Module):
+    """A frozen layer and a trainable one the forward skips while ``merged`` (a merged LoRA adapter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.adapter = nn.Linear(16, 16)
+        self.merged = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.frozen(x))
+        return (h if self.merged else h + self.adapter(h)).square().mean()
+
+
+def test_a_training_call_that_returns_nothing_requiring_grad_runs_as_is_and_capture_says_why() -> None:
+    """A train-mode call with gradients on whose outputs no trainable parameter reaches (LoRA adapters
+    merged, a loss computed for monitoring) has no backward: it runs as is, and training afterwards is
+    planned and exact.  Before: ``UntraceableModelError`` blaming Dynamo's recompile limit."""
+    torch.manual_seed(0)
+    model, x = _Adapted(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    with pytest.raises(ckptc.InvalidArgumentError, match="returned nothing that requires grad"):
+        ckptc.capture(copy.deepcopy(model), (x,))
+    fast = ckptc.optimize(model, budget_gb=1)
+    for _ in range(2):
+        torch.testing.assert_close(fast(x), reference(x))
+    assert fast.plan is None
+    model.merged = reference.merged = False
+    fast(x).backward()
+    reference(x).backward()
+    torch.testing.assert_close(model.adapter.weight.grad, reference.adapter.weight.grad)
+    assert fast.plan is not None
+
+
 def test_an_unknown_keyword_lists_the_valid_names_and_the_closest_one() -> None:
     with pytest.raises(ckptc.UnknownOptionError) as info:
         ckptc.optimize(_tiny(), budget_gbb=1)

@@ -384,7 +384,14 @@ class StepRuntime:
             except BudgetExceededError as error:  # the same, found where a graph plans again in place
                 self._forget(shape, error)
                 raise
-            refuse_unplanned(self.model, self.active[before:], shape.eager)
+            if not self.active[before:] and not any(t.requires_grad for t in _tensors_in(output)):
+                # Nothing it returned needs a gradient (no trainable parameter reached it, as after
+                # merging LoRA adapters): there is no backward, so nothing to checkpoint or measure.
+                log.info("%s's call returned nothing that requires grad: ran as is", type(self.model).__name__)
+                if opened:
+                    self._tracker.abort()
+                return output
+            refuse_unplanned(self.model, self.active[before:], shape.eager, output)
             if was_planned:
                 self._refuse_late_infeasible(shape, self.active[before:])
             if not opened:
@@ -770,13 +777,23 @@ def _failed_to_trace(error: BaseException) -> bool:
     return not isinstance(error, CkptcError)
 
 
-def refuse_unplanned(model: torch.nn.Module, ran: list[GraphRecord], eager: coverage.EagerForward | None) -> None:
+def refuse_unplanned(
+    model: torch.nn.Module, ran: list[GraphRecord], eager: coverage.EagerForward | None, output: Any = None
+) -> None:
     """Refuse a training call that ran without a planned graph, or left an RNN to eager code.
 
     Raises:
+        InvalidArgumentError: no graph ran and nothing the call returned (``output``) requires grad.
         UntraceableModelError: saying why and what to do.
     """
     coverage.refuse_uncaptured(model, ran, eager)
+    if not ran and not any(t.requires_grad for t in _tensors_in(output)):
+        raise InvalidArgumentError(
+            f"{type(model).__name__}'s call returned nothing that requires grad: no trainable parameter (and no "
+            "input that requires grad) reaches its outputs, so there is no backward to plan. What to do: "
+            "call it with the parameters it trains in use (unmerged adapters, say), or set requires_grad on "
+            "the parameters it uses."
+        )
     if not ran:
         raise UntraceableModelError(
             f"ckptc could not run the training step of {type(model).__name__} under a plan: "
