@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils import flop_counter as _flop_counter
 
 import ckptc
+from ckptc.pricing.costs import op_flops
 from tests.per_block import find_block_containers, wrap_blocks
 
 # --------------------------------------------------------------------------- #
@@ -56,17 +57,28 @@ def is_hf_model(model: nn.Module) -> bool:
 class _Tally:
     """Stands in for ``FlopCounterMode`` behind ``_FlopCounterMode``: the same
     formulas (``torch.utils.flop_counter.flop_registry``) and the same
-    decomposition of ops without one, summed into ``total``."""
+    decomposition of ops without one, summed into ``total``.
+
+    ``every_op_total`` sums the same ops with ckptc's cost model
+    (:func:`ckptc.pricing.costs.op_flops`): the same formulas, and every other
+    op priced by the elements it reads and writes.  FlopCounterMode counts
+    pointwise ops and reductions as 0, so a plan that recomputes only those
+    (a scan written as a loop of pointwise ops, say) shows 0% recompute there
+    whatever its cost; both sides of a comparison are counted both ways."""
 
     def __init__(self) -> None:
         self.flop_registry = dict(_flop_counter.flop_registry)
         self.flop_counts: dict[str, dict[Any, int]] = collections.defaultdict(lambda: collections.defaultdict(int))
         self.total = 0
+        self.every_op_total = 0
+        self.op: Any = None  # the overload being counted (FlopCounterMode passes only its packet)
 
     def _count_flops(self, packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
         formula = self.flop_registry.get(packet)
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
+        if isinstance(self.op, torch._ops.OpOverload) and self.op.overloadpacket is packet:
+            self.every_op_total += op_flops(self.op, args, kwargs or {}, out)
         return out
 
 
@@ -80,6 +92,12 @@ class _CompiledFlopMode(_flop_counter._FlopCounterMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # An op without a formula is decomposed inside the parent's dispatch and only its leaves
+        # are counted, each right after it is recorded here.
+        self.counter.op = func
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ class Reference:
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
     flops: float
+    every_op_flops: float = 0.0
 
     def eager_step(self) -> Callable[[], torch.Tensor]:
         return make_step(self.case, self.case.model, self.case.model)
@@ -185,6 +186,9 @@ def measure_point(
         step()
     point["flops"] = tally.total
     point["recompute_pct"] = 100.0 * (tally.total - ref.flops) / ref.flops if ref.flops else 0.0
+    point["every_op_flops"] = tally.every_op_total
+    if ref.every_op_flops:
+        point["recompute_pct_every_op"] = 100.0 * (tally.every_op_total - ref.every_op_flops) / ref.every_op_flops
     zero_grads(runner.module)
     baseline = resident_bytes(runner.module, case.example_inputs, case.example_kwargs)
     _, measurement = measure_peak(step, baseline_bytes=baseline)

@@ -4,7 +4,10 @@
 
 Dominance: a ckptc point Q dominates another alternative's point P when Q's
 measured peak is at most P's (within ``PEAK_TOL``) and its recompute share is
-at most P's (within ``RECOMPUTE_TOL`` percentage points).  Only points that ran
+at most P's (within ``RECOMPUTE_TOL`` percentage points), counted with
+FlopCounterMode's formulas or, for a point not dominated on those, counting
+every op's FLOPs where the run measured both that way and Q's step is no slower
+(FlopCounterMode counts pointwise ops as 0, so recomputing only those looks free).  Only points that ran
 and whose loss and gradients equal eager's count; ckptc's curve is every such
 ckptc point (all solvers and strategies).
 """
@@ -83,9 +86,9 @@ def model_markdown(result: dict[str, Any]) -> str:
         lines.append(f"\n**Model failed:** {result.get('error')}")
     lines += [
         "",
-        "| alternative | status | peak MiB | peak vs eager | recompute % "
+        "| alternative | status | peak MiB | peak vs eager | recompute % | recompute % every op "
         "| ckptc predicted peak MiB / recompute % | step time x eager | first step s (solve s) | = eager |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     eager_peak = eager.get("peak_bytes")
     for p in result.get("points", []):
@@ -107,15 +110,18 @@ def model_markdown(result: dict[str, Any]) -> str:
                 note += " **over budget**"
             lines.append(
                 f"| {p['label']} | ok{note} | {mib(p['peak_bytes'])} | {vs} | {pct(p.get('recompute_pct'))} "
+                f"| {pct(p.get(EVERY_OP))} "
                 f"| {pred} | {pct(p.get('time_ratio'), 2)} | {first} | {match} |"
             )
         else:
             why = (p.get("reason") or p.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
-            lines.append(f"| {p['label']} | {status}: {why} | - | - | - | - | - | - | - |")
+            lines.append(f"| {p['label']} | {status}: {why} | - | - | - | - | - | - | - | - |")
     lines += [
         "",
         "recompute % = (FLOPs of the step - eager's) / eager's, counted with torch.utils.flop_counter's "
-        "formulas (matmul, convolution, attention, FFT ops; pointwise ops count 0). "
+        "formulas (matmul, convolution, attention, FFT ops; pointwise ops count 0); every op: the same "
+        "formulas and every other op priced by the elements it reads and writes (ckptc's cost model), '-' "
+        "where the run predates that count. "
         "ckptc's predicted recompute % uses its own cost model (all ops). "
         "'= X': the solver returned the same plan as X, measured once. "
         "Step time: median of interleaved repetitions against eager in the same run.",
@@ -232,10 +238,22 @@ def write_model(out: Path, result: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def dominates(q: dict[str, Any], p: dict[str, Any]) -> bool:
-    return (
-        q["peak_bytes"] <= p["peak_bytes"] * (1 + PEAK_TOL) and q["recompute_pct"] <= p["recompute_pct"] + RECOMPUTE_TOL
-    )
+EVERY_OP = "recompute_pct_every_op"
+
+
+def dominates(q: dict[str, Any], p: dict[str, Any], metric: str = "recompute_pct") -> bool:
+    """Whether ckptc's point ``q`` has at most ``p``'s peak and at most its recompute on ``metric``
+    (FlopCounterMode's formulas, or :data:`EVERY_OP`: every op's FLOPs, where both were measured)."""
+    mine, theirs = q.get(metric), p.get(metric)
+    if mine is None or theirs is None:
+        return False
+    return q["peak_bytes"] <= p["peak_bytes"] * (1 + PEAK_TOL) and mine <= theirs + RECOMPUTE_TOL
+
+
+def _no_slower(q: dict[str, Any], p: dict[str, Any]) -> bool:
+    """Whether ``q``'s step time (against eager, in the same run) is at most ``p``'s; unknown: no."""
+    mine, theirs = q.get("time_ratio"), p.get("time_ratio")
+    return mine is not None and theirs is not None and mine <= theirs
 
 
 def explain(p: dict[str, Any], ckptc_points: list[dict[str, Any]]) -> str:
@@ -278,18 +296,32 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     points = [p for p in result.get("points", []) if _ok(p)]
     ck = [p for p in points if p["family"] in CKPTC_FAMILIES and p.get("matches_eager")]
     others = [p for p in points if p["family"] not in CKPTC_FAMILIES]
-    not_dominated = []
+    not_dominated, on_every_op = [], []
     for p in others:
-        if not any(dominates(q, p) for q in ck):
-            not_dominated.append(
-                {
-                    "label": p["label"],
-                    "peak_bytes": p["peak_bytes"],
-                    "recompute_pct": p["recompute_pct"],
-                    "matches_eager": p.get("matches_eager"),
-                    "why": explain(p, ck),
-                }
+        if any(dominates(q, p) for q in ck):
+            continue
+        # Counting every op favours ckptc's own cost model, so the step time must agree.
+        by = [q for q in ck if dominates(q, p, EVERY_OP) and _no_slower(q, p)]
+        if by:
+            best = min(by, key=lambda q: q[EVERY_OP])
+            on_every_op.append(
+                f"**{p['label']}** ({mib(p['peak_bytes'])} MiB; {p['recompute_pct']:.1f}% recompute on "
+                f"FlopCounterMode's formulas, {p[EVERY_OP]:.1f}% counting every op, step time "
+                f"{pct(p.get('time_ratio'), 2)}x eager) is dominated counting every op: {best['label']} "
+                f"({mib(best['peak_bytes'])} MiB) recomputes {best[EVERY_OP]:.1f}% counting every op "
+                f"({best['recompute_pct']:.1f}% on FlopCounterMode's formulas), step time "
+                f"{pct(best.get('time_ratio'), 2)}x"
             )
+            continue
+        not_dominated.append(
+            {
+                "label": p["label"],
+                "peak_bytes": p["peak_bytes"],
+                "recompute_pct": p["recompute_pct"],
+                "matches_eager": p.get("matches_eager"),
+                "why": explain(p, ck),
+            }
+        )
     wrong = [p["label"] for p in points if not p.get("matches_eager")]
     over = [p["label"] for p in points if p.get("within_budget") is False]
     offline_mismatch = [
@@ -328,6 +360,7 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
         "not_dominated_valid": len(valid_nd),
         "not_dominated_invalid": len(not_dominated) - len(valid_nd),
         "not_dominated": not_dominated,
+        "dominated_on_every_op": on_every_op,
         "wrong_gradients": wrong,
         "over_budget": over,
         "failures": failures,
@@ -344,7 +377,10 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         "ckptc's curve dominates an alternative's point when some ckptc point (any solver or strategy, "
         f"loss and gradients equal to eager) has a measured peak at most the point's (+{PEAK_TOL:.0%}) "
         f"and recompute at most its (+{RECOMPUTE_TOL} percentage points). "
-        "Recompute is counted with torch.utils.flop_counter's formulas; "
+        "Recompute is counted with torch.utils.flop_counter's formulas (pointwise ops and reductions count 0); "
+        "a point not dominated on those is judged again counting every op's FLOPs (ckptc's cost model: "
+        "the same formulas, every other op priced by the elements it reads and writes) where the run "
+        "measured both sides that way and ckptc's step is no slower; "
         "peak with ckptc.meter (allocator events) from the same baseline for every alternative.",
         "",
     ]
@@ -370,7 +406,14 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         verdict = (
             "model failed"
             if r.get("status") == "error" and not ck
-            else ("yes" if a["dominates"] else f"no ({a['not_dominated_valid']} valid point(s) not dominated)")
+            else (
+                (
+                    "yes"
+                    + (f" ({len(a['dominated_on_every_op'])} counting every op)" if a["dominated_on_every_op"] else "")
+                )
+                if a["dominates"]
+                else f"no ({a['not_dominated_valid']} valid point(s) not dominated)"
+            )
             + invalid
             if ck
             else "no ckptc point ran"
@@ -385,11 +428,15 @@ def summary_markdown(results: list[dict[str, Any]], headline: dict[str, Any] | N
         if r.get("status") == "error":
             lines.append(f"* model failed: {r.get('error')}")
         if a["dominates"] and not a["not_dominated"]:
-            lines.append(f"* ckptc's curve dominates all {a['other_points']} points of the other alternatives.")
+            counted = len(a["dominated_on_every_op"])
+            also = f" ({counted} of them counting every op, below)" if counted else ""
+            lines.append(f"* ckptc's curve dominates all {a['other_points']} points of the other alternatives{also}.")
         elif a["dominates"]:
             lines.append(
                 "* ckptc's curve dominates every point of the other alternatives whose gradients equal eager's."
             )
+        for line in a.get("dominated_on_every_op", []):
+            lines.append(f"* {line}.")
         for nd in a["not_dominated"]:
             flag = "" if nd["matches_eager"] else " (its gradients differ from eager's)"
             lines.append(

@@ -191,11 +191,13 @@ class ModelBench:
         with count_flops() as tally:
             step()
         self.reference.flops = tally.total
+        self.reference.every_op_flops = tally.every_op_total
         zero_grads(case.model)
         baseline = resident_bytes(case.model, case.example_inputs, case.example_kwargs)
         _, eager_peak = measure_peak(step, baseline_bytes=baseline)
         self.result["eager"] = {
             "flops": tally.total,
+            "every_op_flops": tally.every_op_total,
             "peak_bytes": eager_peak.peak_bytes,
             "baseline_bytes": eager_peak.baseline_bytes,
             "first_step_s": first_s,

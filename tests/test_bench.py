@@ -79,7 +79,8 @@ def test_bench_run_writes_results_for_every_alternative(tmp_path):
 
 
 def test_block_helper_and_flop_counter_on_a_tiny_model():
-    """bench.alternatives' block finder, per-block wrapper and FLOP counter, in a fresh interpreter."""
+    """bench.alternatives' block finder, per-block wrapper and FLOP counters (FlopCounterMode's formulas and
+    every op's), and the report's dominance on either count, in a fresh interpreter."""
     script = textwrap.dedent(
         """
         import torch
@@ -100,6 +101,27 @@ def test_block_helper_and_flop_counter_on_a_tiny_model():
         with count_flops() as checkpointed:
             case.forward_loss().backward()
         assert checkpointed.total > eager.total  # block 0's forward runs again in backward
+        # Every op counted too: pointwise ops and reductions, which FlopCounterMode counts as 0.
+        assert eager.every_op_total > eager.total and checkpointed.every_op_total > eager.every_op_total
+
+        # A point that recomputes only pointwise ops shows 0% on FlopCounterMode's formulas; the report
+        # judges it again counting every op where both sides were measured that way.
+        from bench.report import analyse
+
+        def point(label, family, peak, flop_counter, every_op=None, time=1.0):
+            p = {"label": label, "family": family, "status": "ok", "peak_bytes": peak, "matches_eager": True,
+                 "recompute_pct": flop_counter, "time_ratio": time}
+            if every_op is not None:
+                p["recompute_pct_every_op"] = every_op
+            return p
+
+        pytorch = point("aot_eager budget=0.5", "aot_eager", 100, 0.0, 20.0, time=3.0)
+        ours = point("ckptc auto", "ckptc", 99, 4.0, 9.0, time=2.0)
+        assert analyse({"points": [pytorch, ours]})["dominated_on_every_op"]
+        assert analyse({"points": [pytorch, ours]})["dominates"]
+        assert not analyse({"points": [point("aot_eager", "aot_eager", 100, 0.0), ours]})["dominates"]
+        assert not analyse({"points": [point("aot_eager", "aot_eager", 100, 0.0, 5.0, time=3.0), ours]})["dominates"]
+        assert not analyse({"points": [point("aot_eager", "aot_eager", 100, 0.0, 20.0, time=1.5), ours]})["dominates"]
         print("ok")
         """
     )
