@@ -181,7 +181,21 @@ class OptimizedModule(torch.nn.Module):
 
     @_model_signature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return outside_dynamo(self._ckptc_call, args, kwargs, torch.compiler.is_compiling())
+
+    def _ckptc_call(self, args: tuple, kwargs: dict, traced: bool = False) -> Any:
+        """One call of the model (``traced``: an outer ``torch.compile`` traced the caller)."""
         model = self._ckptc_model
+        if traced:
+            warn_once(
+                model,
+                "outer-compile",
+                f"ckptc: torch.compile traced a call of {type(model).__name__} that ckptc runs: that compile "
+                "compiles none of it (ckptc captures and compiles the training step itself; its graphs run "
+                "op by op unless compiler='inductor' is given). What to do: drop the outer torch.compile and "
+                "pass compiler='inductor' to ckptc.optimize/ckptc.apply for Inductor's kernels.",
+                stacklevel=4,
+            )
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
             return model(*args, **kwargs)
         if not model.training:
@@ -191,6 +205,14 @@ class OptimizedModule(torch.nn.Module):
 
     def __repr__(self) -> str:
         return f"OptimizedModule({self._ckptc_compiler!r}, module={type(self._ckptc_model).__name__})"
+
+
+@torch.compiler.disable(reason="ckptc captures and compiles the training step itself")
+def outside_dynamo(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` where an outer ``torch.compile`` (of a model ckptc runs, or of code calling
+    it) does not trace: it breaks its graph here, and ckptc's own compiles run inside as usual.
+    Traced, ckptc's runtime (its Python bookkeeping and its own ``torch.compile``) crashed Dynamo."""
+    return call(*args)
 
 
 _told_eval_training: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from ckptc._torch_internals import module_call_override, set_module_call_override
-from ckptc.api import OptimizedModule, live_wrappers, optimize
+from ckptc.api import OptimizedModule, live_wrappers, optimize, outside_dynamo
 from ckptc.errors import ArgumentTypeError, PlanMismatchError
 from ckptc.plans import ModelPlan
 
@@ -57,9 +57,12 @@ class AppliedCall:
         self.optimized = optimized
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return outside_dynamo(self._call, args, kwargs, torch.compiler.is_compiling())
+
+    def _call(self, args: tuple, kwargs: dict, traced: bool) -> Any:
         set_module_call_override(self.model, None)
         try:
-            return self.optimized.forward(*args, **kwargs)
+            return self.optimized._ckptc_call(args, kwargs, traced)
         except PlanMismatchError as error:
             said = _STILL_APPLIED.format(type(self.model).__name__)
             if error.args and isinstance(error.args[0], str) and said not in error.args[0]:

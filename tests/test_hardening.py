@@ -336,6 +336,32 @@ def test_a_training_call_that_returns_nothing_requiring_grad_runs_as_is_and_capt
     assert fast.plan is not None
 
 
+@pytest.mark.parametrize("entry", ["optimize", "apply"])
+def test_torch_compile_around_a_model_ckptc_runs_trains_under_ckptcs_plan_and_says_it_compiles_nothing(
+    entry: str,
+) -> None:
+    """``torch.compile(ckptc.optimize(model))`` (the Hugging Face Trainer's ``torch_compile=True`` on a model
+    ckptc is applied to): the outer compile breaks its graph at ckptc's call, ckptc plans and runs the step,
+    and one warning says the outer compile compiles nothing.  Before: Dynamo traced ckptc's runtime and
+    crashed (``InternalTorchDynamoError: 'dict' object has no attribute 'node'``)."""
+    model, reference = _Adapted(), _Adapted()
+    reference.load_state_dict(model.state_dict())
+    model.merged = reference.merged = False
+    x = torch.randn(16, 16)
+    wrapped = ckptc.optimize(model, budget_gb=1) if entry == "optimize" else ckptc.apply(model, budget_gb=1)
+    compiled = torch.compile(wrapped)
+    with pytest.warns(ckptc.CkptcWarning, match="torch.compile traced a call of _Adapted that ckptc runs") as seen:
+        for _ in range(3):
+            for net in (model, reference):
+                net.zero_grad(set_to_none=True)
+            compiled(x).backward()
+            reference(x).backward()
+            torch.testing.assert_close(model.adapter.weight.grad, reference.adapter.weight.grad)
+    assert sum("torch.compile traced" in str(w.message) for w in seen) == 1
+    plan = wrapped.plan if entry == "optimize" else ckptc.applied(model).plan
+    assert plan is not None and plan.measured_peak_bytes is not None
+
+
 def test_an_unknown_keyword_lists_the_valid_names_and_the_closest_one() -> None:
     with pytest.raises(ckptc.UnknownOptionError) as info:
         ckptc.optimize(_tiny(), budget_gbb=1)
