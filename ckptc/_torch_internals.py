@@ -718,6 +718,9 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
       on (unbacked sizes it cannot bind, asserts on data-dependent sizes).
     * Logging below ``error`` is a no-op in the graph instead of a graph break
       (:func:`traced_logging_functions`).
+    * ``use_numpy_random_stream``: ``np.random`` calls break the graph and draw from numpy's own
+      generator, as eager does (traced, they drew other numbers from torch's, and a SpecAugment
+      mask differed from eager's).
     * A CPU LSTM is unrolled op by op while it trains (:func:`_lstm_unrolled_for_training`).
     """
     patch = torch._dynamo.config.patch(
@@ -727,6 +730,7 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
         capture_scalar_outputs=scalar_outputs,
         capture_dynamic_output_shape_ops=scalar_outputs,
         ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | traced_logging_functions(),
+        use_numpy_random_stream=True,
     )
     with patch, _lstm_unrolled_for_training():
         yield

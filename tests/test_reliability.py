@@ -233,6 +233,47 @@ def test_manual_seed_reproducibility_across_two_optimized_runs() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
+class _NumpyMasked(nn.Module):
+    """Masks time steps with numpy's random numbers, as transformers' Wav2Vec2 does (SpecAugment)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        mask = torch.from_numpy(np.random.rand(*x.shape[:2]) < 0.3)
+        return self.b(torch.tanh(self.a(x.masked_fill(mask[..., None], 0.0)))).square().mean()
+
+
+def test_a_forward_drawing_numpys_random_numbers_trains_like_eager_from_the_step_that_plans() -> None:
+    """Traced, ``np.random`` drew from torch's generator instead (plain ``torch.compile`` does too), and the
+    call that plans ran the forward twice without putting numpy's state back: the mask, the loss and the
+    gradients differed from eager's on every step, and numpy's next number too."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model, x = _NumpyMasked(), torch.randn(4, 16, 32)
+    reference = copy.deepcopy(model)
+
+    def run(net: nn.Module, module: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor], float]:
+        module.zero_grad(set_to_none=True)
+        np.random.seed(0)
+        loss = net(x)
+        loss.backward()
+        return loss.detach(), [p.grad for p in module.parameters()], np.random.random()
+
+    expected = run(reference, reference)
+    fast = ckptc.optimize(model, budget_gb=1)
+    for _ in range(2):
+        loss, grads, next_draw = run(fast, model)
+        torch.testing.assert_close(loss, expected[0])
+        for got, want in zip(grads, expected[1], strict=True):
+            torch.testing.assert_close(got, want)
+        assert next_draw == expected[2]
+
+
 def test_code_capture_cannot_handle_runs_eagerly_between_planned_graphs() -> None:
     class DataDependent(nn.Module):
         def __init__(self) -> None:

@@ -32,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import random
 from collections import OrderedDict
 from typing import Any, Iterator, Sequence
 
+import numpy
 import torch
 
 import solvers
@@ -816,6 +818,10 @@ class ForwardState:
         self.inputs: list[list[Any]] = []  # [tensor, version when saved or restored, its value]
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        # A forward may draw from numpy's or Python's generators too (a SpecAugment mask): a call run
+        # again must draw what it drew the first time.
+        self.numpy_rng = numpy.random.get_state()
+        self.python_rng = random.getstate()
 
     def save_inputs(self, args: tuple, kwargs: dict) -> None:
         """Also put back the call's input tensors that a forward updates in place (their version
@@ -851,6 +857,8 @@ class ForwardState:
         torch.random.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        numpy.random.set_state(self.numpy_rng)
+        random.setstate(self.python_rng)
 
 
 def _detached_copy(leaf: Any) -> Any:
