@@ -252,7 +252,7 @@ class CheckpointCompiler:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
         events = self.step_check or self.step_events
         if events is not None:
-            events.planned()  # planning profiles ops
+            events.planned(new_graph=True)  # planning profiles ops
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
         if self.step_check is not None and not self.step_check.step_open:
             # Compiled before the step's first graph runs (a new input shape): the graphs of the last

@@ -495,7 +495,7 @@ class StepRuntime:
         )
 
     # -- the compiler's events (ckptc.runtime.tracker.StepEvents) -------------------
-    def planned(self) -> None:
+    def planned(self, new_graph: bool = False) -> None:
         """A graph of the open step plans (again) now: planning profiles ops (scratch memory) with its
         own torch.profiler session, and profilers do not nest, so the step is not measured across it
         (:meth:`graph_starts` may measure it from its first graph's start)."""
@@ -506,6 +506,11 @@ class StepRuntime:
             # changed): the next step runs graphs not measured yet, so it is measured.  What steps of
             # the other graphs measured stands (their plans did not change).
             self.last.verified_states = set()
+            # Only graphs torch.compile compiles anew after the shape's first step count: within it,
+            # code shared by several callers (an encoder's and a decoder's layers) compiles once per
+            # caller, and graphs planned again in place are no recompiles.
+            if not (new_graph and self.last.last_records):
+                return
             self.last.recompiled += 1
             if self.last.recompiled == RECOMPILES_WARNED:
                 self._warn_once(

@@ -49,8 +49,9 @@ from ckptc.records import GraphRecord
 class StepEvents(Protocol):
     """What a run-time check hears from the compiler about the graphs of a step."""
 
-    def planned(self) -> None:
-        """A graph plans (again) now: planning profiles ops, so the step is not measured across it."""
+    def planned(self, new_graph: bool = False) -> None:
+        """A graph plans (again) now: planning profiles ops, so the step is not measured across it
+        (``new_graph``: a graph torch.compile just compiled, not one planned again in place)."""
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Graph ``record`` runs now on ``args`` (Dynamo's real inputs, parameters included),

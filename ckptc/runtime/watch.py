@@ -130,7 +130,7 @@ class BackendStepCheck:
         self._measure = self._state not in self.verified and not internals.profiler_active()
         return True
 
-    def planned(self) -> None:
+    def planned(self, new_graph: bool = False) -> None:
         """A graph plans (and profiles ops) now: a step one of whose graphs ran already is not measured;
         one that plans before its first graph runs is measured from that graph's start.  What was
         verified no longer stands: sizes verified on one graph may run on this one (Dynamo compiles a
