@@ -386,7 +386,7 @@ class StepRuntime:
             except BudgetExceededError as error:  # the same, found where a graph plans again in place
                 self._forget(shape, error)
                 raise
-            if not self.active[before:] and not any(t.requires_grad for t in _tensors_in(output)):
+            if not self.active[before:] and _needs_no_gradient(output):
                 # Nothing it returned needs a gradient (no trainable parameter reached it, as after
                 # merging LoRA adapters): there is no backward, so nothing to checkpoint or measure.
                 log.info("%s's call returned nothing that requires grad: ran as is", type(self.model).__name__)
@@ -794,7 +794,7 @@ def refuse_unplanned(
         UntraceableModelError: saying why and what to do.
     """
     coverage.refuse_uncaptured(model, ran, eager)
-    if not ran and not any(t.requires_grad for t in _tensors_in(output)):
+    if not ran and _needs_no_gradient(output):
         raise InvalidArgumentError(
             f"{type(model).__name__}'s call returned nothing that requires grad: no trainable parameter (and no "
             "input that requires grad) reaches its outputs, so there is no backward to plan. What to do: "
@@ -877,6 +877,11 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _needs_no_gradient(output: Any) -> bool:
+    """Whether no tensor in a call's ``output`` requires grad: no backward can run through it."""
+    return not any(t.requires_grad for t in _tensors_in(output))
 
 
 def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
