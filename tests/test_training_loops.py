@@ -1085,3 +1085,37 @@ def test_a_refused_shape_stays_refused_when_the_caller_goes_on() -> None:
         assert _plans_made(fast) <= made + 1  # at most the plan that found the budget too small
     assert "results (logits), held until backward ends" in refusals[0]
     assert refusals[1] == refusals[2] == refusals[0]
+
+
+class _PositionEmbedded(nn.Module):
+    """Token and position embeddings (the positions sliced from a buffer, as BERT-style models do), a
+    graph break, then the MLP: the first graph saves a view of the buffer for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(64).expand(1, -1), persistent=False)
+        self.positions, self.tokens = nn.Embedding(64, WIDTH), nn.Embedding(100, WIDTH)
+        self.layers = nn.Sequential(_Block(), _Block(), _Block())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(self.position_ids[:, : ids.shape[1]])
+        torch._dynamo.graph_break()
+        return self.layers(x).square().mean()
+
+
+def test_two_calls_of_two_lengths_before_one_backward_leave_a_saved_buffer_untouched() -> None:
+    """Anchor and positive of different lengths before one backward: the second call plans its own
+    shape and puts back what its forward changed.  It wrote every buffer back (``copy_``), which bumped
+    the version of the position ids the first call's graph saved, and that backward failed ("modified
+    by an inplace operation"; ALBERT); now only buffers the forward changed are written back."""
+    torch.manual_seed(0)
+    reference = _PositionEmbedded()
+    ids = [torch.randint(0, 100, (32, 64)), torch.randint(0, 100, (32, 48))]
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=10**7)
+    for _ in range(2):
+        _zero(eager)
+        _zero(model)
+        (eager(ids[0]) + eager(ids[1])).backward()
+        (fast(ids[0]) + fast(ids[1])).backward()
+        _assert_same_gradients(model, eager)

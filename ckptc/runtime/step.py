@@ -819,8 +819,11 @@ class ForwardState:
     :func:`ckptc.plan`'s trial step."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.inputs: list[list[Any]] = []  # [tensor, version when saved or restored, its value]
+        # [tensor, version when saved or restored, its value]: only a tensor whose version moved is
+        # written back, so a buffer another call's graph saved for backward (position ids) keeps its
+        # version and that backward still runs.
+        self.buffers: list[list[Any]] = [[b, internals.version_counter(b), b.detach().clone()] for b in model.buffers()]
+        self.inputs: list[list[Any]] = []
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         # A forward may draw from numpy's or Python's generators too (a SpecAugment mask): a call run
@@ -832,7 +835,7 @@ class ForwardState:
         """Also put back the call's input tensors that a forward updates in place (their version
         counter tells which did).  Inputs that require grad are left alone: autograd refuses in-place
         updates of leaves, and restoring a non-leaf would not undo its recorded history."""
-        known = {id(b) for b, _ in self.buffers}
+        known = {id(b) for b, _, _ in self.buffers}
         for leaf in internals.tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor) and not leaf.requires_grad and id(leaf) not in known:
                 known.add(id(leaf))
@@ -852,9 +855,7 @@ class ForwardState:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for buffer, value in self.buffers:
-                buffer.copy_(value)
-            for entry in self.inputs:
+            for entry in self.buffers + self.inputs:
                 tensor, version, value = entry
                 if internals.version_counter(tensor) != version:
                     tensor.copy_(value)
