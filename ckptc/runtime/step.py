@@ -34,7 +34,7 @@ import itertools
 import logging
 import random
 from collections import OrderedDict
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy
 import torch
@@ -89,6 +89,9 @@ class ShapePlan:
     # Whether Dynamo keeps .item() and data-dependent shapes in the graph (internals.compile_config):
     # turned off, once, for a model it fails to trace with them on.
     scalar_outputs: bool = True
+    # The buffers and inputs (ForwardState's keys) calls that planned changed in place; None before
+    # the first: a call that plans again copies only these to put them back.
+    changed_in_forward: set[str] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def first(
@@ -198,11 +201,28 @@ class ShapePlan:
         the call fails, run the forward eagerly to tell the model's own error (raised as it is) from a
         failure of the captured step (:class:`UntraceableModelError`).
         """
-        before = len(step)
-        saved = ForwardState(model)
+        known = self.changed_in_forward
+        saved = ForwardState(model, copied=lambda key: known is None or key in known)
         # A forward may update its inputs in place (x.mul_(2)); a retry and the reference start from
         # the inputs as the caller gave them, so they change exactly once.
         saved.save_inputs(args, kwargs)
+        try:
+            return self._plan_call(model, template, step, args, kwargs, saved, reference=reference)
+        finally:
+            self.changed_in_forward = (known or set()) | saved.changed()
+
+    def _plan_call(
+        self,
+        model: torch.nn.Module,
+        template: CheckpointCompiler,
+        step: list[GraphRecord],
+        args: tuple,
+        kwargs: dict,
+        saved: ForwardState,
+        *,
+        reference: bool,
+    ) -> Any:
+        before = len(step)
         breaks_before = internals.graph_break_reasons()
         attempts = 0
 
@@ -211,6 +231,7 @@ class ShapePlan:
             if attempts:  # the account changed: undo the last attempt first
                 del step[before:]
                 saved.restore()
+                saved.refuse_lost()
                 if self.compiler.symbolic:
                     # Not planned again in place (see CheckpointCompiler).
                     self.compile(model, template, step, self.compiler.step_events)
@@ -814,16 +835,26 @@ def refuse_unplanned(
 
 class ForwardState:
     """What a forward pass may change outside its results: buffers (running
-    statistics) and the random state.  Saved before a call that plans, so the
-    call can run again as if the first attempt never happened, and around
-    :func:`ckptc.plan`'s trial step."""
+    statistics), the call's input tensors and the random state.  Saved before a call that plans, so
+    the call can run again as if the first attempt never happened, and around
+    :func:`ckptc.plan`'s trial step.
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        # [tensor, version when saved or restored, its value]: only a tensor whose version moved is
-        # written back, so a buffer another call's graph saved for backward (position ids) keeps its
-        # version and that backward still runs.
-        self.buffers: list[list[Any]] = [[b, internals.version_counter(b), b.detach().clone()] for b in model.buffers()]
-        self.inputs: list[list[Any]] = []
+    A copy of every buffer and input is memory the user's step holds while it plans (an image
+    batch's copy put one step 8% above its budget), so ``copied`` (a key: ``"buffer:<name>"`` or
+    ``"input:<position>"``) may leave out those no earlier forward of the same call changed; a
+    forward that then changes one cannot be run again and :meth:`restore` says so.
+    """
+
+    def __init__(self, model: torch.nn.Module, copied: Callable[[str], bool] = lambda key: True) -> None:
+        self.copied = copied
+        # key -> [tensor, version when saved or restored, its value or None (not copied)]: only a
+        # tensor that changed is written back, so a buffer another call's graph saved for backward
+        # (position ids) keeps its version and that backward still runs.
+        self.saved: dict[str, list[Any]] = {}
+        seen: set[int] = set()
+        for name, buffer in model.named_buffers():
+            self._save(f"buffer:{name}", buffer, seen)
+        self.versions_at_start = {key: entry[1] for key, entry in self.saved.items()}
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         # A forward may draw from numpy's or Python's generators too (a SpecAugment mask): a call run
@@ -831,20 +862,45 @@ class ForwardState:
         self.numpy_rng = numpy.random.get_state()
         self.python_rng = random.getstate()
 
+    def _save(self, key: str, tensor: torch.Tensor, seen: set[int]) -> None:
+        if id(tensor) in seen:
+            return
+        seen.add(id(tensor))
+        value = tensor.detach().clone() if self.copied(key) else None
+        self.saved[key] = [tensor, internals.version_counter(tensor), value]
+
     def save_inputs(self, args: tuple, kwargs: dict) -> None:
         """Also put back the call's input tensors that a forward updates in place (their version
         counter tells which did).  Inputs that require grad are left alone: autograd refuses in-place
         updates of leaves, and restoring a non-leaf would not undo its recorded history."""
-        known = {id(b) for b, _, _ in self.buffers}
-        for leaf in internals.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and not leaf.requires_grad and id(leaf) not in known:
-                known.add(id(leaf))
-                self.inputs.append([leaf, internals.version_counter(leaf), leaf.detach().clone()])
+        seen = {id(entry[0]) for entry in self.saved.values()}
+        for position, leaf in enumerate(internals.tree_leaves((args, kwargs))):
+            if isinstance(leaf, torch.Tensor) and not leaf.requires_grad:
+                self._save(f"input:{position}", leaf, seen)
+        self.versions_at_start = {key: entry[1] for key, entry in self.saved.items()}
+
+    def changed(self) -> set[str]:
+        """The keys of the buffers and inputs changed in place since they were saved."""
+        return {key for key in self.saved if self._differs(key, self.versions_at_start[key])}
+
+    def _differs(self, key: str, version: int) -> bool:
+        """Whether ``key``'s tensor changed since it had ``version``: an eager kernel may update a
+        buffer without moving its version (BatchNorm's running statistics), so a copied value is
+        compared too."""
+        tensor, _, value = self.saved[key]
+        if internals.version_counter(tensor) != version:
+            return True
+        return value is not None and not torch.equal(tensor, value)
 
     def inputs_as_given(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Copies of the call's inputs with the values they had when saved (a reference forward's
-        in-place updates stay in the copies)."""
-        given = {id(tensor): value for tensor, _, value in self.inputs}
+        in-place updates stay in the copies).
+
+        Raises:
+            UntraceableModelError: an input changed in place was not copied.
+        """
+        self.refuse_lost()
+        given = {id(tensor): value for tensor, _, value in self.saved.values() if value is not None}
 
         def copy(leaf: Any) -> Any:
             if isinstance(leaf, torch.Tensor) and id(leaf) in given:
@@ -854,10 +910,11 @@ class ForwardState:
         return internals.tree_map(copy, (args, kwargs))
 
     def restore(self) -> None:
+        """Put back what the forward changed, except the values not copied (:meth:`refuse_lost`)."""
         with torch.no_grad():
-            for entry in self.buffers + self.inputs:
+            for key, entry in self.saved.items():
                 tensor, version, value = entry
-                if internals.version_counter(tensor) != version:
+                if value is not None and self._differs(key, version):
                     tensor.copy_(value)
                     entry[1] = internals.version_counter(tensor)
         torch.random.set_rng_state(self.cpu_rng)
@@ -865,6 +922,26 @@ class ForwardState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         numpy.random.set_state(self.numpy_rng)
         random.setstate(self.python_rng)
+
+    def refuse_lost(self) -> None:
+        """Raise if a buffer or input changed in place since it was saved was not copied.
+
+        Raises:
+            UntraceableModelError: saying which and what to do.
+        """
+        lost = [
+            key
+            for key, (tensor, version, value) in self.saved.items()
+            if value is None and internals.version_counter(tensor) != version
+        ]
+        if lost:
+            raise UntraceableModelError(
+                "ckptc had to run a training call again while planning it, but its forward changed "
+                f"{', '.join(lost)} in place, which earlier calls of this shape left unchanged, so ckptc had "
+                "not kept their values and cannot put them back. What to do: make the forward leave its "
+                "inputs and buffers unchanged, or change them on every call (ckptc then keeps a copy while "
+                "it plans), or train without ckptc."
+            )
 
 
 def _detached_copy(leaf: Any) -> Any:
