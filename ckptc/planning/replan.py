@@ -139,16 +139,20 @@ class Replans:
         """Whether only graphs of earlier calls of the step (a model called twice before one backward)
         can keep less for the first graph of ``ran`` that did not fit, and keeping less there can make
         it fit: nothing before it in this call, or less than it needs even if those graphs kept
-        nothing; and the step's floor within the budget.  Those calls' graphs ran already, so this call
-        runs at its floor and the step runtime asks them to keep less in the next step
-        (:meth:`make_room_for_later_calls`)."""
+        nothing; and the step's floor within the budget, or earlier calls counted results held that
+        they may let go (their floor is then lower than the records say).  Those calls' graphs ran
+        already, so this call runs at its floor and the step runtime asks them to keep less in the
+        next step (:meth:`make_room_for_later_calls`), where a floor still above the budget is refused
+        naming the floor with what the caller was seen to hold."""
         assert self.budget_bytes is not None
-        if max(r.min_feasible_bytes for r in ran) > self.budget_bytes:
+        mine = {id(r) for r in ran}
+        if max(r.min_feasible_bytes for r in ran) > self.budget_bytes and not any(
+            e.joint_problem.droppable_output_bytes for r in ran for e in r.earlier if id(e) not in mine
+        ):
             return False
         first = min((r for r in ran if r.infeasible), key=lambda r: r.index)
         if first.index == 0:
             return True
-        mine = {id(r) for r in ran}
         after_earlier_calls = any(id(e) not in mine for e in first.earlier)
         room_here = sum(r.step_bytes for r in ran if r.index < first.index)  # each run keeps its own
         return after_earlier_calls and room_here < room_needed([first], self.budget_bytes)
