@@ -1188,9 +1188,11 @@ def test_a_two_call_step_refused_names_rising_budgets_the_last_of_which_trains()
     floor counting the first call's results let go.  Given that, the first call had planned to keep
     everything with its results held and the second call was refused naming a floor that counts them
     held; now it runs at its floor (warned) and the next step plans the first call again keeping
-    less.  That step counts the gradients the second call's backward makes before the first's, and a
-    measured step what the prediction still misses (README, Known limits): each refusal names a larger
-    budget, the last trains within it with gradients equal to eager's, after 4 refusals (5 before)."""
+    less.  That step counts the gradients the second call's backward makes before the first's and
+    autograd's out-of-place sum of the two calls' gradients (the largest parameter's gradient once more:
+    unpriced, a measured step then missed 20%), and a measured step what the prediction still misses
+    (1%; README, Known limits): each refusal names a larger budget, the last trains within it with
+    gradients equal to eager's, after 4 refusals (5 before)."""
     torch.manual_seed(0)
     reference = _Classifier()
     x = [torch.randn(BATCH // 4, WIDTH) for _ in range(2)]
@@ -1214,5 +1216,7 @@ def test_a_two_call_step_refused_names_rising_budgets_the_last_of_which_trains()
             budget = refused.min_feasible_bytes
             named.append(budget)
             assert len(named) <= 4, named
+    # The last refusal is a measured step's: what the prediction missed is small.
+    assert named[-1] <= 1.02 * named[-2], named
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
     _assert_same_gradients(model, eager)

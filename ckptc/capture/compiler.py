@@ -549,6 +549,9 @@ class CheckpointCompiler:
             in_place_backward=self.options.compiler == "eager",
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
             loss_bytes=self.account.loss_bytes,
+            gradient_sum_bytes=max(inputs.parameters.values(), default=0)
+            if self.account.gradients_summed_by_autograd
+            else 0,
         )
         account = self.account.replace(defer_infeasible=False) if final else self.account
         record = decide(

@@ -100,6 +100,10 @@ class StepAccount:
         accumulate_in_backward: the backward adds each parameter gradient into the
             resident ``.grad`` as it is made (:class:`ckptc.rewrite.lean_backward.GradientSink`;
             with gradients resident, not under DDP/FSDP2).
+        gradients_summed_by_autograd: this call's parameter gradients meet a later call's in
+            autograd's buffer when its backward returns them (the model called again before one
+            backward): the engine adds each pair out of place, so the largest of them is allocated
+            once more on top of both (eager PyTorch does the same).
         loss_bytes: what a measured step held, above its forward's end, between its last graph's
             forward and its first graph's backward (the caller's loss and its backward,
             :attr:`ckptc.meter.MemoryMeasurement.loss_bytes`): priced at the end of forward.
@@ -140,6 +144,7 @@ class StepAccount:
     repeat_runs: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
     outside_baseline_bytes: Mapping[int, tuple[int, int]] = field(default_factory=dict)
     accumulate_in_backward: bool = False
+    gradients_summed_by_autograd: bool = False
     loss_bytes: int = 0
     earlier_calls_planned: int = 0
 

@@ -259,14 +259,18 @@ class Replans:
         self.replans += 1
         self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
 
-    def counting_gradients(self, *, accumulate_in_backward: bool) -> bool:
-        """Gradients are resident while the step runs (whether the account changed)."""
+    def counting_gradients(self, *, accumulate_in_backward: bool, summed_by_autograd: bool = False) -> bool:
+        """Gradients are resident while the step runs (whether the account changed);
+        ``summed_by_autograd``: see :attr:`StepAccount.gradients_summed_by_autograd`."""
         if self.account.gradients_resident:
             return False
         self._measured = None
         self._room_made = 0
         self.account = self.account.replace(
-            gradients_resident=True, accumulate_in_backward=accumulate_in_backward, graph_budgets={}
+            gradients_resident=True,
+            accumulate_in_backward=accumulate_in_backward,
+            gradients_summed_by_autograd=summed_by_autograd,
+            graph_budgets={},
         )
         return True
 

@@ -30,6 +30,8 @@ log = logging.getLogger("ckptc.pricing.problem")
 RETURN_PREFIX = "return:"
 #: The node that prices the caller's loss between forward and backward (``loss_bytes``).
 LOSS_NODE = "loss:outside"
+#: The node that prices autograd's sum of two calls' gradients after backward (``gradient_sum_bytes``).
+GRADIENT_SUM_NODE = "gradients:summed"
 # Nodes inside the model's own torch.utils.checkpoint regions carry these tags.
 _RECOMPUTED_BY_THE_MODEL = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -145,6 +147,7 @@ def joint_to_problem(
     in_place_backward: bool = False,
     accumulated_gradients: frozenset[int] = frozenset(),
     loss_bytes: int = 0,
+    gradient_sum_bytes: int = 0,
 ) -> JointProblem:
     """Build the solver problem of an annotated joint graph.
 
@@ -180,6 +183,9 @@ def joint_to_problem(
         loss_bytes: memory the caller's loss takes between this graph's forward and backward
             (:attr:`ckptc.planning.account.StepAccount.loss_bytes`): a transient node at the end of
             forward, after the results are released, that no backward node reads.
+        gradient_sum_bytes: what autograd allocates when this graph's parameter gradients meet
+            another call's (:attr:`ckptc.planning.account.StepAccount.gradients_summed_by_autograd`):
+            a transient node after every backward node, while all the gradients are alive.
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
@@ -299,6 +305,12 @@ def joint_to_problem(
 
     # Tangents are backward nodes without predecessors: put them first in backward.
     backward.sort(key=lambda name: nodes[name].op != "placeholder")
+    if gradient_sum_bytes > 0 and backward_results:
+        # Runs after the backward returns, all its gradients alive, and frees at once.
+        fields[GRADIENT_SUM_NODE] = dict(bytes=gradient_sum_bytes, cost=0.0, kind=BACKWARD)
+        reads[GRADIENT_SUM_NODE] = [r.name for r in backward_results]
+        backward.append(GRADIENT_SUM_NODE)
+        stable_names[GRADIENT_SUM_NODE] = GRADIENT_SUM_NODE
     order = inputs + forward + backward
     position = {name: i for i, name in enumerate(order)}
     problem = solvers.Problem(

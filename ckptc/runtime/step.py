@@ -475,7 +475,9 @@ class StepRuntime:
         plans count what they hold.  Either way this call plans again after them, and a step predicted
         over the budget is said to be."""
         earlier = self._step_plans[: self._step_plans.index(shape)]
-        recounted = [s for s in earlier if s.replans.counting_gradients(accumulate_in_backward=False)]
+        recounted = [
+            s for s in earlier if s.replans.counting_gradients(accumulate_in_backward=False, summed_by_autograd=True)
+        ]
         short = [r for r in ran if r.infeasible] if planned else []
         budget = self.template.budget_bytes
         if short and budget is not None and not recounted:
