@@ -76,6 +76,8 @@ class GraphRecord:
     gradients_unexpected: bool = False
     # What earlier runs of this same graph in the step leave alive at its last run (StepAccount.repeat_bytes).
     repeat_bytes: int = 0
+    # Its baseline counts every parameter's gradient resident (StepAccount.gradients_resident).
+    gradients_resident: bool = False
 
     @property
     def step_bytes(self) -> int:

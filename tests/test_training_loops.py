@@ -1184,15 +1184,14 @@ def test_a_call_planned_again_that_changes_what_it_did_not_copy_says_so() -> Non
 def test_a_two_call_step_refused_names_rising_budgets_the_last_of_which_trains() -> None:
     """Two calls of a model returning its loss and logits before one backward (the caller keeps only
     the losses), from a budget far below the floor, each refusal's budget given in a fresh process.
-    The first call cannot know a second follows (its own floor); the second refusal names the step's
-    floor counting the first call's results let go.  Given that, the first call had planned to keep
-    everything with its results held and the second call was refused naming a floor that counts them
-    held; now it runs at its floor (warned) and the next step plans the first call again keeping
-    less.  That step counts the gradients the second call's backward makes before the first's and
-    autograd's out-of-place sum of the two calls' gradients (the largest parameter's gradient once more:
-    unpriced, a measured step then missed 20%), and a measured step what the prediction still misses
-    (1%; README, Known limits): each refusal names a larger budget, the last trains within it with
-    gradients equal to eager's, after 4 refusals (5 before)."""
+    The first call cannot know a second follows (its own floor).  The second refusal names the step's
+    floor: the first call's graph counting the gradients the second call's backward makes before its
+    own and autograd's out-of-place sum of both calls' gradients (the largest parameter's gradient once
+    more; unpriced, a measured step missed 20%), its results let go.  Given that, the first call keeps
+    everything with its results held, and the second call runs at its floor (warned) while the first
+    plans again for the next step.  A measured step may add what the prediction still misses (1%):
+    each refusal names a larger budget, the last trains within it with gradients equal to eager's,
+    after at most 3 refusals (5 before: 1,684,914 -> 2,012,594 -> 2,274,738 -> 2,477,490 -> 2,970,550)."""
     torch.manual_seed(0)
     reference = _Classifier()
     x = [torch.randn(BATCH // 4, WIDTH) for _ in range(2)]
@@ -1215,7 +1214,7 @@ def test_a_two_call_step_refused_names_rising_budgets_the_last_of_which_trains()
             assert refused.min_feasible_bytes > budget, (named, str(refused))
             budget = refused.min_feasible_bytes
             named.append(budget)
-            assert len(named) <= 4, named
+            assert len(named) <= 3, named
     # The last refusal is a measured step's: what the prediction missed is small.
     assert named[-1] <= 1.02 * named[-2], named
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget

@@ -479,6 +479,7 @@ def decide_at(
         infeasible=infeasible,
         earlier=tuple(earlier),
         repeat_bytes=repeat_bytes,
+        gradients_resident=account.gradients_resident,
     )
     log.info(
         "graph %d: %d nodes, kept %d forward values, predicted peak %s (unoptimized %s), recompute cost %.3g",
