@@ -78,6 +78,10 @@ class GraphRecord:
     repeat_bytes: int = 0
     # Its baseline counts every parameter's gradient resident (StepAccount.gradients_resident).
     gradients_resident: bool = False
+    # Its floor once the model's later calls in the step count, given the gradients' bytes by parameter
+    # id (:func:`ckptc.planning.planner.floor_counting_later_calls`); set by the planner, which alone
+    # simulates plans.
+    later_calls_floor: Callable[[Mapping[int, int]], int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_bytes(self) -> int:

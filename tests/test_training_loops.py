@@ -1121,6 +1121,42 @@ def test_two_calls_of_two_lengths_before_one_backward_leave_a_saved_buffer_untou
         _assert_same_gradients(model, eager)
 
 
+class _EagerBatchNorm(nn.Module):
+    """BatchNorm in train mode run eagerly between two graphs (a method under ``torch._dynamo.disable``):
+    its kernel updates the running statistics without moving their version and saves them for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.last = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+
+    @torch._dynamo.disable
+    def normalized(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.normalized(self.first(x)))).square().mean()
+
+
+def test_batch_norm_run_eagerly_between_graphs_moves_its_statistics_once_per_step() -> None:
+    """The planning call puts back what its reference forward changed.  Writing BatchNorm's running
+    statistics back with ``copy_`` moved the version of the tensors the real call's eager kernel had
+    saved, and the first backward failed ("modified by an inplace operation"); without putting them
+    back they moved twice in that step."""
+    torch.manual_seed(0)
+    reference = _EagerBatchNorm()
+    x = torch.randn(16, 8)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=10**9)
+    for _ in range(3):
+        _zero(eager)
+        _zero(model)
+        eager(x).backward()
+        fast(x).backward()
+        _assert_same_gradients(model, eager)
+    for name, buffer in eager.norm.named_buffers():
+        assert torch.equal(getattr(model.norm, name), buffer), name
+
+
 class _SetsItsModeOnFirstCall(nn.Module):
     """A large input averaged down first (an image batch's patches), and an attribute the first call
     sets (transformers' ``config.problem_type``): torch.compile compiles the forward again on the

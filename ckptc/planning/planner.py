@@ -28,13 +28,14 @@ captured once under any number of budgets without capturing again
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import solvers
 from ckptc.errors import InvalidArgumentError
@@ -43,8 +44,8 @@ from ckptc.planning import policies
 from ckptc.planning.account import StepAccount, budget_for_planning_floor, planning_budget, planning_margin
 from ckptc.planning.replan import Replans, settle
 from ckptc.plans import ModelPlan, fingerprint, graph_plan
-from ckptc.pricing.costs import FORWARD, FUSING_COMPILERS
-from ckptc.pricing.problem import JointProblem
+from ckptc.pricing.costs import BACKWARD, FORWARD, FUSING_COMPILERS
+from ckptc.pricing.problem import GRADIENT_SUM_NODE, JointProblem
 from ckptc.records import GraphInputs, GraphRecord, PlanSource, Progress
 from solvers.simulator import honour_policies
 
@@ -481,6 +482,7 @@ def decide_at(
         repeat_bytes=repeat_bytes,
         gradients_resident=account.gradients_resident,
     )
+    record.later_calls_floor = functools.partial(floor_counting_later_calls, record)
     log.info(
         "graph %d: %d nodes, kept %d forward values, predicted peak %s (unoptimized %s), recompute cost %.3g",
         index,
@@ -529,6 +531,30 @@ def _refusal(
         + f"; ckptc's floor is {solvers.format_bytes(step_floor)} ({step_floor} bytes): solver='auto' plans "
         "this budget",
     )
+
+
+def floor_counting_later_calls(record: GraphRecord, parameters: Mapping[int, int]) -> int:
+    """The floor of ``record``, a graph of an earlier call of the step (the model called again before
+    one backward), once it counts what the later calls' backwards, which run before its own, leave
+    to it (the account it plans under next, :attr:`StepAccount.gradients_summed_by_autograd`): the
+    gradients of ``parameters`` (ids -> bytes, those the step's graphs take) resident, and autograd's
+    out-of-place sum of two calls' gradients when its backward returns its own.  Its lowest-peak
+    plan simulated so; the floor it has where its baseline counts the gradients already."""
+    problem = record.problem
+    if record.gradients_resident:
+        return record.min_feasible_bytes
+    # Parameters no graph before it takes were counted already: made by a later graph's backward.
+    seen = set(record.inputs.parameters).union(*(e.inputs.parameters for e in record.earlier))
+    nodes = problem.nodes
+    if record.inputs.parameters:
+        gradients = tuple(n.name for n in nodes if n.kind == BACKWARD and n.output)
+        summed = max(record.inputs.parameters.values())
+        nodes += (solvers.Node(name=GRADIENT_SUM_NODE, bytes=summed, cost=0.0, kind=BACKWARD, preds=gradients),)
+    resident = sum(n for i, n in parameters.items() if i in seen)
+    counted = solvers.Problem(nodes=nodes, baseline_bytes=problem.baseline_bytes + resident)
+    peak = solvers.simulate(counted, solvers.lowest_peak_plan(counted)).peak_bytes
+    lowest = peak - sum(e.slack_bytes for e in record.earlier)
+    return max(record.min_feasible_bytes, budget_for_planning_floor(lowest, record.margin_bytes))
 
 
 def unoptimized_result(jp: JointProblem) -> solvers.SimResult:

@@ -45,8 +45,6 @@ import solvers
 from ckptc.errors import BudgetExceededError, release_frames
 from ckptc.meter import MemoryMeasurement
 from ckptc.planning.account import StepAccount, budget_for_planning_floor
-from ckptc.pricing.costs import BACKWARD
-from ckptc.pricing.problem import GRADIENT_SUM_NODE
 from ckptc.records import GraphRecord
 
 log = logging.getLogger("ckptc.planning.replan")
@@ -442,30 +440,6 @@ def missed_bytes(peak_bytes: int, budget_bytes: int, ran: Sequence[GraphRecord])
     return max(peak_bytes - budget_bytes, peak_bytes - predicted)
 
 
-def floor_counting_later_calls(record: GraphRecord, parameters: Mapping[int, int]) -> int:
-    """The floor of ``record``, a graph of an earlier call of the step (the model called again before
-    one backward), once it counts what the later calls' backwards, which run before its own, leave
-    to it (the account it plans under next, :attr:`StepAccount.gradients_summed_by_autograd`): the
-    gradients of ``parameters`` (ids -> bytes, those the step's graphs take) resident, and autograd's
-    out-of-place sum of two calls' gradients when its backward returns its own.  Its lowest-peak
-    plan simulated so; the floor it has where its baseline counts the gradients already."""
-    problem = record.problem
-    if record.gradients_resident:
-        return record.min_feasible_bytes
-    # Parameters no graph before it takes were counted already: made by a later graph's backward.
-    seen = set(record.inputs.parameters).union(*(e.inputs.parameters for e in record.earlier))
-    nodes = problem.nodes
-    if record.inputs.parameters:
-        gradients = tuple(n.name for n in nodes if n.kind == BACKWARD and n.output)
-        summed = max(record.inputs.parameters.values())
-        nodes += (solvers.Node(name=GRADIENT_SUM_NODE, bytes=summed, cost=0.0, kind=BACKWARD, preds=gradients),)
-    resident = sum(n for i, n in parameters.items() if i in seen)
-    counted = solvers.Problem(nodes=nodes, baseline_bytes=problem.baseline_bytes + resident)
-    peak = solvers.simulate(counted, solvers.lowest_peak_plan(counted)).peak_bytes
-    lowest = peak - sum(e.slack_bytes for e in record.earlier)
-    return max(record.min_feasible_bytes, budget_for_planning_floor(lowest, record.margin_bytes))
-
-
 def tighter_graph_budgets(
     ran: Sequence[GraphRecord], budget_bytes: int, attempt: int, current: Mapping[int, int]
 ) -> dict[int, int]:
@@ -491,7 +465,10 @@ def tighter_graph_budgets(
         parameters: dict[int, int] = {}
         for record in [*ran, *earlier_calls.values()]:
             parameters.update(record.inputs.parameters)
-        floor = max([floor] + [floor_counting_later_calls(e, parameters) for e in earlier_calls.values()])
+        floor = max(
+            [floor]
+            + [e.later_calls_floor(parameters) for e in earlier_calls.values() if e.later_calls_floor is not None]
+        )
         raise solvers.InfeasibleBudgetError(
             budget_bytes,
             floor,

@@ -892,7 +892,9 @@ class ForwardState:
         tensor, _, value = self.saved[key]
         if internals.version_counter(tensor) != version:
             return True
-        return value is not None and not torch.equal(tensor, value)
+        if value is None or internals.is_fake(tensor) or tensor.device.type == "meta":
+            return False  # no values to compare (offline planning)
+        return not torch.equal(tensor, value)
 
     def inputs_as_given(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Copies of the call's inputs with the values they had when saved (a reference forward's
@@ -917,7 +919,9 @@ class ForwardState:
             for key, entry in self.saved.items():
                 tensor, version, value = entry
                 if value is not None and self._differs(key, version):
-                    tensor.copy_(value)
+                    # Through ``.data``: the version stays, as the eager kernel that changed the value
+                    # (BatchNorm) may have saved the tensor for a backward still to run.
+                    tensor.data.copy_(value)
                     entry[1] = internals.version_counter(tensor)
         torch.random.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
