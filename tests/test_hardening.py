@@ -630,7 +630,7 @@ def test_a_model_dynamo_traces_only_with_graph_breaks_at_item_trains_like_eager(
     config = LongformerConfig(
         vocab_size=100,
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         num_attention_heads=4,
         intermediate_size=128,
         max_position_embeddings=80,

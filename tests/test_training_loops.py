@@ -1217,6 +1217,93 @@ def test_a_call_planned_again_that_changes_what_it_did_not_copy_says_so() -> Non
     assert "input:0" not in str(refused.value)
 
 
+class _Switched(nn.Module):
+    """Three blocks with a graph break after each of the first two; ``doubles`` (an attribute the forward
+    reads, so Dynamo compiles the first graph again when it changes, with a later index) doubles the input,
+    in place (``in_place``: with a step counter) or not."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        width = 256
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width), nn.LayerNorm(width))
+            for _ in range(3)
+        )
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.in_place = in_place
+        self.doubles = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.doubles and self.in_place:
+            x.mul_(2)
+            self.steps.add_(1)
+        elif self.doubles:
+            x = x * 2
+        h = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        h = self.blocks[1](h)
+        torch._dynamo.graph_break()
+        return self.blocks[2](h).square().mean()
+
+
+SWITCHED_BUDGET = 9_000_000  # 2% above the floor with the gradients resident (8,819,693 B)
+
+
+def _switched_step(model: nn.Module, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs of ``step`` (and a copy), with ``doubles`` on from step 1 and the gradients zeroed in place."""
+    model.doubles = step >= 1
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(step))
+    return x, x.clone()
+
+
+def test_a_graph_compiled_again_before_a_later_one_that_does_not_fit_is_the_one_asked_to_keep_less() -> None:
+    """The first graph compiled again (an attribute changed) gets a later index than the graphs after
+    it; when the last graph could not fit beside it, the retries asked the graph of that index that no
+    longer runs to keep less (by index, not run order), and the step was refused after 2 retries with
+    a budget 2% above its floor.  Now the graphs that ran before it keep less and the step trains."""
+    torch.manual_seed(0)
+    reference = _Switched(in_place=False)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=SWITCHED_BUDGET)
+    for step in range(4):
+        x, copied = _switched_step(eager, step)
+        _switched_step(model, step)
+        eager(x).backward()
+        fast(copied).backward()
+        _assert_same_gradients(model, eager)
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= SWITCHED_BUDGET
+
+
+def test_a_call_run_again_after_its_forward_changed_what_it_did_not_copy_says_what_stays_and_the_next_trains() -> None:
+    """A forward that starts changing its input and a buffer in place on a later step, in a call that
+    must run again: ckptc kept no copy (earlier calls changed nothing), so it cannot undo the change.
+    The refusal names what changed and says the change stays; the next call copies them and trains like
+    eager (before, the same refusal said nothing of what stayed)."""
+    torch.manual_seed(0)
+    reference = _Switched(in_place=True)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=SWITCHED_BUDGET)
+    x, copied = _switched_step(eager, 0)
+    _switched_step(model, 0)
+    eager(x).backward()
+    fast(copied).backward()
+    x, copied = _switched_step(model, 1)
+    with pytest.raises(ckptc.UntraceableModelError, match=r"buffer:steps, input:0 in place.*those changes stay"):
+        fast(copied)
+    assert model.steps.item() == 1 and torch.equal(copied, 2 * x)  # as the message says
+    model.steps.zero_()
+    for step in (1, 2):
+        x, copied = _switched_step(eager, step)
+        _switched_step(model, step)
+        eager(x).backward()
+        fast(copied).backward()
+        _assert_same_gradients(model, eager)
+        assert torch.equal(copied, x) and torch.equal(model.steps, eager.steps)
+
+
 def test_a_two_call_step_refused_names_rising_budgets_the_last_of_which_trains() -> None:
     """Two calls of a model returning its loss and logits before one backward (the caller keeps only
     the losses), from a budget far below the floor, each refusal's budget given in a fresh process.

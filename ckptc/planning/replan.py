@@ -150,11 +150,13 @@ class Replans:
             e.joint_problem.droppable_output_bytes for r in ran for e in r.earlier if id(e) not in mine
         ):
             return False
-        first = min((r for r in ran if r.infeasible), key=lambda r: r.index)
-        if first.index == 0:
+        # In the order the graphs ran: a graph compiled again (a guard failed) has a later index.
+        position = next(i for i, r in enumerate(ran) if r.infeasible)
+        if position == 0:
             return True
+        first = ran[position]
         after_earlier_calls = any(id(e) not in mine for e in first.earlier)
-        room_here = sum(r.step_bytes for r in ran if r.index < first.index)  # each run keeps its own
+        room_here = sum(r.step_bytes for r in ran[:position])  # each run keeps its own
         return after_earlier_calls and room_here < room_needed([first], self.budget_bytes)
 
     def make_room_for_later_calls(self, need: int, ran: Sequence[GraphRecord]) -> None:
@@ -454,7 +456,10 @@ def tighter_graph_budgets(
     """
     short = [r for r in ran if r.infeasible]
     floor = max(r.min_feasible_bytes for r in ran)
-    last = max(r.index for r in short)
+    # The graphs that ran before the last short one, by run order: a graph compiled again (a guard
+    # failed: an attribute the forward reads changed) has a later index than the graphs after it.
+    last = max(i for i, r in enumerate(ran) if r.infeasible)
+    before_last = sorted({r.index for r in ran[:last]} - {ran[last].index})
     # The step's floor is above the budget: planning again cannot help.  (A short first graph of a call,
     # within it, is left to the earlier calls of the step: Replans._left_to_earlier_calls.)
     if floor > budget_bytes:
@@ -487,7 +492,7 @@ def tighter_graph_budgets(
             f"although each graph's floor with the graphs before it at theirs is at most {floor} bytes. "
             "What to do: give a few percent more budget, or pass solver='auto' if another solver was chosen.",
         )
-    return _budgets_keeping_less(ran, range(last), room_needed(short, budget_bytes), budget_bytes, attempt, current)
+    return _budgets_keeping_less(ran, before_last, room_needed(short, budget_bytes), budget_bytes, attempt, current)
 
 
 def room_needed(short: Sequence[GraphRecord], budget_bytes: int) -> int:

@@ -942,11 +942,12 @@ class ForwardState:
         ]
         if lost:
             raise UntraceableModelError(
-                "ckptc had to run a training call again while planning it, but its forward changed "
-                f"{', '.join(lost)} in place, which earlier calls of this shape left unchanged, so ckptc had "
-                "not kept their values and cannot put them back. What to do: make the forward leave its "
-                "inputs and buffers unchanged, or change them on every call (ckptc then keeps a copy while "
-                "it plans), or train without ckptc."
+                "ckptc had to run a training call again while planning it (its graphs' plans changed while it ran), "
+                f"but its forward changed {', '.join(lost)} in place, which earlier calls of this shape "
+                "left unchanged, so ckptc kept no copy: those changes stay, made once by this call's forward. "
+                "Later calls of this shape keep a copy while they plan. What to do: call again with the inputs as "
+                "they should be (put the changed buffers back if they matter), or make the forward leave its inputs "
+                "and buffers unchanged, or train without ckptc."
             )
 
 
