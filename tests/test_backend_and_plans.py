@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import json
 import logging
 import re
@@ -178,10 +179,14 @@ def test_plan_for_other_inputs_or_model_is_refused(tmp_path) -> None:
         step(other_model, ckptc.optimize(other_model.model, plan=path))
 
 
+@functools.cache
+def _gpt2_plan_text() -> str:
+    return _gpt2_plan()[2].to_json()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "not_a_plan", "binary", "schema"])
 def test_corrupt_plan_files_are_refused_with_a_reason(tmp_path, damage: str) -> None:
-    _, _, model_plan = _gpt2_plan()
-    text = model_plan.to_json()
+    text = _gpt2_plan_text()
     path = tmp_path / "plan.json"
     if damage == "truncate":
         path.write_text(text[: len(text) // 2])
