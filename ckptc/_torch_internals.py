@@ -361,6 +361,7 @@ def unmark_dynamic(tensor: torch.Tensor) -> None:
         "_dynamo_dynamic_range",
         "_dynamo_hint_overrides",
         "_has_dynamo_dim_marking",
+        "_dynamo_propagated_dynamic_indices",  # Dynamo's, after a capture with it dynamic
     ):
         if attribute in tensor.__dict__:
             delattr(tensor, attribute)

@@ -680,3 +680,44 @@ def test_the_backend_counts_the_gradients_of_parameters_no_graph_names_once_grad
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     assert any(m is not None for m in measured), measured
     assert all(m is None or m <= budget for m in measured), (measured, budget)
+
+
+def test_a_second_length_whose_bucket_cannot_be_planned_is_refused_naming_a_floor_below_eagers_peak() -> None:
+    """Two calls of two lengths before one backward (BERT), from a budget far below the floor.  The second
+    call's bucket cannot be planned, so the call runs again planned for its exact sizes: that plan counted
+    the failed attempt's graph as an earlier graph of the step, and was captured with the length symbolic
+    and unbounded (Dynamo's mark from the bucket's capture stayed on the input), priced at the longest
+    length the model takes.  The floor it named was above eager's own peak of the step (14,445,159 B
+    against 8,266,716 B); now it is below (3,257,097 B).  The call run again restores the random state
+    first (it drew other dropout masks, and gradients differed from eager's on that step)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=500,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    reference = BertForSequenceClassification(config).train()
+    g = torch.Generator().manual_seed(0)
+    calls = [(torch.randint(0, 500, (8, n), generator=g), torch.randint(0, 2, (8,), generator=g)) for n in (32, 48)]
+
+    def step(model: Any) -> None:
+        sum(model(input_ids=ids, labels=labels).loss for ids, labels in calls).backward()
+
+    eager = copy.deepcopy(reference)
+    step(eager)
+    eager.zero_grad(set_to_none=True)
+    _, measured = measure_peak(lambda: step(eager), baseline_bytes=resident_bytes(eager, calls))
+    budget = 100_000
+    named = []
+    for _ in range(2):
+        model = copy.deepcopy(reference)
+        with pytest.raises(ckptc.InfeasibleBudgetError) as refused:
+            step(ckptc.optimize(model, budget_bytes=budget))
+        budget = refused.value.min_feasible_bytes
+        named.append(budget)
+    assert named[0] < named[1] <= measured.peak_bytes, (named, measured.peak_bytes)

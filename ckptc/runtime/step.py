@@ -338,6 +338,7 @@ class StepRuntime:
         self.ranks: distributed.RankContext | None = None  # set on the first call (DDP wraps after optimize)
         self._ranks_known = False
         self._last_new_plan: tuple[dict[str, int | float], tuple] | None = None  # see _warn_if_only_numbers_changed
+        self._bucketed_call: ForwardState | None = None  # see _call
 
     # -- public ----------------------------------------------------------------
     @property
@@ -354,8 +355,14 @@ class StepRuntime:
         try:
             return self._call(args, kwargs)
         except Exception as error:
+            before, self._bucketed_call = self._bucketed_call, None
             if not self.lengths.fall_back(error):
                 raise
+            if before is None or before.changed():
+                # Its forward ran (a later call of the step was refused after it) and changed buffers or
+                # inputs in place: run again, they would change twice.
+                raise
+            before.restore()  # the random state: run again, it draws what it drew (dropout masks)
             return self._call(args, kwargs)  # the same call, planned for its exact sizes
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
@@ -373,6 +380,12 @@ class StepRuntime:
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
         signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_model_signature(self.model),))
+        self._bucketed_call = None
+        if self.lengths.last_bucket is not None:
+            # A bucket that cannot be planned runs the call again for its exact sizes (``call``): what the
+            # call changes, to run it as it was (versions only, no copy).
+            self._bucketed_call = ForwardState(self.model, copied=lambda key: False)
+            self._bucketed_call.save_inputs(args, kwargs)
         key = (signature, self._step_keys.count(signature))
         self._step_keys.append(signature)
         if key not in self.plans and key not in self._refused:
@@ -420,6 +433,9 @@ class StepRuntime:
             if not opened:
                 self._account_for_earlier_calls(shape, self.active[before:], planned=not was_planned)
         except BaseException:
+            # A failed call returned nothing: its graphs are no earlier graphs of a call made next (the
+            # same call planned for its exact sizes, say).
+            del self.active[before:]
             # Dynamo marks a frame that raised to be skipped from then on (every later call would run
             # without a plan); a call that plans and tries again after a failure leaves the mark alone.
             internals.unskip_forwards(self.model)
