@@ -356,6 +356,31 @@ def test_a_second_call_that_cannot_fit_beside_the_first_at_their_floors_is_refus
     assert refused.value.min_feasible_bytes > floor
 
 
+def test_a_step_refused_in_its_second_call_lets_the_first_calls_results_go_and_ends() -> None:
+    """ckptc's frames in a refusal's traceback held the refusal (a reference cycle): the first call's results,
+    with the activations their graph saved, outlived the caller's handling of the refusal until the garbage
+    collector ran, and the step stayed open (another optimized model's steps then went unverified)."""
+    import weakref
+
+    model = _tiny_causal_lm()
+    model.config.use_cache = False
+    a = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    floor = ckptc.capture(copy.deepcopy(model), (a,), {"labels": a}).floor_bytes
+    fast = ckptc.optimize(model, budget_bytes=floor)  # enough for one call, not for two
+    losses = []
+
+    def step() -> None:
+        first = fast(a, labels=a)
+        losses.append(weakref.ref(first.loss))
+        second = fast(a.flip(0), labels=a.flip(0))
+        (first.loss + second.loss).backward()
+
+    with pytest.raises(ckptc.InfeasibleBudgetError, match="called again before one backward"):
+        step()
+    assert losses[0]() is None
+    assert not fast._ckptc_runtime._tracker.open
+
+
 def test_a_call_without_gradients_before_backward_belongs_to_the_step_and_it_is_verified() -> None:
     """A call under ``no_grad`` between a training call and its backward (a metric on a held-out batch)
     neither ends the step nor keeps it from being measured: the step ends with its backward, and its

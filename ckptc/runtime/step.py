@@ -353,17 +353,24 @@ class StepRuntime:
     def call(self, args: tuple, kwargs: dict) -> Any:
         """One training call of the model under its plan (its length bucket's, see :mod:`ckptc.runtime.lengths`)."""
         try:
-            return self._call(args, kwargs)
-        except Exception as error:
-            before, self._bucketed_call = self._bucketed_call, None
-            if not self.lengths.fall_back(error):
-                raise
-            if before is None or before.changed():
-                # Its forward ran (a later call of the step was refused after it) and changed buffers or
-                # inputs in place: run again, they would change twice.
-                raise
-            before.restore()  # the random state: run again, it draws what it drew (dropout masks)
-            return self._call(args, kwargs)  # the same call, planned for its exact sizes
+            try:
+                return self._call(args, kwargs)
+            except Exception as error:
+                before, self._bucketed_call = self._bucketed_call, None
+                if not self.lengths.fall_back(error):
+                    raise
+                if before is None or before.changed():
+                    # Its forward ran (a later call of the step was refused after it) and changed buffers or
+                    # inputs in place: run again, they would change twice.
+                    raise
+                before.restore()  # the random state: run again, it draws what it drew (dropout masks)
+                return self._call(args, kwargs)  # the same call, planned for its exact sizes
+        except CkptcError as refusal:
+            # ckptc's frames in the traceback hold the refusal (a reference cycle): the step's earlier
+            # calls' results, and their activations, would outlive the caller's handling of it, until the
+            # garbage collector runs, and the step would stay open.
+            release_frames(refusal)
+            raise
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self._pending is not None:
