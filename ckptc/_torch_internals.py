@@ -73,6 +73,7 @@ __all__ = [
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
     "is_fake",
+    "is_storeless",
 ]
 
 
@@ -941,6 +942,11 @@ def is_fake(tensor: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(tensor, FakeTensor)
+
+
+def is_storeless(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has no values: on the ``meta`` device or fake (offline planning)."""
+    return tensor.device.type == "meta" or is_fake(tensor)
 
 
 def fake_tensor_mode() -> tuple[Any, bool]:

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ckptc._torch_internals import fake_tensor_mode, is_fake, tensor_registries, tree_map
+from ckptc._torch_internals import fake_tensor_mode, is_storeless, tensor_registries, tree_map
 from ckptc.errors import InvalidArgumentError, UntraceableModelError
 
 log = logging.getLogger("ckptc.capture.offline")
@@ -50,7 +50,7 @@ def offline_device(
         for t in (*model.parameters(), *model.buffers(), *_leaves((example_inputs, example_kwargs or {})))
         if isinstance(t, torch.Tensor)
     ]
-    storeless = [t for t in tensors if t.device.type == "meta" or is_fake(t)]
+    storeless = [t for t in tensors if is_storeless(t)]
     if device is None and not storeless:
         return None
     if device is None:

@@ -356,7 +356,7 @@ class StepRuntime:
             try:
                 return self._call(args, kwargs)
             except Exception as error:
-                before, self._bucketed_call = self._bucketed_call, None
+                before = self._bucketed_call
                 if not self.lengths.fall_back(error):
                     raise
                 if before is None or before.changed():
@@ -365,6 +365,8 @@ class StepRuntime:
                     raise
                 before.restore()  # the random state: run again, it draws what it drew (dropout masks)
                 return self._call(args, kwargs)  # the same call, planned for its exact sizes
+            finally:
+                self._bucketed_call = None  # it holds the call's inputs
         except CkptcError as refusal:
             # ckptc's frames in the traceback hold the refusal (a reference cycle): the step's earlier
             # calls' results, and their activations, would outlive the caller's handling of it, until the
@@ -387,7 +389,6 @@ class StepRuntime:
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
         signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_model_signature(self.model),))
-        self._bucketed_call = None
         if self.lengths.last_bucket is not None:
             # A bucket that cannot be planned runs the call again for its exact sizes (``call``): what the
             # call changes, to run it as it was (versions only, no copy).
@@ -915,8 +916,8 @@ class ForwardState:
         tensor, _, value = self.saved[key]
         if internals.version_counter(tensor) != version:
             return True
-        if value is None or internals.is_fake(tensor) or tensor.device.type == "meta":
-            return False  # no values to compare (offline planning)
+        if value is None or internals.is_storeless(tensor):
+            return False  # no values to compare
         return not torch.equal(tensor, value)
 
     def inputs_as_given(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
