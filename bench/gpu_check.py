@@ -5,6 +5,12 @@ Run from the repository root on a machine with a CUDA GPU, in one call (about 3-
 
     python -m bench.gpu_check                      # writes bench/results/gpu.md and gpu.json
 
+or one process per model at once (compiling is single-threaded; the models' peaks are each process's own),
+then the tables joined::
+
+    for m in gpt2 llama enformer; do python -m bench.gpu_check --models $m --out out/$m & done; wait
+    python -m bench.gpu_check --merge out/*/gpu.json --out bench/results
+
 For GPT-2, Llama and Enformer at the bench sizes it measures, on the GPU, one
 training step of: eager PyTorch; ckptc at 3 budgets between its floor and the
 unoptimized peak (predicted peak, measured ``max_memory_allocated``, their
@@ -25,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -113,54 +121,71 @@ def _tensors(case: ModelCase) -> list[torch.Tensor]:
     return [t for t in values if isinstance(t, torch.Tensor)]
 
 
-def check_model(name: str, size: str, device: torch.device, meter: Meter, started: float) -> dict[str, Any]:
+class Rows:
+    """The rows of one model; a configuration that fails is a row saying how, and the others still run."""
+
+    def __init__(self, started: float, deadline_s: float) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.started = started
+        self.deadline_s = deadline_s
+
+    def add(self, config: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        if time.perf_counter() - self.started > self.deadline_s:
+            self.rows.append({"config": config, "skipped": "time"})
+            return None
+        try:
+            row = {"config": config, **measure()}
+        except Exception as error:  # the table says which configuration failed and why; the run goes on
+            print(f"[gpu_check] {config} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            row = {"config": config, "failed": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+        self.rows.append(row)
+        return row
+
+
+def check_model(name: str, size: str, device: torch.device, meter: Meter, rows: Rows) -> dict[str, Any]:
     """Every row of one model."""
     case = moved(get_case(name, size=size), device)
-    rows: list[dict[str, Any]] = []
-    eager = meter.measure(case, case.model, case.model)
-    rows.append({"config": "eager", **eager})
+    result: dict[str, Any] = {"model": name, "size": size, "parameters": case.num_parameters(), "rows": rows.rows}
+    eager = rows.add("eager", lambda: meter.measure(case, case.model, case.model))
     captured = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
     floor, unoptimized = captured.floor_bytes, captured.unoptimized_peak_bytes
-    for fraction in FRACTIONS:
-        if time.perf_counter() - started > DEADLINE_S:
-            rows.append({"config": f"ckptc @{fraction:g}", "skipped": "time"})
-            continue
-        budget = floor + int((unoptimized - floor) * fraction)
+    result.update(floor_bytes=floor, unoptimized_peak_bytes=unoptimized)
+
+    def planned(budget: int, verify: bool = False) -> dict[str, Any]:
         model = copy.deepcopy(case.model)
-        fast = ckptc.optimize(model, budget_bytes=budget, verify=False)
+        fast = ckptc.optimize(model, budget_bytes=budget, verify=verify)
         row = meter.measure(case, fast, model)
-        plan = fast.plan
         row.update(
-            config=f"ckptc @{fraction:g} (budget {fmt_mib(budget)} MiB)",
             budget_bytes=budget,
-            predicted_peak_bytes=plan.predicted_peak_bytes,
-            recompute_percent=plan.recompute_percent,
-            loss_equal=abs(row["loss"] - eager["loss"]) <= 1e-4 * max(1.0, abs(eager["loss"])),
+            predicted_peak_bytes=fast.plan.predicted_peak_bytes,
+            recompute_percent=fast.plan.recompute_percent,
+            checked_peak_bytes=fast.plan.measured_peak_bytes,
         )
-        rows.append(row)
+        if eager is not None and "loss" in eager:
+            row["loss_equal"] = abs(row["loss"] - eager["loss"]) <= 1e-4 * max(1.0, abs(eager["loss"]))
+        return row
+
+    for fraction in FRACTIONS:
+        budget = floor + int((unoptimized - floor) * fraction)
+        rows.add(f"ckptc @{fraction:g} (budget {fmt_mib(budget)} MiB)", functools.partial(planned, budget))
+    # The default entry point, run-time check on: ckptc measures its first steps itself and plans again if over.
+    halfway = floor + (unoptimized - floor) // 2
+    rows.add(f"ckptc @0.5 verified (budget {fmt_mib(halfway)} MiB)", functools.partial(planned, halfway, True))
     alternatives = [Alternative("ckpt_every", "per-block checkpoint")] + [
         Alternative("aot_eager", f"aot_eager activation_memory_budget={b:g}", budget_fraction=b) for b in AOT_BUDGETS
     ]
-    for alternative in alternatives:
-        if time.perf_counter() - started > DEADLINE_S:
-            rows.append({"config": alternative.label, "skipped": "time"})
-            continue
-        model = copy.deepcopy(case.model)
+
+    def alternative_row(alternative: Alternative) -> dict[str, Any]:
         try:
-            runner = alternative.build(model)
+            runner = alternative.build(copy.deepcopy(case.model))
         except Skip as why:
-            rows.append({"config": alternative.label, "skipped": str(why)})
-            continue
+            return {"skipped": str(why)}
         torch.compiler.reset()
-        rows.append({"config": alternative.label, **meter.measure(case, runner.call, runner.module)})
-    return {
-        "model": name,
-        "size": size,
-        "parameters": case.num_parameters(),
-        "floor_bytes": floor,
-        "unoptimized_peak_bytes": unoptimized,
-        "rows": rows,
-    }
+        return meter.measure(case, runner.call, runner.module)
+
+    for alternative in alternatives:
+        rows.add(alternative.label, functools.partial(alternative_row, alternative))
+    return result
 
 
 def markdown(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
@@ -173,32 +198,59 @@ def markdown(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
         "(weights, inputs, gradients, activations, cuBLAS workspaces; no optimizer state); times are medians.",
         "",
     ]
+    if header.get("note"):
+        lines += [header["note"], ""]
     for result in results:
         lines += [
             f"## {result['model']} ({result['size']}, {result['parameters'] / 1e6:.1f} M parameters)",
             "",
             f"ckptc floor {fmt_mib(result['floor_bytes'])} MiB, unoptimized peak "
-            f"{fmt_mib(result['unoptimized_peak_bytes'])} MiB (predicted).",
+            f"{fmt_mib(result['unoptimized_peak_bytes'])} MiB (predicted)."
+            if "floor_bytes" in result
+            else "ckptc could not capture this model (see the rows).",
             "",
-            "| configuration | predicted peak | measured peak | measured / predicted | recompute | step time | "
-            "loss = eager |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| configuration | predicted peak | measured peak | measured / predicted | ckptc's own check | recompute | "
+            "step time | loss = eager |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in result["rows"]:
-            if "skipped" in row:
-                lines.append(f"| {row['config']} | skipped: {row['skipped']} | | | | | |")
+            if "skipped" in row or "failed" in row:
+                why = f"skipped: {row['skipped']}" if "skipped" in row else f"**failed**: {row['failed']}"
+                lines.append(f"| {row['config']} | {why} | | | | | | |")
                 continue
             predicted = row.get("predicted_peak_bytes")
             ratio = "-" if not predicted else f"{row['measured_peak_bytes'] / predicted:.3f}"
             shown = "-" if predicted is None else f"{fmt_mib(predicted)} MiB"
+            checked = row.get("checked_peak_bytes")
+            check = "-" if checked is None else f"{fmt_mib(checked)} MiB"
             recompute = row.get("recompute_percent")
             recomputed = "-" if recompute is None else f"{recompute:.1f}%"
             lines.append(
                 f"| {row['config']} | {shown} | {fmt_mib(row['measured_peak_bytes'])} MiB | {ratio} | "
-                f"{recomputed} | {row['step_s'] * 1000:.1f} ms | {row.get('loss_equal', '-')} |"
+                f"{check} | {recomputed} | {row['step_s'] * 1000:.1f} ms | {row.get('loss_equal', '-')} |"
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def write(out: Path, stem: str, header: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(results, header) + "\n")
+
+
+def merge(paths: list[str], out: Path) -> int:
+    """Join the ``gpu.json`` of runs made one model per process into one table."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    header = dict(runs[0]["header"])
+    header["seconds"] = max(run["header"]["seconds"] for run in runs)
+    header["note"] = (
+        f"The {len(runs)} models ran at once, one process each, on the one GPU: each peak is its own process's; "
+        "step times may include the other processes' kernels."
+    )
+    write(out, "gpu", header, [result for run in runs for result in run["results"]])
+    print(f"[gpu_check] joined {len(runs)} runs into {out / 'gpu'}.md", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,9 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed steps per configuration (default: 3)")
     parser.add_argument("--out", default="bench/results", help="folder for gpu.md and gpu.json")
     parser.add_argument(
+        "--deadline", type=float, default=DEADLINE_S, help="start no configuration after this many seconds"
+    )
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the gpu.json of earlier runs and exit")
+    parser.add_argument(
         "--cpu-smoke", action="store_true", help="run on the CPU (tiny sizes; tests the script where no GPU is)"
     )
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     if args.cpu_smoke:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
@@ -225,25 +283,28 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
     started = time.perf_counter()
     meter = Meter(device, args.reps)
-    results = []
-    for name in args.models:
-        print(f"[gpu_check] {name} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-        results.append(check_model(name, args.size, device, meter, started))
-        torch.compiler.reset()
     header = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
         "torch": torch.__version__,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "seconds": time.perf_counter() - started,
         "meter": "absolute `torch.cuda.max_memory_allocated`"
         if device.type == "cuda"
         else "the CPU allocator's events (--cpu-smoke: a test of the script, not GPU figures)",
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "gpu" if device.type == "cuda" else "gpu_cpu_smoke"
-    (out / f"{stem}.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(results, header) + "\n")
+    out, stem = Path(args.out), "gpu" if device.type == "cuda" else "gpu_cpu_smoke"
+    results: list[dict[str, Any]] = []
+    for name in args.models:
+        print(f"[gpu_check] {name} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+        rows = Rows(started, args.deadline)
+        try:
+            results.append(check_model(name, args.size, device, meter, rows))
+        except Exception as error:  # a model ckptc cannot capture is a result too
+            print(f"[gpu_check] {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            rows.rows.append({"config": "capture", "failed": f"{type(error).__name__}: {str(error)[:300]}"})
+            results.append({"model": name, "size": args.size, "parameters": 0, "rows": rows.rows})
+        torch.compiler.reset()
+        header["seconds"] = time.perf_counter() - started
+        write(out, stem, header, results)  # after every model: a run stopped for time keeps what it measured
     print(f"[gpu_check] wrote {out / stem}.md in {header['seconds']:.0f} s", file=sys.stderr)
     return 0
 
