@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
+import gc
 import json
 import platform
 import statistics
@@ -60,12 +62,15 @@ def moved(case: ModelCase, device: torch.device) -> ModelCase:
     def to(value: Any) -> Any:
         return value.to(device) if isinstance(value, torch.Tensor) else value
 
+    loss = case.loss
+    if isinstance(loss, functools.partial):  # a loss bound to its targets (Enformer's, the classifiers')
+        loss = functools.partial(loss.func, *map(to, loss.args), **{k: to(v) for k, v in loss.keywords.items()})
     return ModelCase(
         case.name,
         case.model.to(device),
         tuple(to(t) for t in case.example_inputs),
         {k: to(v) for k, v in case.example_kwargs.items()},
-        case.loss,
+        loss,
     )
 
 
@@ -94,8 +99,11 @@ class Meter:
         self.step(case, run, params)
         for p in params:
             p.grad = None
+        gc.collect()  # what the warm-up left in reference cycles is not part of the step
         self.sync()
+        resident = None
         if self.device.type == "cuda":
+            resident = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             loss = self.step(case, run, params)
             self.sync()
@@ -113,7 +121,12 @@ class Meter:
             times.append(time.perf_counter() - start)
         for p in params:
             p.grad = None  # copies made from this model later must not carry gradients
-        return {"measured_peak_bytes": int(peak), "step_s": statistics.median(times), "loss": float(loss)}
+        return {
+            "measured_peak_bytes": int(peak),
+            "resident_at_start_bytes": resident,
+            "step_s": statistics.median(times),
+            "loss": float(loss),
+        }
 
 
 def _tensors(case: ModelCase) -> list[torch.Tensor]:
@@ -138,21 +151,44 @@ class Rows:
         except Exception as error:  # the table says which configuration failed and why; the run goes on
             print(f"[gpu_check] {config} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             row = {"config": config, "failed": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+        release()
         self.rows.append(row)
         return row
 
 
+def release() -> None:
+    """Free what a configuration held (its model copy, compiled graphs) before the next one is measured:
+    every peak here is absolute, so a copy left alive would count in the next configuration's."""
+    gc.collect()
+    torch.compiler.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def check_model(name: str, size: str, device: torch.device, meter: Meter, rows: Rows) -> dict[str, Any]:
-    """Every row of one model."""
-    case = moved(get_case(name, size=size), device)
-    result: dict[str, Any] = {"model": name, "size": size, "parameters": case.num_parameters(), "rows": rows.rows}
-    eager = rows.add("eager", lambda: meter.measure(case, case.model, case.model))
-    captured = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
+    """Every row of one model.  The model stays on the CPU; each configuration runs its own copy on ``device``
+    (alone there with the inputs: peaks are absolute)."""
+    original = get_case(name, size=size)
+    case = moved(dataclasses.replace(original, model=torch.nn.Module()), device)  # inputs and targets
+
+    def fresh() -> torch.nn.Module:
+        return copy.deepcopy(original.model).to(device)
+
+    result: dict[str, Any] = {"model": name, "size": size, "parameters": original.num_parameters(), "rows": rows.rows}
+
+    def eager_row() -> dict[str, Any]:
+        model = fresh()
+        return meter.measure(case, model, model)
+
+    eager = rows.add("eager", eager_row)
+    captured = ckptc.capture(fresh(), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
     floor, unoptimized = captured.floor_bytes, captured.unoptimized_peak_bytes
+    del captured
+    release()
     result.update(floor_bytes=floor, unoptimized_peak_bytes=unoptimized)
 
     def planned(budget: int, verify: bool = False) -> dict[str, Any]:
-        model = copy.deepcopy(case.model)
+        model = fresh()
         fast = ckptc.optimize(model, budget_bytes=budget, verify=verify)
         row = meter.measure(case, fast, model)
         row.update(
@@ -169,18 +205,19 @@ def check_model(name: str, size: str, device: torch.device, meter: Meter, rows: 
         budget = floor + int((unoptimized - floor) * fraction)
         rows.add(f"ckptc @{fraction:g} (budget {fmt_mib(budget)} MiB)", functools.partial(planned, budget))
     # The default entry point, run-time check on: ckptc measures its first steps itself and plans again if over.
-    halfway = floor + (unoptimized - floor) // 2
-    rows.add(f"ckptc @0.5 verified (budget {fmt_mib(halfway)} MiB)", functools.partial(planned, halfway, True))
+    for fraction in FRACTIONS:
+        budget = floor + int((unoptimized - floor) * fraction)
+        label = f"ckptc @{fraction:g} verified (budget {fmt_mib(budget)} MiB)"
+        rows.add(label, functools.partial(planned, budget, True))
     alternatives = [Alternative("ckpt_every", "per-block checkpoint")] + [
         Alternative("aot_eager", f"aot_eager activation_memory_budget={b:g}", budget_fraction=b) for b in AOT_BUDGETS
     ]
 
     def alternative_row(alternative: Alternative) -> dict[str, Any]:
         try:
-            runner = alternative.build(copy.deepcopy(case.model))
+            runner = alternative.build(fresh())
         except Skip as why:
             return {"skipped": str(why)}
-        torch.compiler.reset()
         return meter.measure(case, runner.call, runner.module)
 
     for alternative in alternatives:
@@ -195,7 +232,9 @@ def markdown(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
         "",
         f"Made by `python -m bench.gpu_check` on {header['device']} (torch {header['torch']}, "
         f"{header['when']}). Peaks are {header['meter']} of one training step "
-        "(weights, inputs, gradients, activations, cuBLAS workspaces; no optimizer state); times are medians.",
+        "(weights, inputs, gradients, activations, cuBLAS workspaces; no optimizer state); times are medians. "
+        "Each configuration runs alone on the device: its own copy of the model, the others freed "
+        "(resident at start: what the device held when the measured step began).",
         "",
     ]
     if header.get("note"):
@@ -210,24 +249,27 @@ def markdown(results: list[dict[str, Any]], header: dict[str, Any]) -> str:
             else "ckptc could not capture this model (see the rows).",
             "",
             "| configuration | predicted peak | measured peak | measured / predicted | ckptc's own check | recompute | "
-            "step time | loss = eager |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "step time | loss = eager | resident at start |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in result["rows"]:
             if "skipped" in row or "failed" in row:
                 why = f"skipped: {row['skipped']}" if "skipped" in row else f"**failed**: {row['failed']}"
-                lines.append(f"| {row['config']} | {why} | | | | | | |")
+                lines.append(f"| {row['config']} | {why} | | | | | | | |")
                 continue
             predicted = row.get("predicted_peak_bytes")
             ratio = "-" if not predicted else f"{row['measured_peak_bytes'] / predicted:.3f}"
             shown = "-" if predicted is None else f"{fmt_mib(predicted)} MiB"
             checked = row.get("checked_peak_bytes")
             check = "-" if checked is None else f"{fmt_mib(checked)} MiB"
+            resident = row.get("resident_at_start_bytes")
+            held = "-" if resident is None else f"{fmt_mib(resident)} MiB"
             recompute = row.get("recompute_percent")
             recomputed = "-" if recompute is None else f"{recompute:.1f}%"
             lines.append(
                 f"| {row['config']} | {shown} | {fmt_mib(row['measured_peak_bytes'])} MiB | {ratio} | "
-                f"{check} | {recomputed} | {row['step_s'] * 1000:.1f} ms | {row.get('loss_equal', '-')} |"
+                f"{check} | {recomputed} | {row['step_s'] * 1000:.1f} ms | {row.get('loss_equal', '-')} | "
+                f"{held} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -51,6 +51,7 @@ __all__ = [
     "storage_key",
     "profiler_events",
     "cpu_allocations",
+    "clear_cublas_workspaces",
     "profiler_mark",
     "made_by_compiled_graph",
     "current_graph_task_id",
@@ -942,6 +943,16 @@ def is_fake(tensor: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(tensor, FakeTensor)
+
+
+def clear_cublas_workspaces() -> None:
+    """Give cuBLAS's workspaces (one per handle and stream: each thread that ran a matrix product) back to
+    the CUDA caching allocator; the next product on each thread allocates its own again.  A measurement
+    that starts here counts them where the step allocates them, as the memory model does
+    (:mod:`ckptc.pricing.devices`), instead of as memory resident before the step."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_initialized():
+        clear()
 
 
 def is_storeless(tensor: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from ckptc._torch_internals import cpu_allocations, local_shard, storage_key
+from ckptc._torch_internals import clear_cublas_workspaces, cpu_allocations, local_shard, storage_key
 
 log = logging.getLogger("ckptc.meter")
 
@@ -147,10 +147,7 @@ class StepMeter:
             self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profile.__enter__()
         else:
-            module = torch.get_device_module(self.device.type)
-            module.synchronize(self.device)
-            module.reset_peak_memory_stats(self.device)
-            self._start = module.memory_allocated(self.device)
+            self._start = _start_accelerator_span(self.device)
         return self
 
     def add_baseline(self, nbytes: int) -> None:
@@ -236,13 +233,23 @@ def _loss_region(
     return highest - at_return, bool(inside) and highest == peak
 
 
+def _start_accelerator_span(device: torch.device) -> int:
+    """Begin measuring on an accelerator: its peak counter restarts, and cuBLAS's workspaces are given back
+    so that the span counts them where it allocates them again (allocated before it, they would be memory
+    the baseline does not hold and the meter subtracts).  Returns the allocated level at the start."""
+    module = torch.get_device_module(device.type)
+    module.synchronize(device)
+    if device.type == "cuda":
+        clear_cublas_workspaces()
+    module.reset_peak_memory_stats(device)
+    return module.memory_allocated(device)
+
+
 def _measure_accelerator(
     fn: Callable[[], Any], baseline_bytes: int, device: torch.device
 ) -> tuple[Any, MemoryMeasurement]:
     module = torch.get_device_module(device.type)
-    module.synchronize(device)
-    module.reset_peak_memory_stats(device)
-    start = module.memory_allocated(device)
+    start = _start_accelerator_span(device)
     result = fn()
     module.synchronize(device)
     peak = module.max_memory_allocated(device) - start

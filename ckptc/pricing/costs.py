@@ -612,19 +612,19 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
     """Measure the temporary memory each op allocates while it runs.
 
     Kernels allocate workspace that their outputs do not show: CPU
-    convolutions' im2col buffers, oneDNN reorders, cuDNN workspaces.  The
-    budget counts it, so the simulator must too.  Each distinct op (target,
-    argument shapes and strides) runs once on random tensors, in isolation, and
-    the allocator's events give its peak above its start and end levels.  Ops
-    that cannot run on random data (data-dependent ones) are skipped (0 bytes).
-    ``known`` maps signatures measured before (by an earlier graph, or the
-    same graph planned again) to their scratch: those are not run again, and
-    what this call measures is added to it.  Needs :func:`annotate_costs`
-    first.  Returns the number of distinct ops run.
+    convolutions' im2col buffers, oneDNN reorders, cuDNN workspaces, a CUDA
+    kernel's copy of an input it needs laid out otherwise.  The budget counts
+    it, so the simulator must too.  Each distinct op (target, argument shapes,
+    strides and device) runs once on random tensors, in isolation, on the
+    device the graph runs on: on the CPU the allocator's events give its peak
+    above its end level, on an accelerator the allocator's peak counter does
+    (:func:`_scratch_on_accelerator`).  Ops that cannot run on random data
+    (data-dependent ones) are skipped (0 bytes).  ``known`` maps signatures
+    measured before (by an earlier graph, or the same graph planned again) to
+    their scratch: those are not run again, and what this call measures is
+    added to it.  Needs :func:`annotate_costs` first.  Returns the number of
+    distinct ops run.
     """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     by_signature: dict[tuple, list[fx.Node]] = {}
     for node in joint.graph.nodes:
         if node.op == "call_function" and is_op_overload(node.target) and "ckptc" in node.meta:
@@ -635,40 +635,64 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
         for signature in [sig for sig in by_signature if sig in known]:
             for node in by_signature.pop(signature):
                 node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=known[signature])
-    if not by_signature:
-        return 0
-    labels: dict[str, tuple[tuple, list[fx.Node]]] = {}  # label -> (signature, its nodes)
+    on_device: dict[torch.device, dict[tuple, fx.Node]] = {}
+    for signature, nodes in by_signature.items():
+        on_device.setdefault(_node_device(nodes[0]), {})[signature] = nodes[0]
+    measured: dict[tuple, int] = {}
     # Random ops (dropout allocates a temporary mask) run too; fork_rng keeps the
     # program's random stream as it was.
-    with (
-        outside_fake_mode(),
-        torch.random.fork_rng(devices=[]),
-        quiet_profiler(),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
-    ):
-        for i, (signature, nodes) in enumerate(by_signature.items()):
-            node = nodes[0]
-            try:
-                args = torch.fx.node.map_arg(node.args, _materialize_node)
-                kwargs = torch.fx.node.map_arg(node.kwargs, _materialize_node)
-            except Exception:  # a value without fake-tensor metadata
-                continue
+    with outside_fake_mode(), torch.random.fork_rng(devices=[d for d in on_device if d.type == "cuda"]):
+        for device, nodes in on_device.items():
+            if device.type == "cpu":
+                measured.update(_scratch_on_cpu(nodes))
+            else:
+                measured.update(_scratch_on_accelerator(nodes, device))
+    for signature, scratch in measured.items():
+        for node in by_signature[signature]:
+            node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=scratch)
+        if known is not None:
+            known[signature] = scratch
+    return len(measured)
+
+
+def _node_device(node: fx.Node) -> torch.device:
+    """Where ``node`` runs: the device of its first tensor (output or argument) off the CPU, else the CPU."""
+    values = [node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)]
+    for t in tree_leaves(values):
+        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+            return t.device
+    return torch.device("cpu")
+
+
+def _random_arguments(node: fx.Node) -> tuple[Any, Any]:
+    """Random tensors of ``node``'s arguments' shapes (raises for a value without fake-tensor metadata)."""
+    return torch.fx.node.map_arg(node.args, _materialize_node), torch.fx.node.map_arg(node.kwargs, _materialize_node)
+
+
+def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
+    """Scratch of CPU ops: the allocator's events (``torch.profiler``) inside each op's labelled window."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    labels: dict[str, tuple] = {}  # label -> signature
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i, (signature, node) in enumerate(nodes.items()):
             label = f"ckptc_scratch_{i}"
             try:
+                args, kwargs = _random_arguments(node)
                 with record_function(label):
                     out = node.target(*args, **kwargs)
-                del out
-            except Exception:
+                del out, args, kwargs
+            except Exception:  # a value without fake-tensor metadata, a data-dependent op
                 log.debug("could not run %s on random data to measure its scratch memory", node.target, exc_info=True)
                 continue
-            labels[label] = (signature, nodes)
-            del args, kwargs
+            labels[label] = signature
     events = list(profiler_events(prof))
     windows = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels)
     memory = sorted(
         (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     )
-    # Accelerator allocations are not in these events: ops there get 0 (see README).
+    measured = {}
     j = 0
     for start, end, label in windows:
         while j < len(memory) and memory[j][0] < start:
@@ -679,10 +703,25 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
             level += memory[k][1]
             peak = max(peak, level)
             k += 1
-        scratch = max(0, peak - max(level, 0))
-        signature, nodes = labels[label]
-        for node in nodes:
-            node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=scratch)
-        if known is not None:
-            known[signature] = scratch
-    return len(labels)
+        measured[labels[label]] = max(0, peak - max(level, 0))
+    return measured
+
+
+def _scratch_on_accelerator(nodes: dict[tuple, fx.Node], device: torch.device) -> dict[tuple, int]:
+    """Scratch of ops on an accelerator: its allocator's peak counter while the op runs, above the level
+    with its outputs allocated (whole blocks, as the budget counts them).  What an op allocates once and
+    keeps (a cuBLAS workspace) is in that level too, so it is not scratch: the memory model counts it."""
+    module = torch.get_device_module(device.type)
+    measured = {}
+    for signature, node in nodes.items():
+        try:
+            args, kwargs = _random_arguments(node)
+            module.synchronize(device)
+            module.reset_peak_memory_stats(device)
+            out = node.target(*args, **kwargs)
+            module.synchronize(device)
+            measured[signature] = max(0, module.max_memory_allocated(device) - module.memory_allocated(device))
+            del out, args, kwargs
+        except Exception:  # a value without fake-tensor metadata, a data-dependent op
+            log.debug("could not run %s on random data to measure its scratch memory", node.target, exc_info=True)
+    return measured
