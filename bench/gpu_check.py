@@ -281,15 +281,15 @@ def write(out: Path, stem: str, header: dict[str, Any], results: list[dict[str, 
     (out / f"{stem}.md").write_text(markdown(results, header) + "\n")
 
 
-def merge(paths: list[str], out: Path) -> int:
-    """Join the ``gpu.json`` of runs made one model per process into one table."""
+def merge(paths: list[str], out: Path, note: str = "") -> int:
+    """Join the ``gpu.json`` of runs made one model per process into one table (``note``: said under it)."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     header = dict(runs[0]["header"])
     header["seconds"] = max(run["header"]["seconds"] for run in runs)
     header["note"] = (
         f"The {len(runs)} models ran at once, one process each, on the one GPU: each peak is its own process's; "
-        "step times may include the other processes' kernels."
-    )
+        f"step times may include the other processes' kernels. {note}"
+    ).strip()
     write(out, "gpu", header, [result for run in runs for result in run["results"]])
     print(f"[gpu_check] joined {len(runs)} runs into {out / 'gpu'}.md", file=sys.stderr)
     return 0
@@ -305,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         "--deadline", type=float, default=DEADLINE_S, help="start no configuration after this many seconds"
     )
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the gpu.json of earlier runs and exit")
+    parser.add_argument("--note", default="", help="with --merge: a paragraph said under the table's header")
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="run on the CPU (tiny sizes; tests the script where no GPU is)"
     )
     args = parser.parse_args(argv)
     if args.merge:
-        return merge(args.merge, Path(args.out))
+        return merge(args.merge, Path(args.out), args.note)
     if args.cpu_smoke:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():

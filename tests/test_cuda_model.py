@@ -61,11 +61,13 @@ def test_the_memory_model_is_chosen_by_the_device(monkeypatch: pytest.MonkeyPatc
     cuda = memory_model("cuda")
     assert cuda.storage_bytes(1) == 512 and cuda.storage_bytes(11 * MiB) == 12 * MiB
     if not torch.cuda.is_available():
-        assert cuda.step_overhead_bytes == 2 * 32 * MiB  # two handles (caller and autograd threads)
+        # Two threads (caller and autograd), each with a cuBLAS and a cuBLASLt workspace.
+        assert cuda.step_overhead_bytes == 2 * (32 + 1) * MiB
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "256")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     small = memory_model("cuda")
-    assert small.step_overhead_bytes == 2 * 128 * 1024 and small.storage_bytes(11 * MiB) == 11 * MiB
+    assert small.step_overhead_bytes == 2 * (128 + 256) * 1024 and small.storage_bytes(11 * MiB) == 11 * MiB
     with FakeTensorMode():
         tensors = [torch.empty(2), torch.empty(2, device="cuda")]
     assert graph_device(tensors).type == "cuda" and graph_device(tensors[:1]).type == "cpu"
@@ -123,3 +125,59 @@ def test_cuda_flash_attention_saves_logsumexp_and_the_rng_state_priced_as_blocks
     saved = {n for n in backward.all_input_nodes if n.op != "placeholder"}
     assert saved == {got[0], got[1], got[6], got[7]}
     assert costs[forward].op == "_scaled_dot_product_flash_attention"
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.py)")
+
+
+class _LossHeadFirst(torch.nn.Module):
+    """A linear layer and a wide loss head: the step peaks where backward begins, before its first product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 4096)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.proj(x), dim=-1).exp().mean()
+
+
+@needs_cuda
+def test_the_check_on_cuda_counts_the_workspaces_through_the_whole_step() -> None:
+    """On an H200 the run-time check read 35-67 MB below max_memory_allocated: cuBLAS's workspaces,
+    allocated at the first step and held for good, were memory from before the measured span."""
+    from ckptc.meter import measure_peak, resident_bytes
+
+    model, x = _LossHeadFirst().cuda(), torch.randn(4096, 256, device="cuda")
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+
+    step()
+    step()  # every thread's workspaces are allocated, as in any later step
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    absolute = torch.cuda.max_memory_allocated()  # nothing else lives on the device
+    model.zero_grad(set_to_none=True)
+    _, measured = measure_peak(step, baseline_bytes=resident_bytes(model, x), device="cuda")
+    assert abs(measured.peak_bytes - absolute) <= 64 * 1024, (measured.peak_bytes, absolute)
+
+
+@needs_cuda
+def test_scratch_is_measured_on_cuda() -> None:
+    """An op's temporary memory on the GPU (a sort's radix-sort buffers) is priced, not taken as 0."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ckptc.pricing.costs import measure_scratch
+
+    def sort_values(x: torch.Tensor) -> torch.Tensor:
+        return torch.sort(x, dim=0).values
+
+    graph = make_fx(sort_values)(torch.randn(1 << 22, device="cuda"))
+    annotate_costs(graph)
+    assert measure_scratch(graph) >= 1
+    (sort,) = [n for n in graph.graph.nodes if n.op == "call_function" and "sort" in str(n.target)]
+    assert sort.meta["ckptc"].scratch_bytes > 0

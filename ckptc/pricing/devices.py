@@ -17,7 +17,10 @@ allocated through it:
 * each cuBLAS handle (one per thread: the training thread and autograd's
   device thread) keeps a workspace of ``CUBLAS_WORKSPACE_CONFIG``'s size, by
   default 32 MiB on compute capability 9-12 (Hopper, Blackwell) and
-  4096 KiB * 2 + 16 KiB * 8 below.
+  4096 KiB * 2 + 16 KiB * 8 below, and a cuBLASLt workspace (``addmm`` with a
+  bias) of ``CUBLASLT_WORKSPACE_SIZE`` KiB, by default 1 MiB: on an H200
+  (torch 2.11) the training thread held 32 MiB + 1 MiB, allocated at its first
+  product, and autograd's thread 32 MiB (``bench/results/gpu.md``).
 
 Blocks reused from the cache can be larger than a fresh segment's (a freed
 12 MiB block serves an 11.5 MiB request whole); :func:`block_bytes` prices the
@@ -40,7 +43,7 @@ MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
-# Threads with their own cuBLAS handle (and workspace) in a training step: the caller's and autograd's.
+# Threads with their own cuBLAS handle (and workspaces) in a training step: the caller's and autograd's.
 CUBLAS_HANDLES_PER_STEP = 2
 
 
@@ -75,6 +78,13 @@ def cublas_workspace_bytes(config: str | None = None, capability: tuple[int, int
     return 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
+def cublaslt_workspace_bytes(config: str | None = None) -> int:
+    """One thread's cuBLASLt workspace: ``CUBLASLT_WORKSPACE_SIZE`` (KiB), by default 1 MiB."""
+    if config and config.strip().isdigit():
+        return int(config) * 1024
+    return 1024 * 1024
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """How one device type's allocator counts a step's memory.
@@ -102,15 +112,19 @@ def memory_model(device: torch.device | str) -> MemoryModel:
     if device.type != "cuda":
         return MemoryModel(device.type)
     return _cuda_model(
-        str(device), os.environ.get("CUBLAS_WORKSPACE_CONFIG"), os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        str(device),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        os.environ.get("CUBLASLT_WORKSPACE_SIZE"),
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _cuda_model(device: str, workspace_config: str | None, alloc_conf: str) -> MemoryModel:
+def _cuda_model(device: str, workspace_config: str | None, lt_config: str | None, alloc_conf: str) -> MemoryModel:
     capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
     expandable = bool(re.search(r"expandable_segments\s*:\s*true", alloc_conf, re.IGNORECASE))
     workspace = block_bytes(cublas_workspace_bytes(workspace_config, capability), expandable)
+    workspace += block_bytes(cublaslt_workspace_bytes(lt_config), expandable)
     model = MemoryModel("cuda", True, CUBLAS_HANDLES_PER_STEP * workspace, expandable)
     log.info("%s memory model: %s", device, model)
     return model
