@@ -23,7 +23,13 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from ckptc._torch_internals import clear_cublas_workspaces, cpu_allocations, local_shard, storage_key
+from ckptc._torch_internals import (
+    clear_cublas_workspaces,
+    cpu_allocations,
+    local_shard,
+    outside_fake_mode,
+    storage_key,
+)
 
 log = logging.getLogger("ckptc.meter")
 
@@ -275,7 +281,8 @@ class _ProductsOnBothThreads(torch.autograd.Function):
 
 
 def _allocate_matmul_workspaces(device: torch.device) -> None:
-    with torch.enable_grad():
+    # Outside the caller's dispatch modes: an op observer must not see these products as the step's.
+    with outside_fake_mode(), torch.enable_grad():
         bias = torch.ones(16, device=device, requires_grad=True)
         a = torch.ones(16, 16, device=device, requires_grad=True)
         b = torch.ones(16, 16, device=device, requires_grad=True)
