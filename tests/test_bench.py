@@ -148,4 +148,7 @@ def test_gpu_check_refuses_without_cuda_and_its_logic_runs_on_the_cpu(tmp_path):
     for fraction in ("0", "0.5", "1"):
         row = rows[f"ckptc @{fraction}"]
         assert row["loss_equal"] and row["measured_peak_bytes"] <= row["budget_bytes"]
+        checked = rows[f"ckptc @{fraction} verified"]  # the default entry point: ckptc's own check ran
+        assert checked["loss_equal"] and checked["checked_peak_bytes"] <= checked["budget_bytes"]
+        assert checked["measured_peak_bytes"] <= checked["budget_bytes"]
     assert "| ckptc @0.5" in (out / "gpu_cpu_smoke.md").read_text()
