@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import gc
 import json
+import linecache
 import platform
 import statistics
 import sys
@@ -46,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 import ckptc
+import ckptc._torch_internals as internals
 from bench.alternatives import Alternative, Skip, fmt_mib
 from ckptc.meter import measure_peak
 from tests.zoo import ModelCase, get_case
@@ -75,11 +77,13 @@ def moved(case: ModelCase, device: torch.device) -> ModelCase:
 
 
 class Meter:
-    """One training step's absolute peak on the device, and step times."""
+    """One training step's absolute peak on the device, and step times; with ``explain``, what was alive at
+    the peak of one more step (:func:`peak_breakdown`)."""
 
-    def __init__(self, device: torch.device, reps: int) -> None:
+    def __init__(self, device: torch.device, reps: int, explain: bool = False) -> None:
         self.device = device
         self.reps = reps
+        self.explain = explain and device.type == "cuda"
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -119,14 +123,95 @@ class Meter:
             self.step(case, run, params)
             self.sync()
             times.append(time.perf_counter() - start)
-        for p in params:
-            p.grad = None  # copies made from this model later must not carry gradients
-        return {
+        row = {
             "measured_peak_bytes": int(peak),
             "resident_at_start_bytes": resident,
             "step_s": statistics.median(times),
             "loss": float(loss),
         }
+        if self.explain:
+            row["peak_breakdown"] = self.breakdown(case, run, params)
+        for p in params:
+            p.grad = None  # copies made from this model later must not carry gradients
+        return row
+
+    def breakdown(self, case: ModelCase, run: Callable[..., Any], params: Any) -> dict[str, Any]:
+        """One more step with the allocator's events recorded: what was alive at its peak."""
+        for p in params:
+            p.grad = None
+        gc.collect()
+        self.sync()
+        internals.record_cuda_memory_history(True)
+        try:
+            start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            _mark_step_start(self.device)
+            self.step(case, run, params)
+            self.sync()
+            peak = torch.cuda.max_memory_allocated(self.device)
+            snapshot = internals.cuda_memory_snapshot()
+        finally:
+            internals.record_cuda_memory_history(False)
+        return peak_breakdown(snapshot, start, peak)
+
+
+def _mark_step_start(device: torch.device) -> None:
+    """An allocation :func:`peak_breakdown` finds in the recorded events: the step starts after it."""
+    torch.empty(3, device=device)
+
+
+def peak_breakdown(snapshot: dict[str, Any], start: int, peak: int, top: int = 15) -> dict[str, Any]:
+    """Replay a step's recorded allocator events (after :func:`_mark_step_start`) from the level ``start``: the
+    allocations alive at the replayed peak, grouped by where they were made (a line of a compiled graph, or
+    the innermost frames of the model's code), and how far ``peak`` (``max_memory_allocated``, whole blocks)
+    is above the replayed peak (the events carry requested sizes: the difference is the allocator's rounding
+    and the cached blocks it did not split)."""
+    trace = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
+    marks = [
+        i
+        for i, e in enumerate(trace)
+        if e.get("action") == "alloc" and any(f.get("name") == "_mark_step_start" for f in e.get("frames") or [])
+    ]
+    if not marks:
+        return {"error": "the recorded events do not reach back to the step's start"}
+    live: dict[int, tuple[int, str]] = {}
+    level = best = start
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in trace[marks[-1] + 1 :]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _where(event.get("frames")))
+            level += event["size"]
+            if level > best:
+                best, at_peak = level, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            level -= live.pop(event["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        group = groups.setdefault(where, [0, 0])
+        group[0] += size
+        group[1] += 1
+    largest = sorted(groups.items(), key=lambda item: -item[1][0])[:top]
+    return {
+        "start_bytes": start,
+        "max_memory_allocated": peak,
+        "replayed_peak_bytes": best,
+        "unsplit_and_rounding_bytes": peak - best,
+        "alive_at_peak": [{"bytes": b, "blocks": n, "made_by": where} for where, (b, n) in largest],
+    }
+
+
+def _where(frames: list[dict[str, Any]] | None) -> str:
+    """Where an allocation was made: the compiled graph's line, else the innermost frames of the model's code."""
+    found = []
+    for frame in frames or []:
+        name = frame.get("filename", "")
+        if name.startswith("<eval_with_key"):
+            return "graph: " + linecache.getline(name, frame.get("line", 0)).strip()[:120]
+        if "/torch/" not in name and "/bench/" not in name:
+            found.append(f"{name.rsplit('/', 1)[-1]}:{frame.get('line')}:{frame.get('name')}")
+        if len(found) == 3:
+            break
+    return " < ".join(found) or "(no Python frame: autograd's thread)"
 
 
 def _tensors(case: ModelCase) -> list[torch.Tensor]:
@@ -304,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deadline", type=float, default=DEADLINE_S, help="start no configuration after this many seconds"
     )
+    parser.add_argument(
+        "--explain", action="store_true", help="record one more step per configuration: what was alive at its peak"
+    )
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the gpu.json of earlier runs and exit")
     parser.add_argument("--note", default="", help="with --merge: a paragraph said under the table's header")
     parser.add_argument(
@@ -325,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cuda")
     started = time.perf_counter()
-    meter = Meter(device, args.reps)
+    meter = Meter(device, args.reps, explain=args.explain)
     header = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
         "torch": torch.__version__,

@@ -32,7 +32,7 @@ mkdir -p /tmp/site/polars && echo "# stands in for polars: see bench/gpu_session
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 for m in gpt2 llama enformer; do
-  (timeout 400 python3 -m bench.gpu_check --models "$m" --deadline 300 --out "$OUT/$m" 2>&1 |
+  (timeout 400 python3 -m bench.gpu_check --models "$m" --explain --deadline 300 --out "$OUT/$m" 2>&1 |
     grep -v metrics_context > "$OUT/$m.log") &
 done
 (timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_model.py > "$OUT/pytest.log" 2>&1) &

@@ -52,6 +52,8 @@ __all__ = [
     "profiler_events",
     "cpu_allocations",
     "clear_cublas_workspaces",
+    "record_cuda_memory_history",
+    "cuda_memory_snapshot",
     "profiler_mark",
     "made_by_compiled_graph",
     "current_graph_task_id",
@@ -953,6 +955,21 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.is_initialized():
         clear()
+
+
+def record_cuda_memory_history(enabled: bool) -> None:
+    """Start (with Python stacks) or stop recording the CUDA caching allocator's events, for
+    :func:`cuda_memory_snapshot` (``bench/gpu_check.py --explain``)."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    else:
+        torch.cuda.memory._record_memory_history(None)
+
+
+def cuda_memory_snapshot() -> dict[str, Any]:
+    """The caching allocator's segments and its recorded events (``device_traces``), each allocation with the
+    Python frames that made it."""
+    return torch.cuda.memory._snapshot()
 
 
 def is_storeless(tensor: torch.Tensor) -> bool:
