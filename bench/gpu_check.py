@@ -13,14 +13,19 @@ then the tables joined::
 
 For GPT-2, Llama and Enformer at the bench sizes it measures, on the GPU, one
 training step of: eager PyTorch; ckptc at 3 budgets between its floor and the
-unoptimized peak (predicted peak, measured ``max_memory_allocated``, their
-ratio, recompute, loss equal to eager); per-block ``torch.utils.checkpoint``;
+unoptimized peak, with and without its run-time check (predicted peak, measured
+``max_memory_allocated``, their ratio, what the check read, recompute, loss equal
+to eager); per-block ``torch.utils.checkpoint``;
 and ``torch.compile(backend="aot_eager")`` under ``activation_memory_budget``
 0, 0.5 and 1.  Every figure is absolute: ``max_memory_allocated`` after
 ``reset_peak_memory_stats``, with the model's weights, inputs and cuBLAS
 workspaces resident, as ckptc's prediction counts them (CUDA memory model:
 ``ckptc/pricing/devices.py``).  Step times are the median of ``--reps`` steps after a
 warm-up.  Optimizer state is not part of any figure.
+
+``--explain`` records one more step per configuration with the caching allocator's events and stores in
+``gpu.json`` what was alive at its peak (by compiled-graph line or model code) and how far the allocator's count
+is above the requested bytes (:func:`peak_breakdown`): the data a finer model of the allocator needs.
 
 Without CUDA it refuses (exit status 2) and says so; ``--cpu-smoke`` runs the
 same code on the CPU (tiny sizes, the CPU allocator's events instead of
