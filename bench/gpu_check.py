@@ -135,7 +135,10 @@ class Meter:
             "loss": float(loss),
         }
         if self.explain:
-            row["peak_breakdown"] = self.breakdown(case, run, params)
+            try:
+                row["peak_breakdown"] = self.breakdown(case, run, params)
+            except Exception as error:  # the row's own figures stand without it
+                row["peak_breakdown"] = {"error": f"{type(error).__name__}: {error}"[:300]}
         for p in params:
             p.grad = None  # copies made from this model later must not carry gradients
         return row
