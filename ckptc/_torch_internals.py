@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "cpu_allocations",
     "clear_cublas_workspaces",
     "record_cuda_memory_history",
+    "called_weakly",
     "cuda_memory_snapshot",
     "profiler_mark",
     "made_by_compiled_graph",
@@ -523,7 +525,41 @@ def compile_module(model: torch.nn.Module, backend: Any) -> Any:
     """
     import inspect
 
-    return inspect.unwrap(torch.compile)(model, backend=backend, dynamic=False)
+    return inspect.unwrap(torch.compile)(model, backend=_BackendHeldWeakly(backend), dynamic=False)
+
+
+def called_weakly(run: Callable) -> Callable:
+    """A compiled graph for Dynamo that calls ``run``, which it holds weakly (its compiler holds ``run``):
+    Dynamo keeps what a backend returns in the compiled frame's module globals for the whole process."""
+    ref = weakref.ref(run)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            raise RuntimeError(
+                "ckptc: a graph of a model whose ckptc wrapper was released ran; optimize the model again"
+            )
+        return target(*args)
+
+    if getattr(run, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]  # Dynamo's calling convention: one list
+    return call
+
+
+class _BackendHeldWeakly:
+    """Calls ``backend``, which it holds weakly.  Dynamo keeps every backend a ``torch.compile`` call was
+    given until ``torch.compiler.reset()`` (``torch._dynamo.eval_frame.cached_backends``): ckptc's backend
+    holds its plans and reaches the model, whose weights would stay on the device for the whole process
+    after the caller let it go.  The compiled module's owner holds the backend itself."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = weakref.ref(backend)
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        backend = self._backend()
+        if backend is None:
+            raise RuntimeError("ckptc's compiler was released while torch.compile still ran its model")
+        return backend(gm, example_inputs, **kwargs)
 
 
 def tensor_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:

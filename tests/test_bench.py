@@ -156,26 +156,24 @@ def test_gpu_check_refuses_without_cuda_and_its_logic_runs_on_the_cpu(tmp_path):
 
 def test_gpu_checks_peak_breakdown_replays_the_recorded_events_from_the_steps_start():
     """``--explain`` (GPU only) replays the caching allocator's recorded events; the replay is plain data."""
-    from bench.gpu_check import peak_breakdown
+    script = textwrap.dedent(
+        """
+        from bench.gpu_check import peak_breakdown
 
-    def alloc(addr, size, line):
-        return {
-            "action": "alloc",
-            "addr": addr,
-            "size": size,
-            "frames": [{"filename": "m.py", "line": line, "name": "f"}],
-        }
+        def alloc(addr, size, line):
+            return {"action": "alloc", "addr": addr, "size": size,
+                    "frames": [{"filename": "m.py", "line": line, "name": "f"}]}
 
-    mark = {
-        "action": "alloc",
-        "addr": 1,
-        "size": 512,
-        "frames": [{"filename": "g.py", "line": 1, "name": "_mark_step_start"}],
-    }
-    before = alloc(9, 10_000, 1)  # an earlier step's: not replayed
-    trace = [before, mark, {"action": "free_completed", "addr": 1}, alloc(2, 100, 10), alloc(3, 50, 20)]
-    trace += [{"action": "free_completed", "addr": 2}, alloc(4, 30, 30), {"action": "free_completed", "addr": 7}]
-    found = peak_breakdown({"device_traces": [trace]}, start=1000, peak=1700)
-    assert found["replayed_peak_bytes"] == 1000 + 150 and found["unsplit_and_rounding_bytes"] == 550
-    assert [(g["bytes"], g["made_by"]) for g in found["alive_at_peak"]] == [(100, "m.py:10:f"), (50, "m.py:20:f")]
-    assert "error" in peak_breakdown({"device_traces": [[before]]}, start=0, peak=0)
+        mark = {"action": "alloc", "addr": 1, "size": 512,
+                "frames": [{"filename": "g.py", "line": 1, "name": "_mark_step_start"}]}
+        before = alloc(9, 10_000, 1)  # an earlier step's: not replayed
+        trace = [before, mark, {"action": "free_completed", "addr": 1}, alloc(2, 100, 10), alloc(3, 50, 20)]
+        trace += [{"action": "free_completed", "addr": 2}, alloc(4, 30, 30), {"action": "free_completed", "addr": 7}]
+        found = peak_breakdown({"device_traces": [trace]}, start=1000, peak=1700)
+        assert found["replayed_peak_bytes"] == 1000 + 150 and found["unsplit_and_rounding_bytes"] == 550
+        assert [(g["bytes"], g["made_by"]) for g in found["alive_at_peak"]] == [(100, "m.py:10:f"), (50, "m.py:20:f")]
+        assert "error" in peak_breakdown({"device_traces": [[before]]}, start=0, peak=0)
+        print("ok")
+        """
+    )
+    assert _run_python("-c", script).stdout.strip().endswith("ok")

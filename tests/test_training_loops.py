@@ -1342,3 +1342,26 @@ def test_a_two_call_step_refused_names_rising_budgets_the_last_of_which_trains()
     assert named[-1] <= 1.02 * named[-2], named
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
     _assert_same_gradients(model, eager)
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_model_the_caller_lets_go_is_freed_with_its_weights(entry: str) -> None:
+    """Dynamo keeps every ``torch.compile`` backend, and what a compiled frame runs (in the model's module
+    globals), until ``torch.compiler.reset()``.  ckptc's reached the model and the first call's inputs, so
+    every optimized model's weights stayed alive, on a GPU on the device, for the whole process."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = _Net()
+    budget = _budget(plain, model)
+    if entry == "optimize":
+        fast = ckptc.optimize(model, budget_bytes=budget)
+    else:
+        fast = torch.compile(model, backend=ckptc.backend(budget_bytes=budget, model=model))
+    for step in range(2):
+        plain(fast, _batches(step))
+    weight = weakref.ref(next(model.parameters()))
+    del fast, model
+    gc.collect()
+    assert weight() is None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -117,7 +118,7 @@ class CheckpointCompiler:
         elif option_values:
             options = options.replace(**option_values)
         self.options = options
-        self.model = model
+        self.model = model  # held weakly: see the property
         self.plan_source = plan_source
         self.progress = progress
         self.generate_kernels = generate_kernels
@@ -146,6 +147,9 @@ class CheckpointCompiler:
         # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
         self._scratch: dict[tuple, int] = {}
         self.records: list[GraphRecord] = []
+        # What Dynamo runs for each graph this compiler planned; Dynamo's caches (the compiled frame's
+        # module globals) hold only a weak trampoline to it (see __call__).
+        self._graph_runs: list[Callable] = []
         # Graphs whose forward ran in the current step, in order (a graph run
         # twice before one backward appears twice when steps are tracked).
         self.active: list[GraphRecord] = step if step is not None else []
@@ -176,6 +180,19 @@ class CheckpointCompiler:
     @property
     def solver(self) -> str:
         return self.options.solver
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model whose graphs this compiler plans, when known; None once the caller let it go.
+
+        Held weakly: Dynamo keeps every backend a ``torch.compile`` call was given until
+        ``torch.compiler.reset()`` (``torch._dynamo.eval_frame.cached_backends``), so a compiler holding
+        its model kept every optimized model, and its weights on the device, alive for the whole process."""
+        return self._model() if self._model is not None else None
+
+    @model.setter
+    def model(self, model: torch.nn.Module | None) -> None:
+        self._model = weakref.ref(model) if model is not None else None
 
     def for_step(
         self, replans: Replans, step: list[GraphRecord], events: StepEvents | None = None
@@ -242,10 +259,14 @@ class CheckpointCompiler:
     # -- torch.compile backend entry point ---------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         try:
-            return self._plan_dynamo_graph(gm, example_inputs)
+            run = self._plan_dynamo_graph(gm, example_inputs)
         except CkptcError as error:
             # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
             raise internals.raised_through_dynamo(error) from error.__cause__
+        # Dynamo keeps what a backend returns in the compiled frame's module globals for the whole
+        # process; what it runs reaches this compiler, its step and the model (weights on the device).
+        self._graph_runs.append(run)
+        return internals.called_weakly(run)
 
     def _plan_dynamo_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if not self.track_steps:
@@ -292,12 +313,16 @@ class CheckpointCompiler:
                 # its AOTAutograd function or else from Dynamo's graph (guards and bytecode stay as they are).
                 if events is not None:
                     events.planned()
+                # Planned again on this call's inputs (the graph's guards held: the same structure as the
+                # example inputs), not the example inputs, which would keep the first call's tensors (the
+                # weights, under torch.compile(backend=...)) alive as long as Dynamo keeps this backend.
+                inputs = list(args)
                 try:
-                    again = self._plan_again(plans, gm, example_inputs, index) if plans is not None else None
+                    again = self._plan_again(plans, gm, inputs, index) if plans is not None else None
                     if again is not None:
                         record = again
                     else:
-                        compiled, record, plans = self._plan_graph(gm, example_inputs, index)
+                        compiled, record, plans = self._plan_graph(gm, inputs, index)
                 except solvers.InfeasibleBudgetError as error:
                     # Not run on its old plan, made for an account the step showed wrong: every later
                     # call plans again, and is refused again unless the account changed.

@@ -35,6 +35,7 @@ as for every other path that plans.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -71,7 +72,8 @@ class BackendStepCheck:
     def __init__(self, replans: Replans, model: torch.nn.Module | None = None) -> None:
         assert replans.budget_bytes is not None
         self.replans = replans
-        self.model = model
+        # Weakly, as its compiler holds it (CheckpointCompiler.model): Dynamo keeps backends for good.
+        self._model = weakref.ref(model) if model is not None else None
         self.measured_peak_bytes: int | None = None
         self.verified: set[tuple[bool, tuple]] = set()
         self._state: tuple[bool, tuple] = (False, ())
@@ -83,6 +85,10 @@ class BackendStepCheck:
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self._model() if self._model is not None else None
 
     @property
     def account(self) -> StepAccount:
