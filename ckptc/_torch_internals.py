@@ -525,41 +525,30 @@ def compile_module(model: torch.nn.Module, backend: Any) -> Any:
     """
     import inspect
 
-    return inspect.unwrap(torch.compile)(model, backend=_BackendHeldWeakly(backend), dynamic=False)
+    return inspect.unwrap(torch.compile)(model, backend=called_weakly(backend), dynamic=False)
 
 
-def called_weakly(run: Callable) -> Callable:
-    """A compiled graph for Dynamo that calls ``run``, which it holds weakly (its compiler holds ``run``):
-    Dynamo keeps what a backend returns in the compiled frame's module globals for the whole process."""
-    ref = weakref.ref(run)
+def called_weakly(target: Callable) -> Callable:
+    """A function calling ``target``, which it holds weakly, for Dynamo to keep instead of ``target``.
 
-    def call(*args: Any) -> Any:
-        target = ref()
-        if target is None:
+    Dynamo keeps every backend a ``torch.compile`` call was given (``torch._dynamo.eval_frame.cached_backends``)
+    and what a backend returns (in the compiled frame's module globals) until ``torch.compiler.reset()``.
+    ckptc's backend and its compiled graphs reach the model and its step, so the model's weights would stay
+    alive, on a GPU on the device, for the whole process after the caller let it go.  Whoever owns the
+    compiled model holds ``target`` itself (the step runtime its compiler, the compiler its graphs' runs)."""
+    ref = weakref.ref(target)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        live = ref()
+        if live is None:
             raise RuntimeError(
-                "ckptc: a graph of a model whose ckptc wrapper was released ran; optimize the model again"
+                "ckptc: a model's compiled graph ran after its ckptc wrapper was released; optimize the model again"
             )
-        return target(*args)
+        return live(*args, **kwargs)
 
-    if getattr(run, "_boxed_call", False):
+    if getattr(target, "_boxed_call", False):
         call._boxed_call = True  # type: ignore[attr-defined]  # Dynamo's calling convention: one list
     return call
-
-
-class _BackendHeldWeakly:
-    """Calls ``backend``, which it holds weakly.  Dynamo keeps every backend a ``torch.compile`` call was
-    given until ``torch.compiler.reset()`` (``torch._dynamo.eval_frame.cached_backends``): ckptc's backend
-    holds its plans and reaches the model, whose weights would stay on the device for the whole process
-    after the caller let it go.  The compiled module's owner holds the backend itself."""
-
-    def __init__(self, backend: Any) -> None:
-        self._backend = weakref.ref(backend)
-
-    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        backend = self._backend()
-        if backend is None:
-            raise RuntimeError("ckptc's compiler was released while torch.compile still ran its model")
-        return backend(gm, example_inputs, **kwargs)
 
 
 def tensor_registries(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
