@@ -47,7 +47,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -258,7 +258,9 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def check_model(name: str, size: str, device: torch.device, meter: Meter, rows: Rows) -> dict[str, Any]:
+def check_model(
+    name: str, size: str, device: torch.device, meter: Meter, rows: Rows, fractions: Sequence[float] = FRACTIONS
+) -> dict[str, Any]:
     """Every row of one model.  The model stays on the CPU; each configuration runs its own copy on ``device``
     (alone there with the inputs: peaks are absolute)."""
     original = get_case(name, size=size)
@@ -294,11 +296,11 @@ def check_model(name: str, size: str, device: torch.device, meter: Meter, rows: 
             row["loss_equal"] = abs(row["loss"] - eager["loss"]) <= 1e-4 * max(1.0, abs(eager["loss"]))
         return row
 
-    for fraction in FRACTIONS:
+    for fraction in fractions:
         budget = floor + int((unoptimized - floor) * fraction)
         rows.add(f"ckptc @{fraction:g} (budget {fmt_mib(budget)} MiB)", functools.partial(planned, budget))
     # The default entry point, run-time check on: ckptc measures its first steps itself and plans again if over.
-    for fraction in FRACTIONS:
+    for fraction in fractions:
         budget = floor + int((unoptimized - floor) * fraction)
         label = f"ckptc @{fraction:g} verified (budget {fmt_mib(budget)} MiB)"
         rows.add(label, functools.partial(planned, budget, True))
@@ -393,6 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="models of tests.zoo (default: %(default)s)")
     parser.add_argument("--size", default="bench", help="zoo size (default: bench)")
     parser.add_argument("--reps", type=int, default=3, help="timed steps per configuration (default: 3)")
+    parser.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=list(FRACTIONS),
+        help="ckptc's budgets, from its floor (0) to the unoptimized peak (1) (default: %(default)s)",
+    )
     parser.add_argument("--out", default="bench/results", help="folder for gpu.md and gpu.json")
     parser.add_argument(
         "--deadline", type=float, default=DEADLINE_S, help="start no configuration after this many seconds"
@@ -436,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check] {name} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         rows = Rows(started, args.deadline)
         try:
-            results.append(check_model(name, args.size, device, meter, rows))
+            results.append(check_model(name, args.size, device, meter, rows, args.fractions))
         except Exception as error:  # a model ckptc cannot capture is a result too
             print(f"[gpu_check] {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             rows.rows.append({"config": "capture", "failed": f"{type(error).__name__}: {str(error)[:300]}"})
