@@ -23,7 +23,7 @@ workspaces resident, as ckptc's prediction counts them (CUDA memory model:
 ``ckptc/pricing/devices.py``).  Step times are the median of ``--reps`` steps after a
 warm-up.  Optimizer state is not part of any figure.
 
-``--explain`` records one more step per configuration with the caching allocator's events and stores in
+``--explain`` records the measured step's caching-allocator events and stores in
 ``gpu.json`` what was alive at its peak (by compiled-graph line or model code) and how far the allocator's count
 is above the requested bytes (:func:`peak_breakdown`): the data a finer model of the allocator needs.
 
@@ -83,7 +83,7 @@ def moved(case: ModelCase, device: torch.device) -> ModelCase:
 
 class Meter:
     """One training step's absolute peak on the device, and step times; with ``explain``, what was alive at
-    the peak of one more step (:func:`peak_breakdown`)."""
+    that step's peak (:func:`peak_breakdown`)."""
 
     def __init__(self, device: torch.device, reps: int, explain: bool = False) -> None:
         self.device = device
@@ -110,13 +110,22 @@ class Meter:
             p.grad = None
         gc.collect()  # what the warm-up left in reference cycles is not part of the step
         self.sync()
-        resident = None
+        resident, breakdown = None, None
         if self.device.type == "cuda":
-            resident = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            loss = self.step(case, run, params)
-            self.sync()
-            peak = torch.cuda.max_memory_allocated(self.device)
+            if self.explain:  # the allocator's events of the measured step itself (host-side: no memory)
+                internals.record_cuda_memory_history(True)
+                _mark_step_start(self.device)
+            try:
+                resident = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                loss = self.step(case, run, params)
+                self.sync()
+                peak = torch.cuda.max_memory_allocated(self.device)
+                if self.explain:
+                    breakdown = _breakdown_or_error(internals.cuda_memory_snapshot(), resident, peak)
+            finally:
+                if self.explain:
+                    internals.record_cuda_memory_history(False)
         else:  # --cpu-smoke: the CPU allocator's events, above what the model and inputs hold
             resident = sum(t.untyped_storage().nbytes() for t in [*params, *module.buffers(), *_tensors(case)])
             loss, measured = measure_peak(lambda: self.step(case, run, params), baseline_bytes=resident)
@@ -134,33 +143,11 @@ class Meter:
             "step_s": statistics.median(times),
             "loss": float(loss),
         }
-        if self.explain:
-            try:
-                row["peak_breakdown"] = self.breakdown(case, run, params)
-            except Exception as error:  # the row's own figures stand without it
-                row["peak_breakdown"] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        if breakdown is not None:
+            row["peak_breakdown"] = breakdown
         for p in params:
             p.grad = None  # copies made from this model later must not carry gradients
         return row
-
-    def breakdown(self, case: ModelCase, run: Callable[..., Any], params: Any) -> dict[str, Any]:
-        """One more step with the allocator's events recorded: what was alive at its peak."""
-        for p in params:
-            p.grad = None
-        gc.collect()
-        self.sync()
-        internals.record_cuda_memory_history(True)
-        try:
-            start = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            _mark_step_start(self.device)
-            self.step(case, run, params)
-            self.sync()
-            peak = torch.cuda.max_memory_allocated(self.device)
-            snapshot = internals.cuda_memory_snapshot()
-        finally:
-            internals.record_cuda_memory_history(False)
-        return peak_breakdown(snapshot, start, peak)
 
 
 def _mark_step_start(device: torch.device) -> None:
@@ -206,6 +193,13 @@ def peak_breakdown(snapshot: dict[str, Any], start: int, peak: int, top: int = 1
         "unsplit_and_rounding_bytes": peak - best,
         "alive_at_peak": [{"bytes": b, "blocks": n, "made_by": where} for where, (b, n) in largest],
     }
+
+
+def _breakdown_or_error(snapshot: dict[str, Any], start: int, peak: int) -> dict[str, Any]:
+    try:
+        return peak_breakdown(snapshot, start, peak)
+    except Exception as error:  # the row's own figures stand without it
+        return {"error": f"{type(error).__name__}: {error}"[:300]}
 
 
 def _where(frames: list[dict[str, Any]] | None) -> str:
@@ -407,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "--deadline", type=float, default=DEADLINE_S, help="start no configuration after this many seconds"
     )
     parser.add_argument(
-        "--explain", action="store_true", help="record one more step per configuration: what was alive at its peak"
+        "--explain", action="store_true", help="record the measured step's allocator events: what was alive at its peak"
     )
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the gpu.json of earlier runs and exit")
     parser.add_argument("--note", default="", help="with --merge: a paragraph said under the table's header")

@@ -973,10 +973,9 @@ def is_fake(tensor: Any) -> bool:
 
 
 def clear_cublas_workspaces() -> None:
-    """Give cuBLAS's workspaces (one per handle and stream: each thread that ran a matrix product) back to
-    the CUDA caching allocator; the next product on each thread allocates its own again.  A measurement
-    that starts here counts them where the step allocates them, as the memory model does
-    (:mod:`ckptc.pricing.devices`), instead of as memory resident before the step."""
+    """Give cuBLAS's and cuBLASLt's workspaces (one per handle and stream: each thread that ran a matrix
+    product) back to the CUDA caching allocator; the next product on each thread allocates its own again
+    (:func:`ckptc.meter._start_accelerator_span` then measures them)."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.is_initialized():
         clear()
