@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -83,6 +83,22 @@ def resident_bytes(*objects: Any, seen: set[Hashable] | None = None) -> int:
     return total
 
 
+def resident_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of the distinct storages behind ``tensors`` not in ``seen`` (storage keys,
+    added to it), counted as :func:`resident_bytes` counts them."""
+    found = []
+    for tensor in tensors:
+        tensor = local_shard(tensor)
+        if tensor.is_meta:
+            continue
+        ref = storage_key(tensor)
+        if ref not in seen:
+            seen.add(ref)
+            storage = tensor.untyped_storage()
+            found.append((storage.data_ptr(), storage.nbytes()))
+    return found
+
+
 def _tensors(objects: Iterable[Any]) -> Iterable[torch.Tensor]:
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
@@ -143,6 +159,7 @@ class StepMeter:
         self._profile: Any = None
         self._quiet: Any = None
         self._start = 0
+        self._maybe_resident: list[tuple[int, int]] = []  # see add_baseline_unless_allocated
 
     def start(self) -> "StepMeter":
         if self.device.type == "cpu":
@@ -161,6 +178,17 @@ class StepMeter:
         """Memory that existed before the span but joined it later (a second call's inputs)."""
         self.baseline_bytes += nbytes
 
+    def add_baseline_unless_allocated(self, storages: Sequence[tuple[int, int]]) -> None:
+        """Memory that joined the span later and may have existed before it, as ``(address, nbytes)``
+        of storages: a later graph's leaf inputs are a second call's inputs, made before the step, or
+        a mask made between two graphs.  On the CPU the allocator's events tell them apart at
+        :meth:`stop` (a storage allocated in the span is in its events already); an accelerator's
+        peak counter cannot, so they all count (never less than the step held)."""
+        if self.device.type == "cpu":
+            self._maybe_resident.extend(storages)
+        else:
+            self.baseline_bytes += sum(nbytes for _, nbytes in storages)
+
     def stop(self) -> MemoryMeasurement:
         if self.device.type != "cpu":
             module = torch.get_device_module(self.device.type)
@@ -173,6 +201,8 @@ class StepMeter:
         finally:
             self._quiet.__exit__(None, None, None)
         allocations, marks = cpu_allocations(self._profile, frozenset({FORWARD_RETURNED, BACKWARD_STARTS}))
+        allocated = {address for _, address, nbytes in allocations if nbytes > 0}
+        self.baseline_bytes += sum(nbytes for address, nbytes in self._maybe_resident if address not in allocated)
         peak, level, timeline = _peak_of_events(allocations)
         loss, peak_in_loss = _loss_region(marks, [time for time, _, _ in allocations], timeline, peak)
         return MemoryMeasurement(

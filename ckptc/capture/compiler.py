@@ -260,9 +260,15 @@ class CheckpointCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         try:
             run = self._plan_dynamo_graph(gm, example_inputs)
-        except CkptcError as error:
-            # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
-            raise internals.raised_through_dynamo(error) from error.__cause__
+        except BaseException as error:
+            if self.step_check is not None:
+                # The step this graph was compiled in fails with it.  Left open, it would count as another
+                # model's open step for every later model's (none of them then measured).
+                self.step_check.abort()
+            if isinstance(error, CkptcError):
+                # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
+                raise internals.raised_through_dynamo(error) from error.__cause__
+            raise
         # Dynamo keeps what a backend returns in the compiled frame's module globals for the whole
         # process; what it runs reaches this compiler, its step and the model (weights on the device).
         self._graph_runs.append(run)

@@ -241,12 +241,11 @@ class Replans:
         if self.replans >= MAX_REPLANS or not plans_again:
             floor = max((r.min_feasible_bytes for r in ran), default=self.budget_bytes)
             if not plans_again:
-                suggested = floor + missed
+                # Never below the measured peak: a larger budget's plans keep at least as much, and a
+                # budget retried is planned without the excess counted (a new compile, a new account), so
+                # any budget under what this step measured fails again.
+                suggested = max(floor + missed, peak_bytes)
                 advice = f"give a budget of at least {suggested} bytes, "
-                if suggested <= self.budget_bytes:
-                    # The excess grew with the sizes (larger than the plan was priced at), not by a fixed
-                    # amount a larger budget would cover: no budget is promised, only the measured peak.
-                    suggested, advice = peak_bytes, ""
                 what_to_do = (
                     "and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
                     "(dynamic=True, Dynamo's automatic dynamic shapes once a second input size ran, such as a "

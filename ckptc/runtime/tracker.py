@@ -159,6 +159,12 @@ class StepTracker:
         if self._meter is not None:
             self._meter.add_baseline(nbytes)
 
+    def add_baseline_unless_allocated(self, storages: Sequence[tuple[int, int]]) -> None:
+        """Storages, as ``(address, nbytes)``, that joined the step and may have been resident from its
+        start (:meth:`ckptc.meter.StepMeter.add_baseline_unless_allocated`)."""
+        if self._meter is not None and storages:
+            self._meter.add_baseline_unless_allocated(storages)
+
     def unmeasured(self) -> None:
         """Something plans during the step (and profiles ops): the step is not measured."""
         if self._meter is not None:

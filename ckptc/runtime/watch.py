@@ -42,7 +42,7 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.distributed import local_nbytes
-from ckptc.meter import MemoryMeasurement, resident_bytes
+from ckptc.meter import MemoryMeasurement, resident_bytes, resident_storages
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
@@ -79,7 +79,7 @@ class BackendStepCheck:
         self._state: tuple[bool, tuple] = (False, ())
         self._measure = False
         self._tracker = StepTracker(self._ended, self._second_backward)
-        self._counted: set[Any] = set()  # storages already in the meter's baseline
+        self._counted: set[Any] = set()  # storages the meter holds already (in its baseline or its events)
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
         self._runs = _StepRuns()  # of the open step's graphs
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
@@ -156,14 +156,24 @@ class BackendStepCheck:
             resident = [*args] if self.model is None else [self.model, *args]
             self._tracker.add_baseline(self._uncounted(resident))
         elif self._tracker.measuring:
-            # A later graph's parameters were resident from the start; its other inputs were made in the step.
+            # A later graph's parameters were resident from the start.  Its leaf inputs may have been (a
+            # second call's inputs, buffers of layers the first graph did not take) or made in the step (a
+            # mask made between graphs): the meter tells (a tensor needing no gradient, or a leaf, has no
+            # grad_fn).  Its other inputs were made in the step, and the meter's events hold them.
             self._tracker.add_baseline(self._uncounted([a for a in args if isinstance(a, torch.nn.Parameter)]))
+            leaves = [
+                a
+                for a in args
+                if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) and a.grad_fn is None
+            ]
+            self._tracker.add_baseline_unless_allocated(resident_storages(leaves, self._counted))
 
     def graph_returned(self, outputs: Any) -> None:
         """After a graph ran: its results' backward ends the step."""
-        self._tracker.returned(
-            [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        )
+        tensors = [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+        if self._tracker.measuring:
+            resident_storages(tensors, self._counted)  # made in the step: the meter's events hold them
+        self._tracker.returned([t for t in tensors if t.requires_grad])
 
     def abort(self) -> None:
         """Forget the step in progress (its call failed)."""
