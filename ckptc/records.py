@@ -95,6 +95,12 @@ class GraphRecord:
         return max(0, self.step_bytes - self.floor_kept_bytes - self.floor_held_output_bytes)
 
     @property
+    def growth_bytes(self) -> int:
+        """How much more this graph would leave alive for later graphs under a larger budget, at most:
+        keeping every value its backward reads."""
+        return max(0, self.unoptimized_kept_bytes - self.result.kept_bytes)
+
+    @property
     def own_baseline_bytes(self) -> int:
         """The baseline without what earlier graphs (and earlier runs of this one) of the step keep."""
         return self.baseline_bytes - sum(e.step_bytes for e in self.earlier) - self.repeat_bytes

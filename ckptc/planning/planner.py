@@ -456,7 +456,7 @@ def decide_at(
             infeasible = True  # earlier graphs of the step (this call's or an earlier call's) may keep less
             plan = floor_plan
         else:
-            refusal = _refusal(error, step_floor, options, account)
+            refusal = _refusal(error, step_floor, options, account, earlier)
             refusal.held_result_bytes = jp.droppable_output_bytes  # type: ignore[attr-defined]
             raise refusal from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
@@ -500,10 +500,17 @@ def _refusal(
     step_floor: int,
     options: CheckpointOptions,
     account: StepAccount | None = None,
+    earlier: Sequence[GraphRecord] = (),
 ) -> solvers.InfeasibleBudgetError:
     """The error for a graph that cannot fit: the step's floor (with what the step holds beyond a plain
     one, :meth:`StepAccount.beyond_a_plain_step`), or (when ckptc could plan the budget but the chosen
-    solver or preset cannot) that solver's own floor and what to do."""
+    solver or preset cannot) that solver's own floor and what to do.
+
+    Where the step's floor is within the budget, the graphs ``earlier`` in the step keep too much for
+    this one.  The budget named then holds this graph beside them keeping all they can keep
+    (:attr:`GraphRecord.growth_bytes`): a budget retried plans them for it, without this graph, and a
+    larger budget lets them keep more (the graph's own floor beside what they keep now was named
+    before, and a retry at it was refused again)."""
     budget = error.budget_bytes
     if step_floor > budget:
         plain = solvers.InfeasibleBudgetError(budget, step_floor)
@@ -511,6 +518,8 @@ def _refusal(
             return plain
         return account.explained_refusal(plain, "; its floor counts what the step holds beyond its graphs' activations")
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
+    if own is not None:
+        own += sum(r.growth_bytes for r in earlier)
     if options.strategy == "auto" and options.solver == "auto":
         return solvers.InfeasibleBudgetError(
             budget,
