@@ -5,7 +5,7 @@
 
 The model is built on the ``meta`` device (no weights) and planned with
 ``ckptc.capture(..., device="cpu")``: the step is captured under fake tensors,
-nothing is allocated.  Prints one markdown row and writes it, with the JSON,
+no weight or activation is allocated.  Prints one markdown row and writes it, with the JSON,
 to ``bench/results/offline_<model>.{md,json}``: ckptc's floor, the unoptimized
 peak, per-block checkpointing's predicted peak (strategy ``layer``), ckptc's
 plan at 40 and 80 GiB with its recompute (% of step FLOPs), capture and plan

@@ -386,9 +386,10 @@ def capture(
 
     A model on the ``meta`` device or built under ``FakeTensorMode`` (or any
     model, given ``device``) is captured offline, for ``device`` (default: the
-    fake tensors' device, else ``cpu``), under fake tensors: nothing is
-    allocated, no op runs, kernels' scratch is priced at 0 and the plan is the
-    one the same model with real weights gets there (:mod:`ckptc.capture.offline`).
+    fake tensors' device, else ``cpu``), under fake tensors: no weight or
+    activation is allocated, kernels' scratch is measured on shrunk copies of
+    large ops, and the plan is the one the same model with real weights gets
+    there (:mod:`ckptc.capture.offline`).
 
     Runs one forward and backward pass on the example inputs (to capture every
     graph, including those after graph breaks) and restores the parameters'
@@ -424,7 +425,6 @@ def capture(
                 "measure_time=True runs every op on real tensors, which an offline capture (meta or fake "
                 "tensors, or device=...) does not do; plan without it"
             )
-        checked = checked.replace(measure_scratch=False)  # would run every op at full size
     # Captured keeping everything; CapturedStep.plan decides for each budget afterwards.
     # Traced as the target compiler traces (the plan's node names are its graph's), run without kernels.
     template = CheckpointCompiler(checked.replace(strategy="none"), model=model, generate_kernels=False)

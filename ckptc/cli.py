@@ -384,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--fake",
         action="store_true",
-        help="run the factory under fake tensors and plan offline: nothing is allocated, so a model that does "
-        "not fit this machine can be planned (also for a factory that builds on the meta device)",
+        help="run the factory under fake tensors and plan offline: no weight or activation is allocated, so a "
+        "model that does not fit this machine can be planned (also for a factory that builds on the meta device)",
     )
     plan.add_argument(
         "--device",

@@ -7,14 +7,17 @@ it lived on a real device: every parameter, buffer and input is replaced, for
 the capture only, by a fake tensor of the same shape, strides and dtype on the
 target device (``cpu`` unless told otherwise), so autocast, kernel choice and
 the captured aten ops are those of that device and the plan applies to the same
-model with real weights there.  Nothing is allocated; the model is left as it
+model with real weights there.  No weight or activation is allocated; the model is left as it
 was (its parameters and buffers are put back, meta or fake as they were).
 
-What is not known offline: kernels' scratch memory, which ckptc otherwise
-measures by running each op once on random data (:func:`ckptc.pricing.costs.measure_scratch`)
-and which offline capture prices at 0 bytes (running full-size ops is what
-offline planning avoids; the run-time check measures what that leaves out on
-the first training step), and measured run times (``measure_time``).
+Kernels' scratch memory is measured as for a real capture, by running each
+distinct op once on random data (:func:`ckptc.pricing.costs.measure_scratch`):
+an op larger than :data:`~ckptc.pricing.costs.FULL_SIZE_SCRATCH_BYTES` runs
+with its largest sizes shrunk and its scratch scaled up, so nothing runs at full
+size.  On a device this process cannot reach (a plan for CUDA made without a
+GPU) scratch is priced at 0 bytes; the run-time check measures what that leaves
+out on the first training step.  Measured run times (``measure_time``) are not
+known offline.
 """
 
 from __future__ import annotations
@@ -116,7 +119,9 @@ def offline_step(
             inputs = tuple(tree_map(fake, list(example_inputs)))
             kwargs = tree_map(fake, dict(example_kwargs or {}))
             log.info(
-                "offline capture of %s for %s under fake tensors: nothing is allocated", type(model).__name__, device
+                "offline capture of %s for %s under fake tensors: no weight or activation is allocated",
+                type(model).__name__,
+                device,
             )
             yield inputs, kwargs
         finally:

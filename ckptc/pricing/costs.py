@@ -550,12 +550,26 @@ def _measure_runtimes(joint: fx.GraphModule, repeats: int, per_element: float) -
         node.meta["ckptc"] = replace(cost, seconds=best, keep_cost=cost.keep_cost * per_element)
 
 
-def _materialize(v: Any, memory_format: torch.memory_format | None = None) -> Any:
+def _materialize(v: Any, memory_format: torch.memory_format | None = None, sizes: dict[int, int] | None = None) -> Any:
     """A real tensor laid out like a fake one (same strides: kernels copy
     non-contiguous inputs, and that copy is scratch memory too), or in
     ``memory_format`` where the compiler writes it so: random floats,
     zeros for integers (safe indices), ones for booleans; symbolic sizes at
-    their upper bound."""
+    their upper bound.  ``sizes`` maps sizes to the smaller ones to make it at
+    (:func:`_shrunk_sizes`), dense in the same order of strides."""
+    if sizes:
+        if isinstance(v, torch.Tensor):
+            shape = tuple(sizes.get(n, n) for n in _priced_shape(v.shape))
+            if memory_format is not None:
+                return _filled(torch.empty(shape, dtype=v.dtype, device=v.device, memory_format=memory_format))
+            return _filled(
+                torch.empty_strided(
+                    shape, _dense_strides(shape, _priced_shape(v.stride())), dtype=v.dtype, device=v.device
+                )
+            )
+        if isinstance(v, (torch.SymInt, torch.SymFloat)):
+            v = priced_size(v, "a size argument")
+        return sizes.get(v, v) if type(v) is int else v
     if isinstance(v, torch.Tensor):
         shape = _priced_shape(v.shape)
         try:
@@ -584,9 +598,21 @@ def _filled(real: torch.Tensor) -> torch.Tensor:
     return real.fill_(1 if real.dtype == torch.bool else 0)
 
 
-def _materialize_node(node: fx.Node) -> Any:
+def _dense_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``shape`` whose dimensions are ordered as ``strides`` orders them
+    (innermost first); broadcast dimensions (stride 0) stay broadcast."""
+    dense = [0] * len(shape)
+    step = 1
+    for i in sorted(range(len(shape)), key=lambda i: (strides[i], shape[i])):
+        if strides[i]:
+            dense[i] = step
+            step *= max(shape[i], 1)
+    return tuple(dense)
+
+
+def _materialize_node(node: fx.Node, sizes: dict[int, int] | None = None) -> Any:
     """:func:`_materialize` of a node's value, in the layout the compiler runs it in."""
-    return _materialize(node.meta.get("val"), node.meta.get(RUN_MEMORY_FORMAT))
+    return _materialize(node.meta.get("val"), node.meta.get(RUN_MEMORY_FORMAT), sizes)
 
 
 def _priced_shape(sizes: Iterable[Any]) -> tuple[int, ...]:
@@ -618,8 +644,13 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
     strides and device) runs once on random tensors, in isolation, on the
     device the graph runs on: on the CPU the allocator's events give its peak
     above its end level, on an accelerator the allocator's peak counter does
-    (:func:`_scratch_on_accelerator`).  Ops that cannot run on random data
-    (data-dependent ones) are skipped (0 bytes).  ``known`` maps signatures
+    (:func:`_scratch_on_accelerator`).  An op whose inputs and outputs take
+    more than :data:`FULL_SIZE_SCRATCH_BYTES` runs with its largest sizes
+    shrunk and its scratch scaled up (:func:`_shrunk_sizes`), so a step far
+    larger than this machine (planned under fake tensors) is priced too.  Ops
+    that cannot run on random data (data-dependent ones) are skipped (0 bytes),
+    and so are ops on a device this process cannot reach (a plan for CUDA made
+    without a GPU: logged; the run-time check measures what that leaves out).  ``known`` maps signatures
     measured before (by an earlier graph, or the same graph planned again) to
     their scratch: those are not run again, and what this call measures is
     added to it.  Needs :func:`annotate_costs` first.  Returns the number of
@@ -641,6 +672,15 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
     measured: dict[tuple, int] = {}
     # Random ops (dropout allocates a temporary mask) run too; fork_rng keeps the
     # program's random stream as it was.
+    unreachable = [d for d in on_device if d.type != "cpu" and not torch.get_device_module(d.type).is_available()]
+    for device in unreachable:
+        log.info(
+            "kernels' scratch memory on %s is priced at 0 bytes: no %s device here to measure it on (%d ops); "
+            "the run-time check measures what that leaves out on the first step",
+            device,
+            device.type,
+            len(on_device.pop(device)),
+        )
     with outside_fake_mode(), torch.random.fork_rng(devices=[d for d in on_device if d.type == "cuda"]):
         for device, nodes in on_device.items():
             if device.type == "cpu":
@@ -664,9 +704,79 @@ def _node_device(node: fx.Node) -> torch.device:
     return torch.device("cpu")
 
 
-def _random_arguments(node: fx.Node) -> tuple[Any, Any]:
-    """Random tensors of ``node``'s arguments' shapes (raises for a value without fake-tensor metadata)."""
-    return torch.fx.node.map_arg(node.args, _materialize_node), torch.fx.node.map_arg(node.kwargs, _materialize_node)
+def _random_arguments(node: fx.Node, sizes: dict[int, int] | None = None) -> tuple[Any, Any]:
+    """Random tensors of ``node``'s arguments' shapes, with ``sizes`` shrunk in them and in its integer
+    arguments (:func:`_shrunk_sizes`); raises for a value without fake-tensor metadata."""
+    if not sizes:
+        return torch.fx.node.map_arg(node.args, _materialize_node), torch.fx.node.map_arg(
+            node.kwargs, _materialize_node
+        )
+
+    def shrunk(value: Any) -> Any:
+        return _materialize_node(value, sizes) if isinstance(value, fx.Node) else _materialize(value, None, sizes)
+
+    return tree_map(shrunk, node.args), tree_map(shrunk, node.kwargs)
+
+
+#: Ops whose inputs and outputs take more bytes than this run shrunk to measure their scratch:
+#: their largest sizes cut (:func:`_shrunk_sizes`), the scratch scaled up by their bytes.  Running
+#: every op of an 8 B-parameter step at full size took 531 s and 6.35 GiB for 2 layers (issue 21).
+FULL_SIZE_SCRATCH_BYTES = 64 * 2**20
+#: An op that cannot run shrunk runs at full size where its operands take at most this.
+FULL_SIZE_FALLBACK_BYTES = 512 * 2**20
+#: Sizes at most this are never shrunk (heads, a small batch): an op's structure stays.
+_SMALLEST_SHRUNK_SIZE = 16
+
+
+def _operand_shapes(node: fx.Node) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, bytes per element) of the tensors ``node`` reads and writes."""
+    values = [node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)]
+    return [(_priced_shape(t.shape), t.element_size()) for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+def _operand_bytes(operands: list[tuple[tuple[int, ...], int]], sizes: dict[int, int]) -> int:
+    total = 0
+    for shape, itemsize in operands:
+        n = itemsize
+        for size in shape:
+            n *= sizes.get(size, size)
+        total += n
+    return total
+
+
+def _shrunk_sizes(node: fx.Node, limit: int) -> tuple[dict[int, int], float]:
+    """Sizes to run ``node`` at so that its operands take at most about ``limit`` bytes, and the factor
+    its measured scratch is scaled by (its operands' bytes at full size over those at the sizes run).
+
+    Every size above :data:`_SMALLEST_SHRUNK_SIZE` is divided by the same power of two, and every
+    occurrence of a size alike (in each tensor, and in integer arguments), so sizes that agree keep
+    agreeing (a matmul's inner dimension, a norm's shape) and halved ones stay halved (a stride-2
+    convolution).  The scratch kernels allocate grows with their operands (a dropout mask, a copy of
+    an input laid out otherwise), so it is scaled by their bytes; a fixed workspace is overstated,
+    never missed.  ``({}, 1.0)``: run at full size."""
+    operands = _operand_shapes(node)
+    full = _operand_bytes(operands, {})
+    shrinkable = sorted({n for shape, _ in operands for n in shape if n > _SMALLEST_SHRUNK_SIZE})
+    sizes: dict[int, int] = {}
+    shift = 0
+    while _operand_bytes(operands, sizes) > limit and shrinkable:
+        shift += 1
+        sizes = {n: max(_SMALLEST_SHRUNK_SIZE, -(-n >> shift)) for n in shrinkable}
+        if all(m == _SMALLEST_SHRUNK_SIZE for m in sizes.values()):
+            break
+    return sizes, full / max(1, _operand_bytes(operands, sizes))
+
+
+def _scratch_runs(node: fx.Node) -> list[tuple[dict[int, int], float]]:
+    """The sizes to try running ``node`` at to measure its scratch, with their scale factors: shrunk
+    (:func:`_shrunk_sizes`), then at full size where it is affordable (an op whose shapes relate other
+    than by equality or halving, as a convolution's output to its input, cannot run shrunk)."""
+    sizes, scale = _shrunk_sizes(node, FULL_SIZE_SCRATCH_BYTES)
+    if not sizes:
+        return [({}, 1.0)]
+    if _operand_bytes(_operand_shapes(node), {}) <= FULL_SIZE_FALLBACK_BYTES:
+        return [(sizes, scale), ({}, 1.0)]
+    return [(sizes, scale)]
 
 
 def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
@@ -675,18 +785,26 @@ def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     labels: dict[str, tuple] = {}  # label -> signature
+    scales: dict[tuple, float] = {}
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, (signature, node) in enumerate(nodes.items()):
-            label = f"ckptc_scratch_{i}"
-            try:
-                args, kwargs = _random_arguments(node)
-                with record_function(label):
-                    out = node.target(*args, **kwargs)
-                del out, args, kwargs
-            except Exception:  # a value without fake-tensor metadata, a data-dependent op
-                log.debug("could not run %s on random data to measure its scratch memory", node.target, exc_info=True)
-                continue
-            labels[label] = signature
+            for j, (sizes, scale) in enumerate(_scratch_runs(node)):
+                label = f"ckptc_scratch_{i}_{j}"
+                try:
+                    args, kwargs = _random_arguments(node, sizes)
+                    with record_function(label):
+                        out = node.target(*args, **kwargs)
+                    del out, args, kwargs
+                except Exception:  # a value without fake-tensor metadata, a data-dependent op
+                    log.debug(
+                        "could not run %s on random data at %s to measure its scratch",
+                        node.target,
+                        sizes or "full size",
+                        exc_info=True,
+                    )
+                    continue
+                labels[label], scales[signature] = signature, scale
+                break
     events = list(profiler_events(prof))
     windows = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in labels)
     memory = sorted(
@@ -703,7 +821,8 @@ def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
             level += memory[k][1]
             peak = max(peak, level)
             k += 1
-        measured[labels[label]] = max(0, peak - max(level, 0))
+        signature = labels[label]
+        measured[signature] = round(max(0, peak - max(level, 0)) * scales[signature])
     return measured
 
 
@@ -714,14 +833,22 @@ def _scratch_on_accelerator(nodes: dict[tuple, fx.Node], device: torch.device) -
     module = torch.get_device_module(device.type)
     measured = {}
     for signature, node in nodes.items():
-        try:
-            args, kwargs = _random_arguments(node)
-            module.synchronize(device)
-            module.reset_peak_memory_stats(device)
-            out = node.target(*args, **kwargs)
-            module.synchronize(device)
-            measured[signature] = max(0, module.max_memory_allocated(device) - module.memory_allocated(device))
-            del out, args, kwargs
-        except Exception:  # a value without fake-tensor metadata, a data-dependent op
-            log.debug("could not run %s on random data to measure its scratch memory", node.target, exc_info=True)
+        for sizes, scale in _scratch_runs(node):
+            try:
+                args, kwargs = _random_arguments(node, sizes)
+                module.synchronize(device)
+                module.reset_peak_memory_stats(device)
+                out = node.target(*args, **kwargs)
+                module.synchronize(device)
+                scratch = max(0, module.max_memory_allocated(device) - module.memory_allocated(device))
+                measured[signature] = round(scratch * scale)
+                del out, args, kwargs
+                break
+            except Exception:  # a value without fake-tensor metadata, a data-dependent op
+                log.debug(
+                    "could not run %s on random data at %s to measure its scratch",
+                    node.target,
+                    sizes or "full size",
+                    exc_info=True,
+                )
     return measured
