@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -223,19 +223,61 @@ def _unbounded(top: Any) -> bool:
     return top == int_oo or top == sympy.oo or not top.is_finite
 
 
-_DYNAMIC_AT_HINTS: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptc_dynamic_at_hints", default=False)
+# None outside dynamic_sizes_at_hints; inside, the sizes some dimensions' symbols are priced at least at.
+_DYNAMIC_AT_HINTS: contextvars.ContextVar[Mapping[Any, int] | None] = contextvars.ContextVar(
+    "ckptc_dynamic_at_hints", default=None
+)
 
 
 @contextlib.contextmanager
-def dynamic_sizes_at_hints() -> Iterator[None]:
+def dynamic_sizes_at_hints(at_least: Mapping[Any, int] | None = None) -> Iterator[None]:
     """Inside: :func:`upper_bound` gives a size of dynamic dimensions its hint, the size it was captured
     with, even where guards gave its range a finite top (``torch.compile(dynamic=True)``: a sequence
-    length bounded by a 2048-position table would be priced at 2048)."""
-    token = _DYNAMIC_AT_HINTS.set(True)
+    length bounded by a 2048-position table would be priced at 2048).  ``at_least`` maps a dimension's
+    symbol (``SymInt.node.expr``) to a size to price it at where that is larger than its hint, and
+    sizes computed from it accordingly (:func:`symbols_of_sizes`)."""
+    token = _DYNAMIC_AT_HINTS.set(dict(at_least or {}))
     try:
         yield
     finally:
         _DYNAMIC_AT_HINTS.reset(token)
+
+
+def symbols_of_sizes(shape: Sequence[Any]) -> list[tuple[int, Any]]:
+    """``(dimension, symbol)`` of the sizes of ``shape`` that are a dynamic dimension's own symbol."""
+    found = []
+    for dim, size in enumerate(shape):
+        if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None and size.node.expr.is_Symbol:
+            found.append((dim, size.node.expr))
+    return found
+
+
+def size_hint(size: Any) -> int | None:
+    """A size as the int it is, or the value a symbolic one ran with (its hint); None without one."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt) and size.node.has_hint():
+        return int(size.node.hint)
+    return None
+
+
+def _at_hint(node: Any, at_least: Mapping[Any, int]) -> Any:
+    """``node``'s hint, with the symbols ``at_least`` names raised to their sizes there where larger."""
+    hint = node.hint
+    free = node.expr.free_symbols
+    if not at_least or not any(symbol in at_least for symbol in free):
+        return hint
+    values = {}
+    for symbol in free:
+        value = node.shape_env.var_to_val.get(symbol)
+        if value is None:
+            return hint
+        values[symbol] = max(int(value), at_least.get(symbol, 0))
+    try:
+        raised = float(node.expr.xreplace(values))
+    except TypeError:  # a symbol left free: priced at its hint
+        return hint
+    return max(hint, raised)
 
 
 def upper_bound(value: Any) -> int | None:
@@ -258,8 +300,10 @@ def upper_bound(value: Any) -> int | None:
         constant = node.maybe_as_int() if isinstance(value, torch.SymInt) else None
         if constant is not None:
             return constant
-        if _DYNAMIC_AT_HINTS.get() and node.has_hint():
-            return int(node.hint) if isinstance(value, torch.SymInt) else int(float(node.hint)) + 1
+        at_least = _DYNAMIC_AT_HINTS.get()
+        if at_least is not None and node.has_hint():
+            hint = _at_hint(node, at_least)
+            return int(hint) if isinstance(value, torch.SymInt) else int(float(hint)) + 1
         top = node.shape_env.bound_sympy(node.expr).upper
         if _unbounded(top):
             # A dimension made dynamic without a max (torch.compile(dynamic=True)) is priced at the

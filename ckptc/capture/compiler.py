@@ -146,6 +146,10 @@ class CheckpointCompiler:
         self.symbolic = False
         # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
         self._scratch: dict[tuple, int] = {}
+        # The largest size each input dimension of its graphs took, by (placeholder, dimension), and what
+        # the graph being planned prices its dynamic dimensions at least at (see _sizes_seen).
+        self._largest_sizes: dict[tuple[str, int], int] = {}
+        self._dynamic_at_least: dict[Any, int] = {}
         self.records: list[GraphRecord] = []
         # What Dynamo runs for each graph this compiler planned; Dynamo's caches (the compiled frame's
         # module globals) hold only a weak trampoline to it (see __call__).
@@ -286,6 +290,7 @@ class CheckpointCompiler:
             # step are not earlier graphs of this one.
             self.active.clear()
         index = len(self.records)
+        self._dynamic_at_least = self._sizes_seen(gm, example_inputs)
         symbolic = has_symbolic_sizes(gm, example_inputs)
         self.symbolic = self.symbolic or symbolic
         # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
@@ -436,9 +441,39 @@ class CheckpointCompiler:
         return sink if sink.positions else None
 
     def _pricing_sizes(self) -> Any:
-        """How dynamic sizes are priced: a backend prices them at the sizes it captured (its check
-        measures the first step of every size), ``optimize`` at the top of their length bucket."""
-        return contextlib.nullcontext() if self.track_steps else internals.dynamic_sizes_at_hints()
+        """How dynamic sizes are priced: a backend prices them at the sizes it captured, or the largest
+        an earlier graph took there (:meth:`_sizes_seen`; its check measures the first step of every
+        size), ``optimize`` at the top of their length bucket."""
+        if self.track_steps:
+            return contextlib.nullcontext()
+        return internals.dynamic_sizes_at_hints(self._dynamic_at_least)
+
+    def _sizes_seen(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[Any, int]:
+        """Record the sizes of Dynamo's graph ``gm``'s inputs, and return, for each of its dynamic
+        dimensions, the largest size an earlier graph took at the same input and dimension.
+
+        Dynamo compiles a graph with a symbolic size once a second size runs (its automatic dynamic
+        shapes: an epoch's smaller last batch, a second call half as long) and runs the first size on
+        it too from then on, so its plan is priced at the larger size.  Inputs are matched by Dynamo's
+        placeholder names (they name the source: ``L_input_ids_``); a local of the same name in another
+        frame can only raise a price."""
+        at_least: dict[Any, int] = {}
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        for node, value in zip(placeholders, example_inputs, strict=False):
+            if not isinstance(value, torch.Tensor):
+                continue
+            name = node.target
+            traced = node.meta.get("example_value", value)  # symbolic sizes are in Dynamo's fake value
+            for dim, symbol in internals.symbols_of_sizes(traced.shape):
+                seen = self._largest_sizes.get((name, dim))
+                if seen is not None:
+                    at_least[symbol] = max(seen, at_least.get(symbol, 0))
+            for dim, size in enumerate(value.shape):
+                concrete = internals.size_hint(size)
+                if concrete is not None:
+                    key = (name, dim)
+                    self._largest_sizes[key] = max(concrete, self._largest_sizes.get(key, 0))
+        return at_least
 
     def _checks_own_steps(self, budget_bytes: int | None) -> bool:
         """Whether this compiler runs a backend's run-time check of its steps: no caller tracks them
