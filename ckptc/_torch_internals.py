@@ -252,6 +252,12 @@ def symbols_of_sizes(shape: Sequence[Any]) -> list[tuple[int, Any]]:
     return found
 
 
+def dynamo_example_value(placeholder: fx.Node, default: Any) -> Any:
+    """The fake value Dynamo traced a graph input as (its symbolic sizes: the real example input a
+    backend is given has concrete ones), or ``default`` where Dynamo recorded none."""
+    return placeholder.meta.get("example_value", default)
+
+
 def size_hint(size: Any) -> int | None:
     """A size as the int it is, or the value a symbolic one ran with (its hint); None without one."""
     if isinstance(size, int):

@@ -463,7 +463,7 @@ class CheckpointCompiler:
             if not isinstance(value, torch.Tensor):
                 continue
             name = node.target
-            traced = node.meta.get("example_value", value)  # symbolic sizes are in Dynamo's fake value
+            traced = internals.dynamo_example_value(node, value)
             for dim, symbol in internals.symbols_of_sizes(traced.shape):
                 seen = self._largest_sizes.get((name, dim))
                 if seen is not None:
