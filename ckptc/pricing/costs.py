@@ -692,6 +692,15 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
             node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=scratch)
         if known is not None:
             known[signature] = scratch
+    failed = [node for nodes in on_device.values() for signature, node in nodes.items() if signature not in measured]
+    if failed:
+        names = sorted({op_name(node.target) for node in failed})
+        log.info(
+            "kernels' scratch of %d distinct ops is priced at 0 bytes: they could not run on random data here "
+            "(data-dependent, or shrunk sizes their shapes do not allow, and too large to run at full size): %s",
+            len(failed),
+            ", ".join(names[:8]) + (", ..." if len(names) > 8 else ""),
+        )
     return len(measured)
 
 
