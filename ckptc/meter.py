@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -70,33 +70,24 @@ def resident_bytes(*objects: Any, seen: set[Hashable] | None = None) -> int:
     counts its local shard.  ``seen`` (storage keys) carries the storages already
     counted across calls: those are skipped, and those counted are added to it.
     """
-    seen = set() if seen is None else seen
-    total = 0
-    for tensor in _tensors(objects):
+    return sum(storage.nbytes() for storage in _new_storages(_tensors(objects), set() if seen is None else seen))
+
+
+def resident_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of the distinct storages behind ``tensors`` (real ones) not in ``seen``
+    (storage keys, added to it), counted as :func:`resident_bytes` counts them."""
+    return [(storage.data_ptr(), storage.nbytes()) for storage in _new_storages(tensors, seen)]
+
+
+def _new_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> Iterator[torch.UntypedStorage]:
+    for tensor in tensors:
         tensor = local_shard(tensor)  # a sharded parameter holds only its shard on this rank
         if tensor.is_meta:
             continue
         ref = storage_key(tensor)
         if ref not in seen:
             seen.add(ref)
-            total += tensor.untyped_storage().nbytes()
-    return total
-
-
-def resident_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> list[tuple[int, int]]:
-    """``(address, nbytes)`` of the distinct storages behind ``tensors`` not in ``seen`` (storage keys,
-    added to it), counted as :func:`resident_bytes` counts them."""
-    found = []
-    for tensor in tensors:
-        tensor = local_shard(tensor)
-        if tensor.is_meta:
-            continue
-        ref = storage_key(tensor)
-        if ref not in seen:
-            seen.add(ref)
-            storage = tensor.untyped_storage()
-            found.append((storage.data_ptr(), storage.nbytes()))
-    return found
+            yield tensor.untyped_storage()
 
 
 def _tensors(objects: Iterable[Any]) -> Iterable[torch.Tensor]:

@@ -805,12 +805,7 @@ def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
                         out = node.target(*args, **kwargs)
                     del out, args, kwargs
                 except Exception:  # a value without fake-tensor metadata, a data-dependent op
-                    log.debug(
-                        "could not run %s on random data at %s to measure its scratch",
-                        node.target,
-                        sizes or "full size",
-                        exc_info=True,
-                    )
+                    _could_not_run(node, sizes)
                     continue
                 labels[label], scales[signature] = signature, scale
                 break
@@ -854,10 +849,11 @@ def _scratch_on_accelerator(nodes: dict[tuple, fx.Node], device: torch.device) -
                 del out, args, kwargs
                 break
             except Exception:  # a value without fake-tensor metadata, a data-dependent op
-                log.debug(
-                    "could not run %s on random data at %s to measure its scratch",
-                    node.target,
-                    sizes or "full size",
-                    exc_info=True,
-                )
+                _could_not_run(node, sizes)
     return measured
+
+
+def _could_not_run(node: fx.Node, sizes: dict[int, int]) -> None:
+    log.debug(
+        "could not run %s on random data at %s to measure its scratch", node.target, sizes or "full size", exc_info=True
+    )
