@@ -146,10 +146,8 @@ class CheckpointCompiler:
         self.symbolic = False
         # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
         self._scratch: dict[tuple, int] = {}
-        # The largest size each input dimension of its graphs took, by (placeholder, dimension), and what
-        # the graph being planned prices its dynamic dimensions at least at (see _sizes_seen).
+        # The largest size each input dimension of its graphs took, by (placeholder, dimension) (see _sizes_seen).
         self._largest_sizes: dict[tuple[str, int], int] = {}
-        self._dynamic_at_least: dict[Any, int] = {}
         self.records: list[GraphRecord] = []
         # What Dynamo runs for each graph this compiler planned; Dynamo's caches (the compiled frame's
         # module globals) hold only a weak trampoline to it (see __call__).
@@ -290,18 +288,18 @@ class CheckpointCompiler:
             # step are not earlier graphs of this one.
             self.active.clear()
         index = len(self.records)
-        self._dynamic_at_least = self._sizes_seen(gm, example_inputs)
+        at_least = self._sizes_seen(gm, example_inputs)
         symbolic = has_symbolic_sizes(gm, example_inputs)
         self.symbolic = self.symbolic or symbolic
         # A backend's graph with symbolic sizes is not planned again (see ``run``): one that cannot fit is
         # refused now, not run at its floor to see the whole step first.
         final = symbolic and not self.track_steps
         try:
-            compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final)
+            compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final, at_least=at_least)
         except solvers.InfeasibleBudgetError as error:
             if not self.replans.letting_results_go_for_room(error):
                 raise
-            compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final)
+            compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final, at_least=at_least)
         if record is None:
             return compiled  # an inference graph: nothing planned
         # Results nobody uses get no gradient tensor (ckptc.rewrite.unused_grads).
@@ -333,7 +331,7 @@ class CheckpointCompiler:
                     if again is not None:
                         record = again
                     else:
-                        compiled, record, plans = self._plan_graph(gm, inputs, index)
+                        compiled, record, plans = self._plan_graph(gm, inputs, index, at_least=at_least)
                 except solvers.InfeasibleBudgetError as error:
                     # Not run on its old plan, made for an account the step showed wrong: every later
                     # call plans again, and is refused again unless the account changed.
@@ -362,18 +360,25 @@ class CheckpointCompiler:
         return run
 
     def _plan_graph(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, *, final: bool = False
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        index: int,
+        *,
+        final: bool = False,
+        at_least: dict[Any, int],
     ) -> tuple[Callable, GraphRecord | None, GraphPlans | None]:
         """AOTAutograd on Dynamo's graph ``gm`` with ckptc's partitioner: the compiled graph, the
         record of its plan as graph ``index`` of the step (None for an inference graph), and where
         its later plans are swapped in (None where they cannot be: :meth:`_plan_again`).
-        ``final``: the plan will not be made again (see :meth:`_plan_priced`)."""
+        ``final``: the plan will not be made again (see :meth:`_plan_priced`); ``at_least``: sizes its
+        dynamic dimensions are priced at least at (:meth:`_sizes_seen`)."""
         planned: list[GraphRecord] = []
         slots: list[GraphPlans] = []
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
             start = time.perf_counter()
-            with self._pricing_sizes():
+            with self._pricing_sizes(at_least):
                 joint = self._price(joint)
                 forward, backward = self._plan_priced(
                     joint, num_fwd_outputs, gm, example_inputs, index=index, final=final, start=start
@@ -408,7 +413,7 @@ class CheckpointCompiler:
         """Plan graph ``index`` again under the current account, from its priced joint graph, and
         swap the plan in behind its AOTAutograd function: neither Dynamo's graph nor the joint graph
         is traced again, nor priced.  None (after planning) if the new plan cannot run there."""
-        with self._pricing_sizes():
+        with self._pricing_sizes({}):  # no graph with symbolic sizes is planned again in place
             forward, backward = self._plan_priced(
                 plans.joint,
                 plans.num_fwd_outputs,
@@ -440,13 +445,13 @@ class CheckpointCompiler:
         sink = GradientSink(example_inputs)
         return sink if sink.positions else None
 
-    def _pricing_sizes(self) -> Any:
-        """How dynamic sizes are priced: a backend prices them at the sizes it captured, or the largest
-        an earlier graph took there (:meth:`_sizes_seen`; its check measures the first step of every
-        size), ``optimize`` at the top of their length bucket."""
+    def _pricing_sizes(self, at_least: dict[Any, int]) -> Any:
+        """How dynamic sizes are priced: a backend prices them at the sizes it captured, or at the sizes
+        ``at_least`` gives them (the largest an earlier graph took there, :meth:`_sizes_seen`; its check
+        measures the first step of every size), ``optimize`` at the top of their length bucket."""
         if self.track_steps:
             return contextlib.nullcontext()
-        return internals.dynamic_sizes_at_hints(self._dynamic_at_least)
+        return internals.dynamic_sizes_at_hints(at_least)
 
     def _sizes_seen(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[Any, int]:
         """Record the sizes of Dynamo's graph ``gm``'s inputs, and return, for each of its dynamic

@@ -172,7 +172,7 @@ class BackendStepCheck:
         """After a graph ran: its results' backward ends the step."""
         tensors = [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if self._tracker.measuring:
-            resident_storages(tensors, self._counted)  # made in the step: the meter's events hold them
+            resident_bytes(*tensors, seen=self._counted)  # marked counted: the meter's events hold them
         self._tracker.returned([t for t in tensors if t.requires_grad])
 
     def abort(self) -> None:
