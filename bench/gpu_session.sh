@@ -34,8 +34,9 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 # One process per model, at once (compiling is single-threaded; each peak is its own process's).  BERT, ViT and
 # HyenaDNA widen what the run-time check is seen on; mamba.py and Caduceus need a package not carried.
 MODELS=${MODELS:-"gpt2 llama enformer bert vit hyena"}
+DEADLINE=${DEADLINE:-300}  # seconds after which a model starts no new configuration
 for m in $MODELS; do
-  (timeout 400 python3 -m bench.gpu_check --models "$m" --explain --deadline 300 --out "$OUT/$m" 2>&1 |
+  (timeout $((DEADLINE + 100)) python3 -m bench.gpu_check --models "$m" --explain --deadline "$DEADLINE" --out "$OUT/$m" 2>&1 |
     grep -v metrics_context > "$OUT/$m.log") &
 done
 (timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_model.py > "$OUT/pytest.log" 2>&1) &

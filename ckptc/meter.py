@@ -30,6 +30,8 @@ from ckptc._torch_internals import (
     outside_fake_mode,
     storage_key,
 )
+from ckptc.distributed import local_nbytes
+from ckptc.pricing.devices import memory_model
 
 log = logging.getLogger("ckptc.meter")
 
@@ -37,6 +39,21 @@ log = logging.getLogger("ckptc.meter")
 #: where a graph's forward returned, and where a graph's backward starts.
 FORWARD_RETURNED = "ckptc::forward_returned"
 BACKWARD_STARTS = "ckptc::backward_starts"
+
+
+#: Measured steps within the budget after which a plan counts as verified, by device type (others: the
+#: default).  A CPU step allocates the same blocks every time, and measuring it profiles every op.  An
+#: accelerator's caching allocator serves a step from what the steps before it left in its cache (a cached
+#: block is not split when at most 1 MiB would remain, so it counts more than the request), and its peak
+#: counters cost nothing to read: on an H200 the first step after planning measured up to 5 MiB below the
+#: third (``bench/results/gpu.md``), so the first three steps are measured.
+STEPS_TO_VERIFY = {"cpu": 1}
+DEFAULT_STEPS_TO_VERIFY = 3
+
+
+def steps_to_verify(device: torch.device) -> int:
+    """How many measured steps within the budget verify a plan on ``device`` (:data:`STEPS_TO_VERIFY`)."""
+    return STEPS_TO_VERIFY.get(device.type, DEFAULT_STEPS_TO_VERIFY)
 
 
 @dataclass(frozen=True)
@@ -63,23 +80,36 @@ class MemoryMeasurement:
 
 
 def resident_bytes(*objects: Any, seen: set[Hashable] | None = None) -> int:
-    """Bytes of the distinct storages behind tensors, modules' parameters and buffers.
+    """Bytes the device's allocator counts for the distinct storages behind tensors, modules' parameters
+    and buffers (on CUDA whole blocks: :mod:`ckptc.pricing.devices`).
 
     Tensors sharing a storage (tied weights, views) are counted once; gradients
     already present on a module's parameters are included; a ``DTensor`` (FSDP2)
     counts its local shard.  ``seen`` (storage keys) carries the storages already
     counted across calls: those are skipped, and those counted are added to it.
     """
-    return sum(storage.nbytes() for storage in _new_storages(_tensors(objects), set() if seen is None else seen))
+    return sum(_allocated(t) for t in _new_storages(_tensors(objects), set() if seen is None else seen))
+
+
+def allocated_bytes(tensor: torch.Tensor) -> int:
+    """Bytes the device's allocator counts for a new tensor of ``tensor``'s size on this rank (its
+    gradient, say): its local shard's bytes, on CUDA as a whole block."""
+    return memory_model(tensor.device).storage_bytes(local_nbytes(tensor))
 
 
 def resident_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> list[tuple[int, int]]:
-    """``(address, nbytes)`` of the distinct storages behind ``tensors`` (real ones) not in ``seen``
+    """``(address, bytes)`` of the distinct storages behind ``tensors`` (real ones) not in ``seen``
     (storage keys, added to it), counted as :func:`resident_bytes` counts them."""
-    return [(storage.data_ptr(), storage.nbytes()) for storage in _new_storages(tensors, seen)]
+    return [(t.untyped_storage().data_ptr(), _allocated(t)) for t in _new_storages(tensors, seen)]
 
 
-def _new_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> Iterator[torch.UntypedStorage]:
+def _allocated(tensor: torch.Tensor) -> int:
+    """What the allocator counts for ``tensor``'s storage (a fake CUDA tensor's too: its storage is on meta)."""
+    return memory_model(tensor.device).storage_bytes(tensor.untyped_storage().nbytes())
+
+
+def _new_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> Iterator[torch.Tensor]:
+    """One tensor (this rank's shard) per distinct storage behind ``tensors`` not in ``seen``."""
     for tensor in tensors:
         tensor = local_shard(tensor)  # a sharded parameter holds only its shard on this rank
         if tensor.is_meta:
@@ -87,7 +117,7 @@ def _new_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> Itera
         ref = storage_key(tensor)
         if ref not in seen:
             seen.add(ref)
-            yield tensor.untyped_storage()
+            yield tensor
 
 
 def _tensors(objects: Iterable[Any]) -> Iterable[torch.Tensor]:

@@ -325,7 +325,35 @@ def test_accumulation_is_planned_again_once_and_both_micro_batches_are_verified(
         accumulate_set_to_none(fast, _batches(step))
     (shape,) = fast.step_runtime.plans.values()
     assert shape.account.gradients_resident  # planned again once, counting the resident gradients
-    assert shape.verified_states == {False, True}  # first micro-batch (None gradients) and the next
+    assert set(shape.steps_within_budget) == {False, True}  # first micro-batch (None gradients) and the next
+
+
+@pytest.mark.parametrize("steps_to_verify", [1, 2])
+def test_a_device_whose_later_steps_differ_is_measured_over_its_first_steps(
+    steps_to_verify: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caching allocator serves each step from what the steps before it left cached, so a later step can
+    peak above the first (ckptc.meter.STEPS_TO_VERIFY: three steps on CUDA).  The CPU stands in: measured
+    over two steps, a later step that holds a twentieth of the budget more is seen, and planned again for."""
+    monkeypatch.setitem(ckptc.meter.STEPS_TO_VERIFY, "cpu", steps_to_verify)
+    torch.manual_seed(0)
+    reference = _Net()
+    budget = _budget(plain, reference)
+    fast = ckptc.optimize(copy.deepcopy(reference), budget_bytes=budget)
+    held: list[torch.Tensor] = []
+    with caplog.at_level(logging.WARNING, logger="ckptc"):
+        for step in range(3):  # the second plans again (its results are not held): verified from the second
+            _zero(fast)
+            loss = _loss(fast(_batches(step)[0]))
+            if step == 2:
+                held.append(torch.ones(budget // 20 // 4))  # alive through backward
+            loss.backward()
+            held.clear()
+    over = [r.getMessage() for r in caplog.records if "above the budget" in r.getMessage()]
+    assert len(over) == (steps_to_verify - 1), over
+    made = _plans_made(fast)
+    plain(fast, _batches(3))
+    assert _plans_made(fast) == made + (steps_to_verify - 1)  # the excess counted
 
 
 def test_presets_under_a_budget_they_cannot_meet_are_refused_naming_their_peak() -> None:

@@ -54,16 +54,17 @@ import torch
 
 import solvers
 from ckptc._torch_internals import made_by_compiled_graph
-from ckptc.distributed import local_nbytes
-from ckptc.meter import resident_bytes
-from ckptc.pricing.devices import graph_device, memory_model
+from ckptc.meter import allocated_bytes, resident_bytes
+from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.records import GraphInputs, GraphRecord
 
 #: Results of graphs after a break (the loss, a few scalars) that earlier graphs cannot see yet.
 HELD_RESULTS_RESERVE_BYTES = 1024
-#: The margin is 1/200 of the activations kept for backward and 1/32 of the largest scratch (see planning_margin).
+#: The margin is 1/200 of the activations kept for backward and 1/32 of the largest scratch, and on a caching
+#: allocator a further share of the activations (see planning_margin).
 PLANNING_MARGIN_DIVISOR = 200
 SCRATCH_UNCERTAINTY_DIVISOR = 32
+NO_CACHE = MemoryModel("cpu")
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,7 @@ class StepAccount:
             state_ids = set(params)
         inputs = GraphInputs(
             data={id(t): resident_bytes(t) for t in tensors if id(t) not in state_ids},
-            parameters={id(t): local_nbytes(t) for t in tensors if id(t) in params and t.requires_grad},
+            parameters={id(t): allocated_bytes(t) for t in tensors if id(t) in params and t.requires_grad},
             state=frozenset(id(t) for t in tensors if id(t) in state_ids),
             handed=frozenset(id(t) for t in tensors if id(t) not in state_ids and made_by_compiled_graph(t)),
         )
@@ -308,9 +309,9 @@ class StepAccount:
                 if not p.requires_grad:
                     continue
                 if self.gradients_resident:
-                    grads += local_nbytes(p.grad if p.grad is not None else p)
+                    grads += allocated_bytes(p.grad if p.grad is not None else p)
                 elif i not in seen:
-                    later += local_nbytes(p)  # made by a later graph's backward, which runs first
+                    later += allocated_bytes(p)  # made by a later graph's backward, which runs first
             # A graph run again for another block takes parameters its record does not name (those of
             # the run it was compiled for): as many of the unnamed ones ran already, not later.
             runs: dict[int, int] = {}
@@ -328,7 +329,7 @@ class StepAccount:
             other = sum(n for i, n in earlier_params.items() if i not in inputs.parameters)
             outside = other
             if self.gradients_resident:
-                own = sum(local_nbytes(p.grad if p.grad is not None else p) for p in params.values())
+                own = sum(allocated_bytes(p.grad if p.grad is not None else p) for p in params.values())
                 outside += other + own
         earlier_data: dict[int, int] = {}
         for record in earlier:
@@ -410,10 +411,10 @@ def _priced(counts: Mapping[int, int], correction: int, plans: Mapping[int, Grap
 def unnamed_gradient_bytes(model: torch.nn.Module, ran: Sequence[GraphRecord]) -> int:
     """Gradient bytes of ``model``'s trainable parameters that no graph in ``ran`` names as an input."""
     named = set().union(*(r.inputs.ids for r in ran))
-    return sum(local_nbytes(p) for p in model.parameters() if p.requires_grad and id(p) not in named)
+    return sum(allocated_bytes(p) for p in model.parameters() if p.requires_grad and id(p) not in named)
 
 
-def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) -> int:
+def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult, memory: MemoryModel = NO_CACHE) -> int:
     """How far below the user's budget the solvers plan for this graph.
 
     What can differ between the prediction and a run is what the plan moves
@@ -423,10 +424,16 @@ def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult) ->
     unoptimized plan's kept bytes plus a share of the largest scratch: a
     billion-parameter model whose weights dwarf its activations keeps its
     whole useful range (floor to unoptimized peak) plannable, which a share
-    of the whole budget would swallow.
+    of the whole budget would swallow.  On a device whose allocator serves
+    blocks from a cache (``memory``, :data:`ckptc.pricing.devices.CACHE_REUSE_DIVISOR`),
+    a further share of the kept bytes allows for cached blocks counted above
+    their priced size.
     """
     scratch = max((n.scratch for n in problem.nodes), default=0)
-    return unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
+    margin = unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
+    if memory.cache_reuse_divisor:
+        margin += unoptimized.kept_bytes // memory.cache_reuse_divisor
+    return margin
 
 
 def planning_budget(budget_bytes: int, margin: int) -> int:

@@ -352,7 +352,7 @@ def decide(
     # keeps less.  Bisection for the smallest assumption whose plan keeps no more than assumed: the
     # cheapest plan that fits beside its own runs.
     floor_peak = solvers.simulate(jp.problem, lowest).peak_bytes
-    margin = planning_margin(jp.problem, unoptimized_result(jp))
+    margin = planning_margin(jp.problem, unoptimized_result(jp), jp.memory)
     room = (planning_budget(budget, margin) - floor_peak) // runs
     low, high = floor_kept, max(floor_kept, min(assumed, room))
     assumed = high
@@ -427,7 +427,7 @@ def decide_at(
     keep_all = unoptimized_result(jp)
     if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
         floor_plan, floor_result = keep_everything(jp), keep_all
-    margin = planning_margin(jp.problem, keep_all)
+    margin = planning_margin(jp.problem, keep_all, jp.memory)
     slack = sum(r.slack_bytes for r in earlier)
     lowest = floor_result.peak_bytes - slack
     # Keeping everything fits a budget of its own peak, margin or not (nothing left to drop):

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import solvers
 from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
 from ckptc.pricing.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size, written_bytes
+from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.rewrite.lean_backward import in_place_targets
 from ckptc.rewrite.unused_grads import ZERO, Folding, foldable_tangents
 
@@ -53,6 +54,12 @@ class JointProblem:
     own_loss: bool = False  # the graph returns its own scalar loss (returns_own_loss)
     results: Mapping[str, int] = field(default_factory=dict)  # non-scalar forward results: node name -> bytes
     free_tangents: frozenset[str] = frozenset()  # gradients of results the loss does not use, priced as absent
+
+    @property
+    def memory(self) -> MemoryModel:
+        """How the allocator of the device the graph runs on counts its memory."""
+        placeholders = [n.meta.get("val") for n in self.joint.graph.nodes if n.op == "placeholder"]
+        return memory_model(graph_device([v for v in placeholders if isinstance(v, torch.Tensor)]))
 
     @property
     def held_output_bytes(self) -> int:

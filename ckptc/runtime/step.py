@@ -33,7 +33,7 @@ import dataclasses
 import itertools
 import logging
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy
@@ -52,7 +52,7 @@ from ckptc.errors import (
     release_frames,
     warn_once,
 )
-from ckptc.meter import MemoryMeasurement, resident_bytes
+from ckptc.meter import MemoryMeasurement, resident_bytes, steps_to_verify
 from ckptc.planning import policies
 from ckptc.planning.account import StepAccount, gradients_resident, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans, room_needed, settle
@@ -77,8 +77,9 @@ class ShapePlan:
     # The account the next plans are made under and what changed it; the compiler's account
     # differs from it when the shape must be planned again.
     replans: Replans = dataclasses.field(default_factory=lambda: Replans(StepAccount()))
-    # The step states measured within the budget: False (from None gradients), True (gradients resident).
-    verified_states: set[bool] = dataclasses.field(default_factory=set)
+    # Steps measured within the budget, by state: False (from None gradients), True (gradients resident);
+    # a state is verified after ckptc.meter.steps_to_verify of them.
+    steps_within_budget: Counter[bool] = dataclasses.field(default_factory=Counter)
     # The measured peak of each set of the current plans' graphs a step ran (by their records' ids):
     # a step whose graphs changed (parameters frozen, then unfrozen) runs another set.
     measured_peaks: dict[frozenset[int], int] = dataclasses.field(default_factory=dict, repr=False)
@@ -174,7 +175,7 @@ class ShapePlan:
 
     def new_plans(self) -> None:
         """The plans are made (again): nothing measured or verified under them yet."""
-        self.verified_states = set()
+        self.steps_within_budget = Counter()
         self.measured_peaks = {}
 
     def plan_call(
@@ -552,7 +553,7 @@ class StepRuntime:
             # torch.compile compiled a new graph for a shape planned before (one of its guards
             # changed): the next step runs graphs not measured yet, so it is measured.  What steps of
             # the other graphs measured stands (their plans did not change).
-            self.last.verified_states = set()
+            self.last.steps_within_budget = Counter()
             # Only graphs torch.compile compiles anew after the shape's first step count: within it,
             # code shared by several callers (an encoder's and a decoder's layers) compiles once per
             # caller, and graphs planned again in place are no recompiles.
@@ -672,11 +673,14 @@ class StepRuntime:
             self._measure(shape, args, kwargs)
 
     def _measure(self, shape: ShapePlan, args: tuple, kwargs: dict) -> None:
-        """Measure the open step from now on if it is the first of ``shape``'s plans in its state
-        (gradients resident or not); ``args``, ``kwargs``: the inputs of its first call."""
-        if not self.verify or self.template.budget_bytes is None or self._step_state in shape.verified_states:
+        """Measure the open step from now on unless ``shape``'s plans are verified in its state (gradients
+        resident or not: :func:`ckptc.meter.steps_to_verify` steps within the budget); ``args``, ``kwargs``:
+        the inputs of its first call."""
+        device = _device_of(self.model)
+        verified = shape.steps_within_budget[self._step_state] >= steps_to_verify(device)
+        if not self.verify or self.template.budget_bytes is None or verified:
             return
-        if internals.profiler_active() and _device_of(self.model).type == "cpu":
+        if internals.profiler_active() and device.type == "cpu":
             self._warn_once(
                 "profiler",
                 "ckptc cannot verify this step's peak memory while torch.profiler runs (profilers do not "
@@ -684,7 +688,7 @@ class StepRuntime:
             )
             return
         baseline = resident_bytes(self.model, args, kwargs) + (self.ranks.resident_bytes if self.ranks else 0)
-        self._tracker.measure(_device_of(self.model), baseline)
+        self._tracker.measure(device, baseline)
 
     def _count_measured(self) -> None:
         """Before a step begins: what the last step measured above the budget showed its plans missed is
@@ -735,7 +739,7 @@ class StepRuntime:
             shape.measured(peak)
         if budget is None or peak <= budget:
             for shape in self._step_plans:
-                shape.verified_states.add(self._step_state)
+                shape.steps_within_budget[self._step_state] += 1
             log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
             return
         predicted = max((r.result.peak_bytes for r in self.active), default=0)

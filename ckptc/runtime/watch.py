@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.distributed import local_nbytes
-from ckptc.meter import MemoryMeasurement, resident_bytes, resident_storages
+from ckptc.meter import MemoryMeasurement, allocated_bytes, resident_bytes, resident_storages, steps_to_verify
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
@@ -63,10 +63,11 @@ class BackendStepCheck:
             planned under another plans again before it runs,
             :meth:`ckptc.capture.compiler.CheckpointCompiler.__call__`) and the evidence that changed it.
         measured_peak_bytes: the peak of the last step measured under the current plans (None before one).
-        verified: the steps a measured step of the current plans was within the budget in, by state
+        verified: how many measured steps of the current plans were within the budget, by state
             (gradients resident at its start or not) and the sizes of the first graph's inputs: a graph
             with symbolic sizes is planned at the sizes it was captured with and runs larger ones on
-            the same plan, so the first step of every size is measured.
+            the same plan, so the first steps of every size are measured (a state is verified after
+            :func:`ckptc.meter.steps_to_verify` of them).
     """
 
     def __init__(self, replans: Replans, model: torch.nn.Module | None = None) -> None:
@@ -75,7 +76,7 @@ class BackendStepCheck:
         # Weakly, as its compiler holds it (CheckpointCompiler.model): Dynamo keeps backends for good.
         self._model = weakref.ref(model) if model is not None else None
         self.measured_peak_bytes: int | None = None
-        self.verified: set[tuple[bool, tuple]] = set()
+        self.verified: Counter[tuple[bool, tuple]] = Counter()
         self._state: tuple[bool, tuple] = (False, ())
         self._measure = False
         self._tracker = StepTracker(self._ended, self._second_backward)
@@ -133,7 +134,8 @@ class BackendStepCheck:
             tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
         )
         self._state = (state, sizes)
-        self._measure = self._state not in self.verified and not internals.profiler_active()
+        verified = self.verified[self._state] >= steps_to_verify(_device_of(args))
+        self._measure = not verified and not internals.profiler_active()
         return True
 
     def planned(self, new_graph: bool = False) -> None:
@@ -230,7 +232,7 @@ class BackendStepCheck:
         peak = measurement.peak_bytes
         self.measured_peak_bytes = peak
         if peak <= self.budget_bytes:
-            self.verified.add(self._state)
+            self.verified[self._state] += 1
             log.info("measured step peak %d bytes, within the budget of %d bytes", peak, self.budget_bytes)
             return
         predicted = max((r.result.peak_bytes for r in self._ran), default=0)
@@ -272,7 +274,7 @@ class _StepRuns:
 
     def add(self, record: GraphRecord, args: Sequence[Any]) -> None:
         taken = [a for a in args if isinstance(a, torch.nn.Parameter) and a.requires_grad]
-        self._bytes.update((id(a), local_nbytes(a)) for a in taken)
+        self._bytes.update((id(a), allocated_bytes(a)) for a in taken)
         self._runs.append((record, frozenset(id(a) for a in taken)))
 
     def outside_baseline_bytes(
