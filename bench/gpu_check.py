@@ -114,17 +114,21 @@ class Meter:
         self.sync()
         resident, breakdown = None, None
         if self.device.type == "cuda":
+            failed = None
             try:
                 resident, peak, loss, breakdown = self._cuda_step(case, run, params, self.explain)
             except SystemError as error:
                 if not self.explain:
                     raise
+                failed = str(error)[:200]  # not the error itself: its frames hold the failed step's tensors
+            if failed is not None:
                 # Recording Python stacks fails inside torch.utils.checkpoint's recompute on autograd's
                 # thread (torch 2.11: "returned NULL without setting an exception"): measured unrecorded.
                 for p in params:
                     p.grad = None
+                gc.collect()
                 resident, peak, loss, _ = self._cuda_step(case, run, params, False)
-                breakdown = {"error": f"recording the allocator's events failed: {str(error)[:200]}"}
+                breakdown = {"error": f"recording the allocator's events failed: {failed}"}
         else:  # --cpu-smoke: the CPU allocator's events, above what the model and inputs hold
             resident = sum(t.untyped_storage().nbytes() for t in [*params, *module.buffers(), *_tensors(case)])
             loss, measured = measure_peak(lambda: self.step(case, run, params), baseline_bytes=resident)
