@@ -30,7 +30,6 @@ from ckptc._torch_internals import (
     outside_fake_mode,
     storage_key,
 )
-from ckptc.distributed import local_nbytes
 from ckptc.pricing.devices import memory_model
 
 log = logging.getLogger("ckptc.meter")
@@ -94,7 +93,8 @@ def resident_bytes(*objects: Any, seen: set[Hashable] | None = None) -> int:
 def allocated_bytes(tensor: torch.Tensor) -> int:
     """Bytes the device's allocator counts for a new tensor of ``tensor``'s size on this rank (its
     gradient, say): its local shard's bytes, on CUDA as a whole block."""
-    return memory_model(tensor.device).storage_bytes(local_nbytes(tensor))
+    local = local_shard(tensor)
+    return memory_model(tensor.device).storage_bytes(local.numel() * local.element_size())
 
 
 def resident_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> list[tuple[int, int]]:

@@ -328,14 +328,13 @@ def test_accumulation_is_planned_again_once_and_both_micro_batches_are_verified(
     assert set(shape.steps_within_budget) == {False, True}  # first micro-batch (None gradients) and the next
 
 
-@pytest.mark.parametrize("steps_to_verify", [1, 2])
 def test_a_device_whose_later_steps_differ_is_measured_over_its_first_steps(
-    steps_to_verify: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A caching allocator serves each step from what the steps before it left cached, so a later step can
     peak above the first (ckptc.meter.STEPS_TO_VERIFY: three steps on CUDA).  The CPU stands in: measured
     over two steps, a later step that holds a twentieth of the budget more is seen, and planned again for."""
-    monkeypatch.setitem(ckptc.meter.STEPS_TO_VERIFY, "cpu", steps_to_verify)
+    monkeypatch.setitem(ckptc.meter.STEPS_TO_VERIFY, "cpu", 2)  # on the CPU one step verifies: not the third
     torch.manual_seed(0)
     reference = _Net()
     budget = _budget(plain, reference)
@@ -350,10 +349,10 @@ def test_a_device_whose_later_steps_differ_is_measured_over_its_first_steps(
             loss.backward()
             held.clear()
     over = [r.getMessage() for r in caplog.records if "above the budget" in r.getMessage()]
-    assert len(over) == (steps_to_verify - 1), over
+    assert len(over) == 1, over
     made = _plans_made(fast)
     plain(fast, _batches(3))
-    assert _plans_made(fast) == made + (steps_to_verify - 1)  # the excess counted
+    assert _plans_made(fast) == made + 1  # the excess counted
 
 
 def test_presets_under_a_budget_they_cannot_meet_are_refused_naming_their_peak() -> None:
