@@ -8,6 +8,7 @@ mapping back to nodes and the stable, readable names used in plan files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -55,7 +56,7 @@ class JointProblem:
     results: Mapping[str, int] = field(default_factory=dict)  # non-scalar forward results: node name -> bytes
     free_tangents: frozenset[str] = frozenset()  # gradients of results the loss does not use, priced as absent
 
-    @property
+    @functools.cached_property
     def memory(self) -> MemoryModel:
         """How the allocator of the device the graph runs on counts its memory."""
         placeholders = [n.meta.get("val") for n in self.joint.graph.nodes if n.op == "placeholder"]
