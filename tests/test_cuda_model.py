@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import solvers
 from ckptc.planning.account import planning_margin
 from ckptc.pricing.costs import annotate_costs
-from ckptc.pricing.devices import block_bytes, cublas_workspace_bytes, graph_device, memory_model
+from ckptc.pricing.devices import MemoryModel, block_bytes, cublas_workspace_bytes, graph_device, memory_model
 
 MiB = 1 << 20
 
@@ -144,6 +144,34 @@ def test_the_planning_margin_allows_for_blocks_served_from_the_cache() -> None:
     assert unoptimized.kept_bytes >= 48 * MiB
     assert cpu == unoptimized.kept_bytes // 200
     assert cuda - cpu == unoptimized.kept_bytes // 64 >= unoptimized.kept_bytes * 0.0144
+
+
+def test_keeping_everything_on_a_caching_allocator_is_priced_with_its_cache_allowance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a budget at the block-rounded keep-everything peak got the keep-everything plan, to which no
+    margin applied, and measured 0.1-5 MiB above it on an H200.  On a caching allocator the unoptimized peak
+    includes the cache allowance: a budget there keeps everything, one at the priced peak recomputes a
+    little, and the floor stays below.  The CPU stands in for the allocator (its allowance patched in)."""
+    import copy
+
+    import ckptc
+    import ckptc.pricing.problem
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
+    x = torch.randn(256, 64)
+    priced = ckptc.capture(copy.deepcopy(model), (x,))
+    cached = MemoryModel("cpu", cache_reuse_divisor=64)
+    monkeypatch.setattr(ckptc.pricing.problem, "memory_model", lambda device: cached)
+    step = ckptc.capture(copy.deepcopy(model), (x,))
+    (record,) = step.records
+    allowance = record.unoptimized_kept_bytes // 64
+    assert allowance > 0 and step.unoptimized_peak_bytes == priced.unoptimized_peak_bytes + allowance
+    assert step.plan(budget_bytes=step.unoptimized_peak_bytes).recompute_flops == 0
+    within = step.plan(budget_bytes=priced.unoptimized_peak_bytes)
+    assert within.recompute_flops > 0 and within.predicted_peak_bytes <= priced.unoptimized_peak_bytes - allowance
+    assert priced.floor_bytes < step.floor_bytes <= step.unoptimized_peak_bytes
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.py)")

@@ -430,10 +430,15 @@ def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult, me
     their priced size.
     """
     scratch = max((n.scratch for n in problem.nodes), default=0)
-    margin = unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
-    if memory.cache_reuse_divisor:
-        margin += unoptimized.kept_bytes // memory.cache_reuse_divisor
-    return margin
+    uncertainty = unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
+    return uncertainty + cache_allowance(unoptimized, memory)
+
+
+def cache_allowance(unoptimized: solvers.SimResult, memory: MemoryModel = NO_CACHE) -> int:
+    """Bytes a caching allocator (``memory``) may count above the priced blocks of a plan keeping at most what
+    ``unoptimized`` keeps: blocks served from its cache (:data:`ckptc.pricing.devices.CACHE_REUSE_DIVISOR`).
+    Part of the planning margin, and of what keeping everything peaks at there; 0 without a cache."""
+    return unoptimized.kept_bytes // memory.cache_reuse_divisor if memory.cache_reuse_divisor else 0
 
 
 def planning_budget(budget_bytes: int, margin: int) -> int:

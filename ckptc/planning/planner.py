@@ -41,7 +41,13 @@ import solvers
 from ckptc.errors import InvalidArgumentError
 from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
 from ckptc.planning import policies
-from ckptc.planning.account import StepAccount, budget_for_planning_floor, planning_budget, planning_margin
+from ckptc.planning.account import (
+    StepAccount,
+    budget_for_planning_floor,
+    cache_allowance,
+    planning_budget,
+    planning_margin,
+)
 from ckptc.planning.replan import Replans, settle
 from ckptc.plans import ModelPlan, fingerprint, graph_plan
 from ckptc.pricing.costs import BACKWARD, FORWARD, FUSING_COMPILERS
@@ -168,15 +174,16 @@ def _choose(
     index: int,
     plan_source: PlanSource | None,
     progress: Progress | None,
-    unoptimized: solvers.SimResult,
+    everything_bytes: int,
     margin: int,
     account: StepAccount,
 ) -> solvers.Plan:
     """The plan for graph ``index`` under ``account``'s budget; an infeasible budget is reported in the
     user's units.
 
-    Under ``strategy="auto"`` a budget at or above the unoptimized peak keeps
-    everything: nothing to recompute, and no solver's plan peaks above it.
+    Under ``strategy="auto"`` a budget at or above the unoptimized peak (``everything_bytes``: keeping
+    everything, with a caching allocator's allowance) keeps everything: nothing to recompute, and no
+    solver's plan peaks above it.
     """
     if plan_source is not None:
         return _within_budget(jp, plan_source(index, jp), account.budget_bytes, "the plan file's plan")
@@ -184,7 +191,7 @@ def _choose(
     budget = account.graph_budget(index)
     if budget is None:
         return for_target_compiler(jp, candidate(jp, options, None, progress), target)
-    if options.strategy == "auto" and unoptimized.peak_bytes <= budget:
+    if options.strategy == "auto" and everything_bytes <= budget:
         everything = dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
         return for_target_compiler(jp, everything, target)
     try:
@@ -194,7 +201,7 @@ def _choose(
         if floor is not None:
             floor = budget_for_planning_floor(floor, margin)
             if options.strategy == "auto":
-                floor = min(floor, unoptimized.peak_bytes)
+                floor = min(floor, everything_bytes)
         raise solvers.InfeasibleBudgetError(account.budget_bytes, floor) from None
     if options.strategy != "auto":
         return _within_budget(jp, plan, budget, f"strategy {options.strategy!r}")
@@ -428,18 +435,20 @@ def decide_at(
     if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
         floor_plan, floor_result = keep_everything(jp), keep_all
     margin = planning_margin(jp.problem, keep_all, jp.memory)
+    # What keeping everything peaks at on the device: on a caching allocator, with its allowance.
+    everything = keep_all.peak_bytes + cache_allowance(keep_all, jp.memory)
     slack = sum(r.slack_bytes for r in earlier)
     lowest = floor_result.peak_bytes - slack
-    # Keeping everything fits a budget of its own peak, margin or not (nothing left to drop):
+    # Keeping everything fits a budget of its own peak, the uncertainty margin or not (nothing left to drop):
     # the floor is never above the unoptimized peak (both with earlier graphs at their floors).
-    own_floor = min(budget_for_planning_floor(lowest, margin), max(lowest, keep_all.peak_bytes - slack))
+    own_floor = min(budget_for_planning_floor(lowest, margin), max(lowest, everything - slack))
     step_floor = max([own_floor] + [r.min_feasible_bytes for r in earlier])
     infeasible = False
     try:
         if lowest_peak and floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin):
             plan = floor_plan
         else:
-            plan = _choose(jp, options, index, plan_source, progress, keep_all, margin, account)
+            plan = _choose(jp, options, index, plan_source, progress, everything, margin, account)
     except solvers.InfeasibleBudgetError as error:
         if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
             # Applied as they are: a preset or a plan file has no other plan to fall back to.
@@ -448,7 +457,7 @@ def decide_at(
             raise fixed from None
         fits_alone = floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin)
         graph_budget = account.graph_budget(index)
-        if plan_source is None and graph_budget is not None and keep_all.peak_bytes <= graph_budget:
+        if plan_source is None and graph_budget is not None and everything <= graph_budget:
             plan = keep_everything(jp)  # within the budget, only not within the planning margin
         elif index in account.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
@@ -460,7 +469,7 @@ def decide_at(
             refusal.held_result_bytes = jp.droppable_output_bytes  # type: ignore[attr-defined]
             raise refusal from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
-    unoptimized = keep_all.peak_bytes
+    unoptimized = everything
     record = GraphRecord(
         index=index,
         joint_problem=jp,
