@@ -231,3 +231,22 @@ def test_scratch_is_measured_on_cuda() -> None:
     assert measure_scratch(graph) >= 1
     (sort,) = [n for n in graph.graph.nodes if n.op == "call_function" and "sort" in str(n.target)]
     assert sort.meta["ckptc"].scratch_bytes > 0
+
+
+@needs_cuda
+def test_on_cuda_a_plans_first_three_steps_are_measured_within_the_budget() -> None:
+    """The caching allocator serves later steps from its cache: the check measures three steps of a plan
+    (ckptc.meter.STEPS_TO_VERIFY), each within the budget, and then no more."""
+    import ckptc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)])
+    x = torch.randn(4096, 256, device="cuda")
+    step_ = ckptc.capture(model.cuda(), (x,))
+    fast = ckptc.optimize(model, budget_bytes=(step_.floor_bytes + step_.unoptimized_peak_bytes) // 2)
+    for _ in range(5):
+        model.zero_grad(set_to_none=True)
+        fast(x).square().mean().backward()
+    (shape,) = fast.step_runtime.plans.values()
+    assert sum(shape.steps_within_budget.values()) == 3, shape
+    assert fast.plan.measured_peak_bytes <= fast.plan.budget_bytes
