@@ -75,6 +75,7 @@ __all__ = [
     "saves_tensors_only",
     "graph_module",
     "donate_no_saved_tensors",
+    "saved_tensors_behind",
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
     "is_fake",
@@ -914,6 +915,33 @@ def running_gradient_accumulator(edge: int, edges: int) -> Any:
         return None
     accumulator = node.next_functions[edge][0]
     return accumulator if isinstance(getattr(accumulator, "variable", None), torch.nn.Parameter) else None
+
+
+def saved_tensors_behind(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors autograd saved for backward in the graph behind ``tensors`` (their ``grad_fn`` and the
+    nodes those lead to, up to the leaves): what eager code that made them holds until its backward runs.
+
+    Read from the nodes' ``_saved_*`` attributes (autograd's generated accessors); a node whose saved
+    tensors were released already, or one that saves none, gives nothing."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # released by a backward that ran (retain_graph=False)
+                continue
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            found.extend(v for v in values if isinstance(v, torch.Tensor))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def backward_accumulates(accumulator: Any) -> bool:
