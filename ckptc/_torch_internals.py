@@ -75,7 +75,7 @@ __all__ = [
     "saves_tensors_only",
     "graph_module",
     "donate_no_saved_tensors",
-    "saved_tensors_behind",
+    "tensors_held_for_backward",
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
     "is_fake",
@@ -917,12 +917,13 @@ def running_gradient_accumulator(edge: int, edges: int) -> Any:
     return accumulator if isinstance(getattr(accumulator, "variable", None), torch.nn.Parameter) else None
 
 
-def saved_tensors_behind(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors autograd saved for backward in the graph behind ``tensors`` (their ``grad_fn`` and the
-    nodes those lead to, up to the leaves): what eager code that made them holds until its backward runs.
+def tensors_held_for_backward(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors autograd holds in the graph behind ``tensors`` (their ``grad_fn`` and the nodes those
+    lead to): what its nodes saved for backward, and the leaves it accumulates gradients into (parameters
+    eager code used).  What eager code that made ``tensors`` holds until its backward runs.
 
-    Read from the nodes' ``_saved_*`` attributes (autograd's generated accessors); a node whose saved
-    tensors were released already, or one that saves none, gives nothing."""
+    Read from the nodes' ``_saved_*`` attributes (autograd's generated accessors) and the ``variable``
+    of ``AccumulateGrad`` nodes; a node whose saved tensors were released already gives nothing."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -931,11 +932,15 @@ def saved_tensors_behind(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
         for name in dir(node):
             if not name.startswith("_saved_"):
                 continue
             try:
-                value = getattr(node, name)
+                with outside_fake_mode():  # unpacking detaches: real tensors, also inside a compiler pass
+                    value = getattr(node, name)
             except RuntimeError:  # released by a backward that ran (retain_graph=False)
                 continue
             values = value if isinstance(value, (tuple, list)) else (value,)
