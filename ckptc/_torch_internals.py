@@ -923,7 +923,8 @@ def tensors_held_for_backward(tensors: Sequence[torch.Tensor]) -> list[torch.Ten
     eager code used).  What eager code that made ``tensors`` holds until its backward runs.
 
     Read from the nodes' ``_saved_*`` attributes (autograd's generated accessors) and the ``variable``
-    of ``AccumulateGrad`` nodes; a node whose saved tensors were released already gives nothing."""
+    of ``AccumulateGrad`` nodes; a node whose saved tensors were released already (or cannot be unpacked)
+    gives nothing: this runs inside the caller's step and must not fail it."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -941,7 +942,7 @@ def tensors_held_for_backward(tensors: Sequence[torch.Tensor]) -> list[torch.Ten
             try:
                 with outside_fake_mode():  # unpacking detaches: real tensors, also inside a compiler pass
                     value = getattr(node, name)
-            except RuntimeError:  # released by a backward that ran (retain_graph=False)
+            except Exception:  # released by a backward that ran (retain_graph=False), or not unpackable
                 continue
             values = value if isinstance(value, (tuple, list)) else (value,)
             found.extend(v for v in values if isinstance(v, torch.Tensor))
