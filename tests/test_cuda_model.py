@@ -3,6 +3,7 @@ sizes, cuBLAS workspaces, and the tensors CUDA's flash attention saves, priced o
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import ckptc
+import ckptc.pricing.problem
 import solvers
 from ckptc.planning.account import planning_margin
 from ckptc.pricing.costs import annotate_costs
@@ -153,11 +156,6 @@ def test_keeping_everything_on_a_caching_allocator_is_priced_with_its_cache_allo
     margin applied, and measured 0.1-5 MiB above it on an H200.  On a caching allocator the unoptimized peak
     includes the cache allowance: a budget there keeps everything, one at the priced peak recomputes a
     little, and the floor stays below.  The CPU stands in for the allocator (its allowance patched in)."""
-    import copy
-
-    import ckptc
-    import ckptc.pricing.problem
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
     x = torch.randn(256, 64)
@@ -237,8 +235,6 @@ def test_scratch_is_measured_on_cuda() -> None:
 def test_on_cuda_a_plans_first_three_steps_are_measured_within_the_budget() -> None:
     """The caching allocator serves later steps from its cache: the check measures three steps of a plan
     (ckptc.meter.STEPS_TO_VERIFY), each within the budget, and then no more."""
-    import ckptc
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)])
     x = torch.randn(4096, 256, device="cuda")

@@ -119,13 +119,19 @@ def memory_model(device: torch.device | str) -> MemoryModel:
     """The memory model of the device a plan targets (CUDA: the caching allocator; others: storage bytes)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return MemoryModel(device.type)
+        return _storage_bytes_model(device.type)
     return _cuda_model(
         str(device),
         os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         os.environ.get("CUBLASLT_WORKSPACE_SIZE"),
         os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _storage_bytes_model(device_type: str) -> MemoryModel:
+    # One per device type: resident_bytes asks for every storage it counts.
+    return MemoryModel(device_type)
 
 
 @functools.lru_cache(maxsize=16)

@@ -156,12 +156,11 @@ class BackendStepCheck:
             self._counted = set()
             self._tracker.measure(_device_of(args), 0)
             resident = [*args] if self.model is None else [self.model, *args]
-            self._tracker.add_baseline(self._uncounted(resident))
             # Eager code before the step's first graph (Dynamo ran it outside every graph: a convolution
             # stem, an embedding) holds what autograd saved for its backward through the whole step, and
             # the parameters it used (with their gradients, when resident) are resident.
-            held = internals.tensors_held_for_backward([a for a in args if isinstance(a, torch.Tensor)])
-            self._tracker.add_baseline(self._uncounted(held))
+            resident += internals.tensors_held_for_backward([a for a in args if isinstance(a, torch.Tensor)])
+            self._tracker.add_baseline(self._uncounted(resident))
         elif self._tracker.measuring:
             # A later graph's parameters were resident from the start.  Its leaf inputs may have been (a
             # second call's inputs, buffers of layers the first graph did not take) or made in the step (a
