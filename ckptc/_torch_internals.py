@@ -579,6 +579,27 @@ def compile_module(model: torch.nn.Module, backend: Any) -> Any:
     return inspect.unwrap(torch.compile)(model, backend=called_weakly(backend), dynamic=False)
 
 
+def module_being_compiled() -> torch.nn.Module | None:
+    """The module whose call Dynamo is compiling now, found on the Python stack; None if there is none.
+
+    ``torch.compile(model, backend=...)`` returns an ``OptimizedModule`` whose call is on the stack
+    while Dynamo hands a backend each of the model's graphs (after a graph break too).  The innermost
+    one is the model being compiled; a compiled function has none.
+    """
+    import sys
+
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "self" in frame.f_code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, OptimizedModule):
+                return owner._orig_mod
+        frame = frame.f_back
+    return None
+
+
 def called_weakly(target: Callable) -> Callable:
     """A function calling ``target``, which it holds weakly, for Dynamo to keep instead of ``target``.
 

@@ -50,10 +50,12 @@ def backend(
     (``budget_bytes``, ``solver``, ``strategy``, ``must_save``, ``must_recompute``,
     ``compiler``, ``hold_outputs``, ``measure_time``, ``time_limit``); an
     unknown name or a bad value raises ``ValueError``.  ``plan`` applies a plan
-    file or :class:`ModelPlan` instead of solving.  ``model``, when given, lets
-    each graph count the parameters, buffers and gradients that it does not see
-    (after a graph break) in its baseline; without it they are learned from the
-    first step that runs.
+    file or :class:`ModelPlan` instead of solving.  ``model`` lets each graph count
+    the parameters, buffers and gradients that it does not see (after a graph
+    break, in eager code, frozen) in its baseline; without it the model being
+    compiled is found from its ``torch.compile`` wrapper's call, and a compiled
+    function taking the model as an argument has the rest learned from the
+    first step that runs (eager code after the last graph is not seen).
 
     The backend plans and measures only what Dynamo hands it: code Dynamo runs
     eagerly (a skipped frame, say after a graph break inside a loop) is neither

@@ -654,14 +654,16 @@ def _backend_trains_within_a_budget(
     budget: int,
     refused_with: tuple[type[Exception], ...],
     refusals: int = 1,
+    name_the_model: bool = True,
     **compile_options: Any,
 ) -> None:
     """``loop`` trains a copy of ``reference`` under ``torch.compile(backend=ckptc.backend(budget, model=...))``
-    for 6 steps, a refusal (``refused_with``, at most ``refusals`` times) retried with the budget it names:
-    ckptc's check has then verified the plans, and the loop's peak measured independently is within the budget."""
+    (without ``model=`` unless ``name_the_model``) for 6 steps, a refusal (``refused_with``, at most
+    ``refusals`` times) retried with the budget it names: ckptc's check has then verified the plans, and the
+    loop's peak measured independently is within the budget."""
     for attempt in range(refusals + 1):
         model = copy.deepcopy(reference)
-        backend = ckptc.backend(budget_bytes=budget, model=model)
+        backend = ckptc.backend(budget_bytes=budget, model=model if name_the_model else None)
         compiled = torch.compile(model, backend=backend, **compile_options)
         try:
             for step in range(6):  # outside the test's profiler, so that ckptc's own check measures
@@ -703,6 +705,36 @@ def test_the_backends_check_counts_what_eager_code_before_the_first_graph_saved(
     budget = _peak(plain, eager, eager, _batches(1)) - stem_saved // 2
     refused_with = (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError)
     _backend_trains_within_a_budget(reference, plain, _batches, budget, refused_with, refusals=2)
+
+
+class _EagerHead(nn.Module):
+    """A last layer Dynamo runs outside every graph, with a frozen bias (as transformers' Whisper's frozen
+    positional embedding ran in its eager stem)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.frozen = nn.Parameter(torch.randn(4 * WIDTH, WIDTH), requires_grad=False)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.frozen[: x.shape[-1]].sum()
+
+
+def test_the_backend_without_model_counts_the_parameters_of_the_model_being_compiled() -> None:
+    """``torch.compile(model, backend=ckptc.backend(...))`` without ``model=`` (as with ``backend="ckptc"``)
+    knew only the parameters its graphs take: those of eager code after the last graph, and frozen ones,
+    were counted nowhere, and the check verified steps measured independently over the budget (Whisper
+    tiny: 1.004x).  The backend now finds the model being compiled (its ``torch.compile`` wrapper's call)
+    and counts them as with ``model=``."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(_Block() for _ in range(4)), _EagerHead())
+    eager = copy.deepcopy(reference)
+    plain(eager, _batches(0))
+    budget = int(0.9 * _peak(plain, eager, eager, _batches(1)))
+    refused_with = (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError)
+    _backend_trains_within_a_budget(reference, plain, _batches, budget, refused_with, refusals=2, name_the_model=False)
 
 
 def test_a_step_the_backend_refused_while_compiling_leaves_later_models_measured() -> None:

@@ -279,6 +279,10 @@ class CheckpointCompiler:
     def _plan_dynamo_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
+            if self.model is None:
+                # torch.compile(model, backend="ckptc") names no model: the one being compiled is found, so
+                # the baselines count what its graphs do not take (eager code's parameters, frozen ones).
+                self.model = internals.module_being_compiled()
         events = self.step_check or self.step_events
         if events is not None:
             events.planned(new_graph=True)  # planning profiles ops
