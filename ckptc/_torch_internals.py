@@ -324,6 +324,25 @@ def upper_bound(value: Any) -> int | None:
         return None
 
 
+def size_expression(value: Any) -> Any:
+    """A size as a sympy expression over its symbols (a SymInt's), or the int it is; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return None
+
+
+def storage_size_expression(tensor: torch.Tensor) -> Any:
+    """The bytes of ``tensor``'s storage as a sympy expression (see :func:`size_expression`)."""
+    try:
+        return size_expression(tensor.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):  # sparse or nested tensors
+        return None
+
+
 def binds_unbacked_symbols(node: fx.Node) -> bool:
     """True if ``node`` creates a data-dependent size or scalar (``nonzero``, ``item``, boolean indexing)."""
     return bool(node.meta.get("unbacked_bindings"))

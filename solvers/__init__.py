@@ -15,7 +15,7 @@ True
 # registers) may import the core names from this package, so they come first.
 from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
 from solvers.plan import Plan, SolveInfo, Step
-from solvers.problem import BACKWARD, FORWARD, INPUT, RECOMPUTE, SAVE, Node, Problem
+from solvers.problem import BACKWARD, FORWARD, INPUT, RECOMPUTE, SAVE, Node, Problem, SizeGroup
 from solvers.simulator import SimResult, schedule, simulate
 
 # isort: split
@@ -24,6 +24,7 @@ from solvers.api import METHODS, lowest_peak_plan, min_feasible_budget, solve
 __all__ = [
     "Node",
     "Problem",
+    "SizeGroup",
     "Plan",
     "SolveInfo",
     "Step",

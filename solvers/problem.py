@@ -23,7 +23,7 @@ from solvers.errors import human_bytes
 if TYPE_CHECKING:  # networkx is imported lazily: "import solvers" stays cheap.
     import networkx as nx
 
-__all__ = ["Node", "Problem", "INPUT", "FORWARD", "BACKWARD", "SAVE", "RECOMPUTE"]
+__all__ = ["Node", "Problem", "SizeGroup", "INPUT", "FORWARD", "BACKWARD", "SAVE", "RECOMPUTE"]
 
 INPUT = "input"
 FORWARD = "forward"
@@ -141,6 +141,37 @@ class Node:
 
 
 @dataclass(frozen=True)
+class SizeGroup:
+    """Sizes that depend on the data and share a total: the tokens routed to each expert of one
+    mixture-of-experts layer, at most ``bound`` each and ``total`` together.
+
+    A node of a member allocates ``bytes - unit * bound`` plus ``unit`` bytes per unit of that
+    member's size (its ``Node.bytes`` is the price at the bound).  The simulator prices every
+    point of the step at the worst split of ``total`` among the members (the largest share
+    to the member holding the most bytes per unit there), which is at most the sum of the
+    members' bounds: a plan that fits it fits every routing.
+
+    Attributes:
+        total: the members' sizes sum to at most this.
+        members: per member, its bound and the ``(node name, bytes per unit)`` of the nodes whose
+            bytes grow with it.
+    """
+
+    total: int
+    members: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "members": [[bound, [list(n) for n in nodes]] for bound, nodes in self.members]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SizeGroup":
+        members = tuple(
+            (int(bound), tuple((str(name), int(unit)) for name, unit in nodes)) for bound, nodes in data["members"]
+        )
+        return cls(total=int(data["total"]), members=members)
+
+
+@dataclass(frozen=True)
 class Problem:
     """A training-step graph in execution order.
 
@@ -152,6 +183,9 @@ class Problem:
     baseline_bytes : int
         Memory held outside this graph for the whole step; added to every
         point of the simulated timeline.
+    size_groups : tuple of SizeGroup
+        Data-dependent sizes that share a total (tokens routed to experts):
+        the simulator prices their worst split instead of every member at its bound.
 
     Raises
     ------
@@ -181,6 +215,7 @@ class Problem:
 
     nodes: tuple[Node, ...]
     baseline_bytes: int = 0
+    size_groups: tuple[SizeGroup, ...] = ()
     # name -> position in `nodes`, for O(1) lookups.
     index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
     # Solvers may memoise expensive derived results here (keyed by a string).
@@ -281,6 +316,29 @@ class Problem:
         object.__setattr__(self, "_scratch", [n.scratch for n in nodes])
         object.__setattr__(self, "_part_of", part_of)
         object.__setattr__(self, "_fusion", bytes(_FUSION_CODE[n.fusion] for n in nodes))
+        self._check_size_groups(index, nodes)
+
+    def _check_size_groups(self, index: Mapping[str, int], nodes: tuple[Node, ...]) -> None:
+        object.__setattr__(self, "size_groups", tuple(self.size_groups))
+        seen: set[str] = set()
+        for group in self.size_groups:
+            if not isinstance(group, SizeGroup) or group.total < 0:
+                raise ValueError(f"size_groups: expected SizeGroup with total >= 0, got {group!r}")
+            for bound, members in group.members:
+                for name, unit in members:
+                    i = index.get(name)
+                    if i is None:
+                        raise ValueError(f"size group member {name!r} is not a node")
+                    if name in seen:
+                        raise ValueError(f"node {name!r} is in more than one size group member")
+                    seen.add(name)
+                    node = nodes[i]
+                    if unit <= 0 or bound < 0 or unit * bound > node.bytes:
+                        raise ValueError(
+                            f"node {name!r}: {unit} bytes per unit up to {bound} exceed its {node.bytes} bytes"
+                        )
+                    if node.alias_of is not None or node.part_of is not None:
+                        raise ValueError(f"node {name!r}: a view or a part of a multi-output value cannot grow")
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -438,7 +496,10 @@ class Problem:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data; ``Problem.from_dict(p.to_dict()) == p``."""
-        return {"baseline_bytes": self.baseline_bytes, "nodes": [n.to_dict() for n in self.nodes]}
+        data: dict[str, Any] = {"baseline_bytes": self.baseline_bytes, "nodes": [n.to_dict() for n in self.nodes]}
+        if self.size_groups:
+            data["size_groups"] = [g.to_dict() for g in self.size_groups]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Problem":
@@ -462,7 +523,11 @@ class Problem:
             )
             for d in data["nodes"]
         )
-        return cls(nodes=nodes, baseline_bytes=int(data.get("baseline_bytes", 0)))
+        return cls(
+            nodes=nodes,
+            baseline_bytes=int(data.get("baseline_bytes", 0)),
+            size_groups=tuple(SizeGroup.from_dict(g) for g in data.get("size_groups", ())),
+        )
 
     # --------------------------------------------------------------- helpers
     @classmethod

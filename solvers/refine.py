@@ -181,10 +181,18 @@ def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> lis
     At the last forward step every kept value's storage is alive, with the
     resident bytes: their sum bounds the peak from below.  Storages of inputs
     (resident already) and of multi-output values (their getitems take bytes
-    over) are left out, so the bound never exceeds the simulator's peak.
-    O(nodes + candidates).
+    over) are left out, and values that grow with a routed count
+    (:class:`solvers.SizeGroup`) count only their fixed part, so the bound
+    never exceeds the simulator's peak.  O(nodes + candidates).
     """
-    root, kind, nbytes = problem._alias_root, problem._kind, problem._bytes
+    root, kind = problem._alias_root, problem._kind
+    nbytes = problem._cache.get("refine.fixed_bytes")
+    if nbytes is None:
+        nbytes = problem._cache["refine.fixed_bytes"] = list(problem._bytes)
+        for group in problem.size_groups:
+            for bound, members in group.members:
+                for name, unit in members:
+                    nbytes[problem.index[name]] -= unit * bound
     shared = problem._cache.get("refine.multi_output")
     if shared is None:
         shared = problem._cache["refine.multi_output"] = frozenset(p for p in problem._part_of if p >= 0)

@@ -497,8 +497,62 @@ def _arrays(problem: Problem) -> dict:
         "scratch": np.array(problem._scratch, dtype=np.int64),
         "fusion": np.frombuffer(problem._fusion, dtype=np.uint8),
         "fuses": any(problem._fusion),
+        "groups": _group_arrays(problem),
     }
     return arrays
+
+
+def _group_arrays(problem: Problem) -> list[dict[str, Any]]:
+    """Per size group (:class:`solvers.problem.SizeGroup`): its total, each member's bound, and for
+    each node that grows with a member, which one and by how many bytes per unit."""
+    import numpy as np
+
+    groups = []
+    for group in problem.size_groups:
+        member = np.full(len(problem.nodes), -1, dtype=np.int64)
+        unit = np.zeros(len(problem.nodes), dtype=np.int64)
+        for m, (_, nodes) in enumerate(group.members):
+            for name, per_unit in nodes:
+                member[problem.index[name]] = m
+                unit[problem.index[name]] = per_unit
+        bounds = np.array([bound for bound, _ in group.members], dtype=np.int64)
+        groups.append({"total": group.total, "bounds": bounds, "member": member, "unit": unit})
+    return groups
+
+
+def _worst_split(group: dict[str, Any], node: Any, grows: Any, death: Any, n_steps: int) -> Any:
+    """What a size group adds at each step of the schedule under the worst split of its total
+    (``grows``: the steps allocating a node of the group that live, ``death``: when each dies).
+
+    At each step, each member holds some bytes per unit of its size (its live nodes' units); the
+    worst split gives the members holding the most the largest shares, each up to its bound,
+    until the total is spent.  O(members * changes), changes being the steps where a live
+    node of the group is allocated or dies.
+    """
+    import numpy as np
+
+    member = group["member"][node]
+    added = np.zeros(n_steps, dtype=np.int64)
+    if not len(grows):
+        return added
+    units = group["unit"][node[grows]]
+    starts, ends = grows, death[grows] + 1
+    changes = np.unique(np.concatenate([starts, ends]))
+    changes = changes[changes < n_steps]
+    n_members = len(group["bounds"])
+    per_unit = np.zeros((n_members, len(changes) + 1), dtype=np.int64)
+    np.add.at(per_unit, (member[starts], np.searchsorted(changes, starts)), units)
+    np.add.at(per_unit, (member[starts], np.searchsorted(changes, ends)), -units)
+    per_unit = np.cumsum(per_unit, axis=1)[:, : len(changes)]
+    order = np.argsort(-per_unit, axis=0, kind="stable")
+    held = np.take_along_axis(per_unit, order, axis=0)
+    bounds = group["bounds"][order]
+    before = np.cumsum(bounds, axis=0) - bounds
+    share = np.clip(group["total"] - before, 0, bounds)
+    worst = (held * share).sum(axis=0)
+    at = np.searchsorted(changes, np.arange(n_steps), side="right") - 1
+    added[at >= 0] = worst[at[at >= 0]]
+    return added
 
 
 def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, check: bool = True) -> _Core:
@@ -627,11 +681,21 @@ def _run(problem: Problem, nodes: list[int], n_fwd: int, kept: bytearray, *, che
     # A getitem's bytes move out of its multi-output storage: net zero at its step;
     # the output dies when both the getitem and the multi-output value are dead.
     alive = step[storage_death >= 0]
+    # Nodes that grow with a data-dependent size of a group count their fixed part here, the rest at
+    # the group's worst split (none of them is a view or a part of a multi-output value).
+    fixed_bytes = own_bytes.copy()
+    growing = []
+    for group in a["groups"]:
+        grows = (group["member"][node] >= 0) & (own_bytes > 0)  # computed inline: no bytes at all
+        fixed_bytes[grows] -= group["unit"][node[grows]] * group["bounds"][group["member"][node[grows]]]
+        growing.append(grows)
     delta = np.zeros(n_steps + 1, dtype=np.int64)
-    delta[alive] += own_bytes[alive]
-    np.add.at(delta, storage_death[alive] + 1, -(own_bytes[alive] - taken[alive]))
+    delta[alive] += fixed_bytes[alive]
+    np.add.at(delta, storage_death[alive] + 1, -(fixed_bytes[alive] - taken[alive]))
     delta[extracting] -= own_bytes[extracting]
     timeline = problem.resident_bytes + np.cumsum(delta[:n_steps]) + a["scratch"][node]
+    for group, grows in zip(a["groups"], growing, strict=True):
+        timeline = timeline + _worst_split(group, node, alive[grows[alive]], storage_death, n_steps)
     peak_step = int(np.argmax(timeline))
     recomputed = node[n_fwd:][a["kind"][node[n_fwd:]] == FORWARD_CODE].tolist()
     cost = problem._cost

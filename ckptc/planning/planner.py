@@ -569,7 +569,9 @@ def floor_counting_later_calls(record: GraphRecord, parameters: Mapping[int, int
         summed = max(record.inputs.parameters.values())
         nodes += (solvers.Node(name=GRADIENT_SUM_NODE, bytes=summed, cost=0.0, kind=BACKWARD, preds=gradients),)
     resident = sum(n for i, n in parameters.items() if i in seen)
-    counted = solvers.Problem(nodes=nodes, baseline_bytes=problem.baseline_bytes + resident)
+    counted = solvers.Problem(
+        nodes=nodes, baseline_bytes=problem.baseline_bytes + resident, size_groups=problem.size_groups
+    )
     peak = solvers.simulate(counted, solvers.lowest_peak_plan(counted)).peak_bytes
     lowest = peak - sum(e.slack_bytes for e in record.earlier)
     return max(record.min_feasible_bytes, budget_for_planning_floor(lowest, record.margin_bytes))

@@ -114,6 +114,14 @@ class MemoryModel:
         """What one storage of ``nbytes`` costs on this device."""
         return block_bytes(nbytes, self.expandable_segments) if self.rounds_blocks else nbytes
 
+    def rounding_slack(self, largest: int) -> int:
+        """The most a storage of up to ``largest`` bytes can cost above its bytes (see :func:`block_bytes`)."""
+        if not self.rounds_blocks:
+            return 0
+        if largest < MIN_LARGE_ALLOC or self.expandable_segments:
+            return MIN_BLOCK
+        return SMALL_SIZE + MIN_BLOCK
+
 
 def memory_model(device: torch.device | str) -> MemoryModel:
     """The memory model of the device a plan targets (CUDA: the caching allocator; others: storage bytes)."""

@@ -21,6 +21,7 @@ import solvers
 from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
 from ckptc.pricing.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size, written_bytes
 from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
+from ckptc.pricing.routing import routed_sizes
 from ckptc.rewrite.lean_backward import in_place_targets
 from ckptc.rewrite.unused_grads import ZERO, Folding, foldable_tangents
 
@@ -141,6 +142,38 @@ class JointProblem:
                 solvers.Step(node(s.node, f"{field}.schedule[{i}]"), s.phase) for i, s in enumerate(plan.schedule)
             ),
         )
+
+
+def _placeholder_values(joint: fx.GraphModule) -> list[torch.Tensor]:
+    values = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _size_groups(
+    graph: fx.Graph, fields: dict[str, dict[str, Any]], memory: MemoryModel
+) -> tuple[solvers.SizeGroup, ...]:
+    """The data-dependent counts of ``graph`` that share a total (:func:`ckptc.pricing.routing.routed_sizes`),
+    with the nodes whose bytes grow with each.  On an allocator that rounds blocks, a growing node's bytes
+    gain the most its rounding can add at a smaller count (``fields`` is updated)."""
+    groups = []
+    for routed in routed_sizes(graph):
+        members = []
+        for symbol, bound in routed.bounds.items():
+            nodes = []
+            for name, (grows_with, unit) in routed.growing.items():
+                node = fields.get(name)
+                if grows_with != symbol or node is None or node["alias_of"] is not None or node["part_of"] is not None:
+                    continue
+                if node["bytes"] < unit * bound or not node["bytes"]:
+                    continue  # priced otherwise (a gradient summed in place, a value never written)
+                node["bytes"] += memory.rounding_slack(node["bytes"])
+                nodes.append((name, unit))
+            members.append((bound, tuple(nodes)))
+        if any(nodes for _, nodes in members):
+            groups.append(solvers.SizeGroup(total=routed.total, members=tuple(members)))
+    if groups:
+        log.debug("%d groups of routed counts priced at their worst split", len(groups))
+    return tuple(groups)
 
 
 def joint_to_problem(
@@ -321,6 +354,7 @@ def joint_to_problem(
         stable_names[GRADIENT_SUM_NODE] = GRADIENT_SUM_NODE
     order = inputs + forward + backward
     position = {name: i for i, name in enumerate(order)}
+    size_groups = _size_groups(joint.graph, fields, memory_model(graph_device(_placeholder_values(joint))))
     problem = solvers.Problem(
         nodes=tuple(
             # Preds in execution order, each once: what a plan file's fingerprint was made from.
@@ -328,6 +362,7 @@ def joint_to_problem(
             for name in order
         ),
         baseline_bytes=baseline_bytes,
+        size_groups=size_groups,
     )
     results = _result_bytes(problem, [r for r in forward_results if _numel(r) > 1 and "ckptc" in r.meta])
     return JointProblem(

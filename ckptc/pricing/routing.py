@@ -1,0 +1,181 @@
+"""Tokens routed to experts: data-dependent sizes that share a total.
+
+A mixture-of-experts layer routes each token to k of its E experts and runs
+each expert on the tokens routed to it.  ``torch.where(expert_mask[e])``
+(aten ``nonzero`` of one slice of a one-hot mask) gives each expert a count
+that depends on the data.  Each count alone may reach its whole slice (the
+bound Dynamo gives it), but the slices are disjoint, so together the counts
+are at most the mask's nonzeros, and a one-hot mask holds one nonzero per
+index it encodes (``one_hot(indices, E)``, or ``indices[..., None] ==
+arange(E)`` as it is decomposed, ``iota`` under Inductor).  Priced at their bounds the layer's experts
+count its tokens E times over; :func:`routed_sizes` finds such counts and the
+nodes whose bytes grow with each, so that the simulator prices the worst
+routing instead (:class:`solvers.SizeGroup`).  What is not recognised stays
+priced at its bound.
+
+Example: OLMoE (top-2 of 4 experts) has four counts ``u0..u3``, each at
+most ``2 * tokens``, together at most ``2 * tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ckptc._torch_internals import op_name, size_expression, storage_size_expression, upper_bound
+
+__all__ = ["RoutedSizes", "routed_sizes"]
+
+log = logging.getLogger("ckptc.pricing.routing")
+
+# Ops whose result holds the same values as their first argument (so the same nonzeros).
+_SAME_VALUES = frozenset(
+    {
+        "permute",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "t",
+        "squeeze",
+        "unsqueeze",
+        "alias",
+        "clone",
+        "_to_copy",
+        "convert_element_type",
+        "contiguous",
+    }
+)
+
+
+@dataclass(frozen=True)
+class RoutedSizes:
+    """Counts of one mask's disjoint slices: together at most ``total``.
+
+    Attributes:
+        total: the mask's nonzeros at most.
+        bounds: by count symbol, its own bound.
+        growing: by node name, the count symbol its bytes grow with and its bytes per unit.
+    """
+
+    total: int
+    bounds: Mapping[Any, int]
+    growing: Mapping[str, tuple[Any, int]]
+
+
+def routed_sizes(graph: fx.Graph) -> list[RoutedSizes]:
+    """The groups of data-dependent counts in ``graph`` that share a total (see the module docstring).
+
+    O(nodes): one pass to find the counts, one to find the nodes that grow with them.
+    """
+    slices: dict[tuple[fx.Node, int], list[tuple[Any, fx.Node]]] = defaultdict(list)
+    for node in graph.nodes:
+        if _op(node) != "nonzero":
+            continue
+        sliced = _same_values_source(node.args[0])
+        if _op(sliced) == "select" and isinstance(sliced.args[0], fx.Node):
+            base, dim, index = sliced.args[:3]
+            slices[(base, dim)].append((index, node))
+    groups = []
+    for (base, _), counts in slices.items():
+        indices = [index for index, _ in counts]
+        if len(counts) < 2 or len(set(indices)) != len(indices) or not all(isinstance(i, int) for i in indices):
+            continue  # one slice, or slices that may overlap
+        total = _nonzero_bound(base)
+        bounds = {}
+        for _, nonzero in counts:
+            value = nonzero.meta.get("val")
+            count = size_expression(value.shape[0]) if isinstance(value, torch.Tensor) else None
+            top = upper_bound(value.shape[0]) if isinstance(value, torch.Tensor) else None
+            if not isinstance(count, sympy.Symbol) or top is None:
+                break
+            bounds[count] = top
+        else:
+            if total is not None and total < sum(bounds.values()):
+                groups.append(RoutedSizes(total=total, bounds=bounds, growing={}))
+    if not groups:
+        return []
+    return _with_growing_nodes(graph, groups)
+
+
+def _with_growing_nodes(graph: fx.Graph, groups: list[RoutedSizes]) -> list[RoutedSizes]:
+    """``groups`` with the nodes whose storage bytes are ``unit * count + fixed`` for one of their counts."""
+    group_of = {symbol: g for g, group in enumerate(groups) for symbol in group.bounds}
+    growing: list[dict[str, tuple[Any, int]]] = [{} for _ in groups]
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "output" or not isinstance(value, torch.Tensor):
+            continue  # multi-output values (their parts take their bytes over) stay at their bounds
+        expression = storage_size_expression(value)
+        if not isinstance(expression, sympy.Expr) or len(expression.free_symbols) != 1:
+            continue
+        (symbol,) = expression.free_symbols
+        if symbol not in group_of:
+            continue
+        polynomial = sympy.Poly(sympy.expand(expression), symbol)
+        unit = polynomial.coeff_monomial(symbol)
+        if polynomial.degree() != 1 or not unit.is_Integer or int(unit) <= 0:
+            continue
+        growing[group_of[symbol]][node.name] = (symbol, int(unit))
+    return [RoutedSizes(g.total, g.bounds, nodes) for g, nodes in zip(groups, growing, strict=True)]
+
+
+def _op(node: Any) -> str | None:
+    return op_name(node.target) if isinstance(node, fx.Node) and node.op == "call_function" else None
+
+
+def _same_values_source(node: Any) -> Any:
+    """The node whose values ``node`` holds, through views and copies."""
+    while _op(node) in _SAME_VALUES:
+        node = node.args[0]
+    return node
+
+
+def _nonzero_bound(node: fx.Node) -> int | None:
+    """At most how many nonzeros ``node`` holds, where its op says so (a one-hot mask); None otherwise."""
+    source = _same_values_source(node)
+    name = _op(source)
+    if name == "one_hot":
+        indices = source.args[0].meta.get("val") if isinstance(source.args[0], fx.Node) else None
+        return upper_bound(indices.numel()) if isinstance(indices, torch.Tensor) else None
+    if name != "eq" or len(source.args) < 2:
+        return None
+    result = source.meta.get("val")
+    if not isinstance(result, torch.Tensor):
+        return None
+    a, b = source.args[:2]
+    for values, other in ((a, b), (b, a)):
+        if not _distinct_values(_same_values_source(values)) or not isinstance(other, fx.Node):
+            continue
+        # The arange runs along one dimension of the result, where the other operand has size 1: each of
+        # the other's elements equals at most one of its (distinct) values.
+        along = [d for d in range(result.dim()) if _broadcast_size(values, d, result.dim()) != 1]
+        if len(along) == 1 and _broadcast_size(other, along[0], result.dim()) == 1:
+            numel, size = upper_bound(result.numel()), upper_bound(result.shape[along[0]])
+            if numel is not None and size:
+                return numel // size
+    return None
+
+
+def _distinct_values(node: Any) -> bool:
+    """Whether ``node`` is a range of distinct values (``arange``, or ``iota`` as Inductor decomposes it)."""
+    name = _op(node)
+    if name == "iota":
+        return node.kwargs.get("step", 1) != 0
+    return name == "arange" and (len(node.args) < 3 or node.args[2] != 0)
+
+
+def _broadcast_size(node: fx.Node, dim: int, ndim: int) -> int | None:
+    """The size of ``node``'s value at dimension ``dim`` of a broadcast result of ``ndim`` dimensions."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    offset = ndim - value.dim()
+    size = 1 if dim < offset else size_expression(value.shape[dim - offset])
+    return size if isinstance(size, int) else None

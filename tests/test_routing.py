@@ -1,0 +1,139 @@
+"""Tokens routed to experts: counts that depend on the data and share a total are priced at their
+worst split (:mod:`ckptc.pricing.routing`, :class:`solvers.SizeGroup`), never below any routing."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import random
+
+import pytest
+import torch
+
+import ckptc
+from ckptc.meter import measure_peak, resident_bytes
+from solvers import Node, Plan, Problem, SizeGroup, simulate
+from tests.zoo import get_case
+
+
+def _random_step(rng: random.Random) -> list[Node]:
+    """A random training step: forward values reading earlier ones, a backward node per forward value."""
+    nodes, forward = [Node("x", 8, 0.0, "input")], []
+    for i in range(rng.randint(3, 7)):
+        preds = tuple(rng.sample(["x", *forward], min(len(forward) + 1, rng.randint(1, 2))))
+        nodes.append(Node(f"f{i}", rng.randint(1, 50), 1.0, "forward", preds))
+        forward.append(f"f{i}")
+    nodes.append(Node("loss", 1, 1.0, "forward", (forward[-1],), output=True))
+    previous = "loss"
+    for i in reversed(range(len(forward))):
+        extra = (rng.choice(forward[: i + 1]),) if rng.random() < 0.5 else ()
+        preds = tuple(dict.fromkeys((previous, f"f{i}", *extra)))
+        nodes.append(Node(f"g{i}", rng.randint(1, 50), 1.0, "backward", preds, output=rng.random() < 0.3))
+        previous = f"g{i}"
+    return nodes
+
+
+def _at_counts(nodes: list[Node], growing: dict[str, tuple[int, int]], bound: int, counts: tuple[int, ...]) -> Problem:
+    """``nodes`` with each growing node's bytes at its member's count instead of the bound."""
+    changed = []
+    for node in nodes:
+        if node.name in growing:
+            member, unit = growing[node.name]
+            node = dataclasses.replace(node, bytes=node.bytes - unit * bound + unit * counts[member])
+        changed.append(node)
+    return Problem(tuple(changed))
+
+
+def test_the_worst_split_bounds_every_routing_and_never_exceeds_the_bounds() -> None:
+    """On 200 random steps and plans, a group's simulated peak is at least the peak of every split of its
+    total among its members (brute force) and at most the peak with every member at its bound."""
+    rng = random.Random(0)
+    tighter = 0
+    for _ in range(200):
+        nodes = _random_step(rng)
+        members, bound = rng.randint(2, 3), rng.randint(1, 4)
+        total = rng.randint(1, members * bound)
+        names = rng.sample([n.name for n in nodes if n.kind != "input" and n.name != "loss"], 4)
+        growing = {name: (rng.randrange(members), rng.randint(1, 3)) for name in names}
+        nodes = [
+            dataclasses.replace(n, bytes=max(n.bytes, growing[n.name][1] * bound)) if n.name in growing else n
+            for n in nodes
+        ]
+        group = SizeGroup(
+            total, tuple((bound, tuple((n, u) for n, (m, u) in growing.items() if m == k)) for k in range(members))
+        )
+        forward = [n.name for n in nodes if n.kind == "forward" and n.name != "loss"]
+        plan = Plan(kept=set(rng.sample(forward, rng.randint(0, len(forward)))))
+        worst = simulate(Problem(tuple(nodes), size_groups=(group,)), plan).peak_bytes
+        at_bounds = simulate(Problem(tuple(nodes)), plan).peak_bytes
+        every_split = max(
+            simulate(_at_counts(nodes, growing, bound, counts), plan).peak_bytes
+            for counts in itertools.product(range(bound + 1), repeat=members)
+            if sum(counts) <= total
+        )
+        assert every_split <= worst <= at_bounds
+        tighter += worst < at_bounds
+    assert tighter > 50  # the group changes the price
+
+
+def _skewed(case_model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every token routed to the same two experts (the router's logits raised for them)."""
+    model = copy.deepcopy(case_model)
+    for layer in model.model.layers:
+        favoured = torch.zeros(layer.mlp.gate.out_features)
+        favoured[:2] = torch.tensor([100.0, 99.0])
+        layer.mlp.gate.register_forward_hook(lambda module, args, out, favoured=favoured: out + favoured)
+    return model
+
+
+def test_tokens_routed_to_experts_are_priced_at_their_worst_routing_and_every_routing_fits() -> None:
+    """OLMoE (top-2 of 4 experts, 32 tokens): each expert's count was priced at its bound (64, the slice of
+    the one-hot mask it reads), the layer's tokens four times over.  Now the four counts share one total (64:
+    one per token and choice), the unoptimized peak is 32% lower, and a plan halfway between the floor and it
+    trains within its budget, measured independently, under uniform routing and with every token routed to the
+    same two experts; gradients equal eager's."""
+    case = get_case("olmoe", size="tiny")
+    step = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs)
+    (record,) = step.records
+    problem = record.joint_problem.problem
+    (group,) = problem.size_groups
+    assert group.total == 64 and len(group.members) == 4
+    at_bounds = Problem(problem.nodes, problem.baseline_bytes)
+    keep_all = Plan(kept={n.name for n in problem.nodes if n.kind == "forward" and n.policy != "recompute"})
+    assert simulate(problem, keep_all).peak_bytes < 0.75 * simulate(at_bounds, keep_all).peak_bytes
+    budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
+    for reference in (case.model, _skewed(case.model)):
+        eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+        fast = ckptc.optimize(model, budget_bytes=budget)
+        for _ in range(3):
+            for net in (fast, eager):
+                for p in (model if net is fast else eager).parameters():
+                    p.grad = None
+                case.loss(net(*case.example_inputs, **case.example_kwargs)).backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        model.zero_grad(set_to_none=True)
+        baseline = resident_bytes(model, case.example_inputs, case.example_kwargs)
+        _, measured = measure_peak(
+            lambda fast=fast: case.loss(fast(*case.example_inputs, **case.example_kwargs)).backward(),
+            baseline_bytes=baseline,
+        )
+        assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+
+
+def test_a_problem_with_size_groups_round_trips_through_plain_data_and_refuses_bad_members() -> None:
+    nodes = (
+        Node("x", 8, 0.0, "input"),
+        Node("a", 40, 1.0, "forward", ("x",)),
+        Node("b", 40, 1.0, "forward", ("x",)),
+        Node("loss", 1, 1.0, "forward", ("a", "b"), output=True),
+        Node("g", 8, 1.0, "backward", ("loss", "a", "b"), output=True),
+    )
+    group = SizeGroup(10, ((10, (("a", 4),)), (10, (("b", 4),))))
+    problem = Problem(nodes, size_groups=(group,))
+    assert Problem.from_dict(problem.to_dict()) == problem
+    # Both experts kept to the end of forward: 4 bytes per token, 10 tokens in all (not 20).
+    assert simulate(problem, Plan(kept={"a", "b"})).peak_bytes == 8 + 40 + 1 + 8
+    with pytest.raises(ValueError, match="exceed its 40 bytes"):
+        Problem(nodes, size_groups=(SizeGroup(10, ((11, (("a", 4),)),)),))
