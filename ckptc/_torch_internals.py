@@ -1132,8 +1132,12 @@ def fake_tensor_mode() -> tuple[Any, bool]:
     """
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     active = detect_fake_mode()
     if active is not None:
+        if active.shape_env is None:
+            # Sizes that depend on data (``nonzero``: tokens routed to an expert) need symbols to stand for them.
+            active.shape_env = ShapeEnv()
         return active, False
-    return FakeTensorMode(allow_non_fake_inputs=True), True
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), True

@@ -75,9 +75,14 @@ class UntraceableModelError(CkptcError):
         raise it ``from error`` so the underlying error stays chained."""
         reason = str(getattr(error, "inner_exception", None) or error).strip().splitlines()[0:3]
         name = model if isinstance(model, str) else type(model).__name__
-        if any(type(e).__name__ == "DataDependentOutputException" for e in _chain(error)):
-            # Raised by a fake tensor asked for its value outside a traced graph: the model's eager
-            # code between graphs ran on the fake or meta tensors of an offline capture.
+        read = {type(e).__name__ for e in _chain(error)}
+        if "DataDependentOutputException" in read or (
+            "GuardOnDataDependentSymNode" in read and _user_frame(error) != "the model's code"
+        ):
+            # Raised by a fake tensor asked for its value outside a traced graph (with a shape
+            # environment: a branch on the symbol standing for it, raised in the model's own frame,
+            # which a traced frame never is): the model's eager code between graphs ran on the fake
+            # or meta tensors of an offline capture.
             return cls(
                 f"ckptc could not {stage} the training step of {name} offline: {_user_frame(error)} reads the "
                 "value of a tensor (a Python `if` on a tensor, .item(), torch.rand(...) < p) in code that runs "

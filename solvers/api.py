@@ -45,6 +45,8 @@ AUTO_ILP_WORK_LIMIT = 30
 # A wall-clock safety only: a MILP still running after this long (a machine
 # hundreds of times slower than expected) is dropped, with a warning.
 AUTO_ILP_SAFETY_SECONDS = 120.0
+#: auto's run of the hierarchical solver on the problem with every data-dependent size at its bound.
+AT_BOUNDS = "hierarchical at bounds"
 
 
 def lowest_peak_plan(problem: Problem) -> Plan:
@@ -63,7 +65,16 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     from solvers.hierarchical import lowest_peak_plan as hierarchical_lowest
 
     plans = []
-    for plan in (hierarchical_lowest(problem), chen_lowest(problem)):
+    candidates = [hierarchical_lowest(problem), chen_lowest(problem)]
+    if problem.size_groups:
+        # The families search with per-block bytes that a shared total makes non-additive: their plans for
+        # every count at its bound are candidates too, so the floor is never above theirs.
+        candidates += [hierarchical_lowest(at_bounds(problem)), chen_lowest(at_bounds(problem))]
+    for plan in candidates:
+        if problem.size_groups:
+            result = simulate(problem, plan)
+            info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
+            plan = dataclasses.replace(plan, info=info)
         trimmed = drop_unread(problem, plan)
         if trimmed is not plan:
             result = simulate(problem, trimmed)
@@ -75,6 +86,19 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     best = min(plans, key=lambda p: (p.info.predicted_peak_bytes, p.info.recompute_cost))
     problem._cache["api.lowest_peak_plan"] = best
     return best
+
+
+def at_bounds(problem: Problem) -> Problem:
+    """``problem`` with every data-dependent size at its bound (no :class:`~solvers.problem.SizeGroup`).
+
+    A plan that fits it fits ``problem``: the groups' worst split never exceeds the bounds.
+    """
+    if not problem.size_groups:
+        return problem
+    plain = problem._cache.get("api.at_bounds")
+    if plain is None:
+        plain = problem._cache["api.at_bounds"] = Problem(problem.nodes, problem.baseline_bytes)
+    return plain
 
 
 def min_feasible_budget(problem: Problem) -> int:
@@ -146,6 +170,10 @@ def auto(
         If nothing fits; ``min_feasible_bytes`` is :func:`min_feasible_budget`.
     """
     runs: list[tuple[str, dict[str, Any]]] = [("hierarchical", {}), ("chen_greedy", {})]
+    if problem.size_groups:
+        # The hierarchical menus add per-block bytes, which a shared total makes non-additive: its plan
+        # for every count at its bound is a candidate too (it fits here), so no plan costs more than that.
+        runs.insert(1, (AT_BOUNDS, {}))
     if _ilp_is_small(problem, ilp_max_forward_nodes):
         ilp_options = {"time_limit": AUTO_ILP_SAFETY_SECONDS, "work_limit": ilp_work_limit, "threads": 1}
         runs.append(("ilp", ilp_options))
@@ -160,7 +188,10 @@ def auto(
         }
         started = time.perf_counter()
         try:
-            plan = METHODS[name](problem, budget_bytes, **options)
+            if name == AT_BOUNDS:
+                plan = METHODS["hierarchical"](at_bounds(problem), budget_bytes, **options)
+            else:
+                plan = METHODS[name](problem, budget_bytes, **options)
             if plan.schedule is None:
                 plan = fill_budget(problem, drop_unread(problem, plan), budget_bytes)
             result = simulate(problem, plan)

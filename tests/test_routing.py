@@ -137,3 +137,19 @@ def test_a_problem_with_size_groups_round_trips_through_plain_data_and_refuses_b
     assert simulate(problem, Plan(kept={"a", "b"})).peak_bytes == 8 + 40 + 1 + 8
     with pytest.raises(ValueError, match="exceed its 40 bytes"):
         Problem(nodes, size_groups=(SizeGroup(10, ((11, (("a", 4),)),)),))
+
+
+def test_a_mixture_of_experts_built_on_meta_is_planned_offline() -> None:
+    """Offline capture ran the graph under a fake-tensor mode without a shape environment, where ``nonzero``
+    (tokens routed to an expert) has no size to give: ``UntraceableModelError: DynamicOutputShapeException``.
+    Now OLMoE built on ``meta`` captures with its routed counts, and prices its step as with real weights."""
+    case = get_case("olmoe", size="tiny")
+    real = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs)
+    with torch.device("meta"):
+        model = type(case.model)(case.model.config).train()
+    ids = case.example_inputs[0].to("meta")
+    offline = ckptc.capture(model, (ids,), {"labels": ids}, device="cpu")
+    (group,) = offline.records[0].joint_problem.problem.size_groups
+    assert group.total == 64
+    assert abs(offline.unoptimized_peak_bytes - real.unoptimized_peak_bytes) <= 0.001 * real.unoptimized_peak_bytes
+    assert abs(offline.floor_bytes - real.floor_bytes) <= 0.001 * real.floor_bytes
