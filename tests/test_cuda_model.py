@@ -49,6 +49,17 @@ def test_expandable_segments_split_every_block() -> None:
     assert block_bytes(100, expandable_segments=True) == 512
 
 
+def test_a_storage_growing_with_a_routed_count_never_rounds_above_its_slack() -> None:
+    """A value that grows with tokens routed to an expert is priced at a count below its bound by its bytes
+    per unit plus the most the allocator's block rounding can add at any size up to its bound."""
+    cuda = MemoryModel("cuda", rounds_blocks=True)
+    for largest in (4096, 9 * MiB, 10 * MiB, 64 * MiB, 3 * 1024 * MiB):
+        slack = cuda.rounding_slack(largest)
+        for nbytes in range(0, largest + 1, max(1, largest // 997)):
+            assert block_bytes(nbytes) <= nbytes + slack, (largest, nbytes)
+    assert MemoryModel("cpu").rounding_slack(64 * MiB) == 0
+
+
 def test_cublas_workspace_follows_the_config_and_the_compute_capability() -> None:
     assert cublas_workspace_bytes(None, (9, 0)) == 32 * MiB  # Hopper
     assert cublas_workspace_bytes(None, (10, 0)) == 32 * MiB  # Blackwell
