@@ -164,9 +164,11 @@ def _size_groups(
                 node = fields.get(name)
                 if grows_with != symbol or node is None or node["alias_of"] is not None or node["part_of"] is not None:
                     continue
-                if node["bytes"] < unit * bound or not node["bytes"]:
+                top = routed.priced_at.get(symbol, bound)
+                if node["bytes"] < unit * top or not node["bytes"]:
                     continue  # priced otherwise (a gradient summed in place, a value never written)
-                node["bytes"] += memory.rounding_slack(node["bytes"])
+                # Priced at the count's range; the mask bounds it lower (top-k: one token per row).
+                node["bytes"] += memory.rounding_slack(node["bytes"]) - unit * (top - bound)
                 nodes.append((name, unit))
             members.append((bound, tuple(nodes)))
         if any(nodes for _, nodes in members):

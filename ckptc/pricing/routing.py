@@ -19,6 +19,7 @@ most ``2 * tokens``, together at most ``2 * tokens``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -62,11 +63,14 @@ class RoutedSizes:
         total: the mask's nonzeros at most.
         bounds: by count symbol, its own bound.
         growing: by node name, the count symbol its bytes grow with and its bytes per unit.
+        priced_at: by count symbol, the bound the graph's sizes were priced at (Dynamo's range of the
+            count), above ``bounds`` where the mask says more (top-k indices: one per row).
     """
 
     total: int
     bounds: Mapping[Any, int]
     growing: Mapping[str, tuple[Any, int]]
+    priced_at: Mapping[Any, int] = dataclasses.field(default_factory=dict)
 
 
 def routed_sizes(graph: fx.Graph) -> list[RoutedSizes]:
@@ -83,22 +87,26 @@ def routed_sizes(graph: fx.Graph) -> list[RoutedSizes]:
             base, dim, index = sliced.args[:3]
             slices[(base, dim)].append((index, node))
     groups = []
-    for (base, _), counts in slices.items():
+    for (base, dim), counts in slices.items():
         indices = [index for index, _ in counts]
         if len(counts) < 2 or len(set(indices)) != len(indices) or not all(isinstance(i, int) for i in indices):
             continue  # one slice, or slices that may overlap
-        total = _nonzero_bound(base)
-        bounds = {}
+        mask = _one_hot_mask(base)
+        if mask is None:
+            continue
+        # A slice of one class holds one nonzero per index equal to it: with top-k indices, one per row.
+        per_slice = mask.per_class if mask.class_dim is not None and dim % _ndim(base) == mask.class_dim else None
+        bounds, priced_at = {}, {}
         for _, nonzero in counts:
             value = nonzero.meta.get("val")
             count = size_expression(value.shape[0]) if isinstance(value, torch.Tensor) else None
             top = upper_bound(value.shape[0]) if isinstance(value, torch.Tensor) else None
             if not isinstance(count, sympy.Symbol) or top is None:
                 break
-            bounds[count] = top
+            bounds[count], priced_at[count] = (top if per_slice is None else min(top, per_slice)), top
         else:
-            if total is not None and total < sum(bounds.values()):
-                groups.append(RoutedSizes(total=total, bounds=bounds, growing={}))
+            if mask.total < sum(bounds.values()):
+                groups.append(RoutedSizes(mask.total, bounds, {}, priced_at))
     if not groups:
         return []
     return _with_growing_nodes(graph, groups)
@@ -123,7 +131,7 @@ def _with_growing_nodes(graph: fx.Graph, groups: list[RoutedSizes]) -> list[Rout
         if polynomial.degree() != 1 or not unit.is_Integer or int(unit) <= 0:
             continue
         growing[group_of[symbol]][node.name] = (symbol, int(unit))
-    return [RoutedSizes(g.total, g.bounds, nodes) for g, nodes in zip(groups, growing, strict=True)]
+    return [RoutedSizes(g.total, g.bounds, nodes, g.priced_at) for g, nodes in zip(groups, growing, strict=True)]
 
 
 def _op(node: Any) -> str | None:
@@ -137,30 +145,90 @@ def _same_values_source(node: Any) -> Any:
     return node
 
 
-def _nonzero_bound(node: fx.Node) -> int | None:
-    """At most how many nonzeros ``node`` holds, where its op says so (a one-hot mask); None otherwise."""
-    source = _same_values_source(node)
+@dataclass(frozen=True)
+class _Mask:
+    """A one-hot mask: at most ``total`` nonzeros, at most ``per_class`` in the slice of one class, whose
+    dimension is ``class_dim`` (None where the ops between the encoding and the mask move it untracked)."""
+
+    total: int
+    per_class: int
+    class_dim: int | None
+
+
+def _one_hot_mask(node: fx.Node) -> _Mask | None:
+    """``node`` as a one-hot mask, where its ops say it is one (``one_hot(indices)``, or ``indices[..., None]
+    == arange(E)``); None otherwise."""
+    path = []
+    source = node
+    while _op(source) in _SAME_VALUES:
+        path.append(source)
+        source = source.args[0]
     name = _op(source)
-    if name == "one_hot":
-        indices = source.args[0].meta.get("val") if isinstance(source.args[0], fx.Node) else None
-        return upper_bound(indices.numel()) if isinstance(indices, torch.Tensor) else None
-    if name != "eq" or len(source.args) < 2:
-        return None
-    result = source.meta.get("val")
+    result = source.meta.get("val") if isinstance(source, fx.Node) else None
     if not isinstance(result, torch.Tensor):
         return None
-    a, b = source.args[:2]
-    for values, other in ((a, b), (b, a)):
-        if not _distinct_values(_same_values_source(values)) or not isinstance(other, fx.Node):
-            continue
-        # The arange runs along one dimension of the result, where the other operand has size 1: each of
-        # the other's elements equals at most one of its (distinct) values.
-        along = [d for d in range(result.dim()) if _broadcast_size(values, d, result.dim()) != 1]
-        if len(along) == 1 and _broadcast_size(other, along[0], result.dim()) == 1:
-            numel, size = upper_bound(result.numel()), upper_bound(result.shape[along[0]])
-            if numel is not None and size:
-                return numel // size
-    return None
+    if name == "one_hot" and isinstance(source.args[0], fx.Node):
+        indices, class_dim = source.args[0], result.dim() - 1
+    elif name == "eq" and len(source.args) >= 2:
+        indices, class_dim = None, None
+        a, b = source.args[:2]
+        for values, other in ((a, b), (b, a)):
+            if not _distinct_values(_same_values_source(values)) or not isinstance(other, fx.Node):
+                continue
+            # The arange runs along one dimension of the result, where the other operand has size 1: each of
+            # the other's elements equals at most one of its (distinct) values.
+            along = [d for d in range(result.dim()) if _broadcast_size(values, d, result.dim()) != 1]
+            if len(along) == 1 and _broadcast_size(other, along[0], result.dim()) == 1:
+                indices, class_dim = other, along[0]
+                break
+        if indices is None:
+            return None
+    else:
+        return None
+    total = upper_bound(indices.meta["val"].numel()) if isinstance(indices.meta.get("val"), torch.Tensor) else None
+    if total is None:
+        return None
+    return _Mask(total, total // _distinct_per_row(indices), _moved_dim(class_dim, reversed(path)))
+
+
+def _distinct_per_row(indices: fx.Node) -> int:
+    """How many distinct values each row of ``indices`` holds, for the indices ``topk`` returns (``k``); 1
+    for anything else.  A value then occurs at most once per row: at most ``numel / k`` times."""
+    source = _same_values_source(indices)
+    if _op(source) == "getitem" and source.args[1] == 1 and _op(source.args[0]) == "topk":
+        k = source.args[0].args[1]
+        return k if isinstance(k, int) and k > 0 else 1
+    return 1
+
+
+def _moved_dim(dim: int | None, ops: Any) -> int | None:
+    """Where dimension ``dim`` of a value ends after ``ops`` (in order); None once an op moves it untracked."""
+    for op in ops:
+        if dim is None:
+            return None
+        name, value = _op(op), op.meta.get("val")
+        before = op.args[0].meta.get("val") if isinstance(op.args[0], fx.Node) else None
+        if not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor):
+            return None
+        if name == "permute":
+            order = [d % before.dim() for d in op.args[1]]
+            dim = order.index(dim)
+        elif name == "transpose":
+            a, b = (d % before.dim() for d in op.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        elif name == "unsqueeze":
+            at = op.args[1] % value.dim()
+            dim = dim + 1 if at <= dim else dim
+        elif name in ("clone", "_to_copy", "convert_element_type", "alias", "contiguous"):
+            pass
+        else:
+            return None
+    return dim
+
+
+def _ndim(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.dim() if isinstance(value, torch.Tensor) else 1
 
 
 def _distinct_values(node: Any) -> bool:
