@@ -602,8 +602,9 @@ def module_being_compiled() -> torch.nn.Module | None:
     """The module whose call Dynamo is compiling now, found on the Python stack; None if there is none.
 
     ``torch.compile(model, backend=...)`` returns an ``OptimizedModule`` whose call is on the stack
-    while Dynamo hands a backend each of the model's graphs (after a graph break too).  The innermost
-    one is the model being compiled; a compiled function has none.
+    while Dynamo hands a backend each of the model's graphs (after a graph break too); ``model.compile(...)``
+    compiles the model's own call, which its ``_wrapped_call_impl`` runs.  The innermost one is the model
+    being compiled; a compiled function has none.
     """
     import sys
 
@@ -615,6 +616,11 @@ def module_being_compiled() -> torch.nn.Module | None:
             owner = frame.f_locals.get("self")
             if isinstance(owner, OptimizedModule):
                 return owner._orig_mod
+            if (
+                frame.f_code is torch.nn.Module._wrapped_call_impl.__code__
+                and getattr(owner, "_compiled_call_impl", None) is not None
+            ):
+                return owner
         frame = frame.f_back
     return None
 

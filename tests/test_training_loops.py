@@ -655,16 +655,21 @@ def _backend_trains_within_a_budget(
     refused_with: tuple[type[Exception], ...],
     refusals: int = 1,
     name_the_model: bool = True,
+    in_place: bool = False,
     **compile_options: Any,
 ) -> None:
     """``loop`` trains a copy of ``reference`` under ``torch.compile(backend=ckptc.backend(budget, model=...))``
     (without ``model=`` unless ``name_the_model``) for 6 steps, a refusal (``refused_with``, at most
     ``refusals`` times) retried with the budget it names: ckptc's check has then verified the plans, and the
-    loop's peak measured independently is within the budget."""
+    loop's peak measured independently is within the budget.  ``in_place``: ``model.compile(backend=...)``."""
     for attempt in range(refusals + 1):
         model = copy.deepcopy(reference)
         backend = ckptc.backend(budget_bytes=budget, model=model if name_the_model else None)
-        compiled = torch.compile(model, backend=backend, **compile_options)
+        if in_place:
+            model.compile(backend=backend, **compile_options)
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend=backend, **compile_options)
         try:
             for step in range(6):  # outside the test's profiler, so that ckptc's own check measures
                 loop(compiled, batches(step))
@@ -721,12 +726,13 @@ class _EagerHead(nn.Module):
         return self.linear(x) + self.frozen[: x.shape[-1]].sum()
 
 
-def test_the_backend_without_model_counts_the_parameters_of_the_model_being_compiled() -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile(model)", "model.compile()"])
+def test_the_backend_without_model_counts_the_parameters_of_the_model_being_compiled(in_place: bool) -> None:
     """``torch.compile(model, backend=ckptc.backend(...))`` without ``model=`` (as with ``backend="ckptc"``)
     knew only the parameters its graphs take: those of eager code after the last graph, and frozen ones,
     were counted nowhere, and the check verified steps measured independently over the budget (Whisper
-    tiny: 1.004x).  The backend now finds the model being compiled (its ``torch.compile`` wrapper's call)
-    and counts them as with ``model=``."""
+    tiny: 1.004x).  The backend now finds the model being compiled (its ``torch.compile`` wrapper's call,
+    or the model's own call under ``model.compile()``) and counts them as with ``model=``."""
     torch.compiler.reset()
     torch.manual_seed(0)
     reference = nn.Sequential(*(_Block() for _ in range(4)), _EagerHead())
@@ -734,7 +740,9 @@ def test_the_backend_without_model_counts_the_parameters_of_the_model_being_comp
     plain(eager, _batches(0))
     budget = int(0.9 * _peak(plain, eager, eager, _batches(1)))
     refused_with = (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError)
-    _backend_trains_within_a_budget(reference, plain, _batches, budget, refused_with, refusals=2, name_the_model=False)
+    _backend_trains_within_a_budget(
+        reference, plain, _batches, budget, refused_with, refusals=2, name_the_model=False, in_place=in_place
+    )
 
 
 def test_a_step_the_backend_refused_while_compiling_leaves_later_models_measured() -> None:
