@@ -604,14 +604,25 @@ def module_being_compiled() -> torch.nn.Module | None:
     ``torch.compile(model, backend=...)`` returns an ``OptimizedModule`` whose call is on the stack
     while Dynamo hands a backend each of the model's graphs (after a graph break too); ``model.compile(...)``
     compiles the model's own call, which its ``_wrapped_call_impl`` runs.  The innermost one is the model
-    being compiled; a compiled function has none.
+    being compiled.  A compiled function (``torch.compile(train_step)``) has none: the one module among the
+    arguments it was called with stands for the model (none, or several: None).
     """
     import sys
 
+    from torch._dynamo import eval_frame
     from torch._dynamo.eval_frame import OptimizedModule
 
     frame = sys._getframe(1)
+    arguments: list[torch.nn.Module] | None = None
     while frame is not None:
+        if (
+            arguments is None
+            and frame.f_code.co_name == "compile_wrapper"
+            and frame.f_code.co_filename == eval_frame.__file__
+        ):
+            call = frame.f_locals
+            values = [*call.get("args", ()), *call.get("kwargs", {}).values()]
+            arguments = list({id(v): v for v in values if isinstance(v, torch.nn.Module)}.values())
         if "self" in frame.f_code.co_varnames:
             owner = frame.f_locals.get("self")
             if isinstance(owner, OptimizedModule):
@@ -622,7 +633,7 @@ def module_being_compiled() -> torch.nn.Module | None:
             ):
                 return owner
         frame = frame.f_back
-    return None
+    return arguments[0] if arguments is not None and len(arguments) == 1 else None
 
 
 def called_weakly(target: Callable) -> Callable:

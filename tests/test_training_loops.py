@@ -655,19 +655,22 @@ def _backend_trains_within_a_budget(
     refused_with: tuple[type[Exception], ...],
     refusals: int = 1,
     name_the_model: bool = True,
-    in_place: bool = False,
+    form: str = "wrapper",
     **compile_options: Any,
 ) -> None:
     """``loop`` trains a copy of ``reference`` under ``torch.compile(backend=ckptc.backend(budget, model=...))``
     (without ``model=`` unless ``name_the_model``) for 6 steps, a refusal (``refused_with``, at most
     ``refusals`` times) retried with the budget it names: ckptc's check has then verified the plans, and the
-    loop's peak measured independently is within the budget.  ``in_place``: ``model.compile(backend=...)``."""
+    loop's peak measured independently is within the budget.  ``form``: ``"wrapper"`` (``torch.compile(model)``),
+    ``"in place"`` (``model.compile()``) or ``"function"`` (a compiled function taking the model as an argument)."""
     for attempt in range(refusals + 1):
         model = copy.deepcopy(reference)
         backend = ckptc.backend(budget_bytes=budget, model=model if name_the_model else None)
-        if in_place:
+        if form == "in place":
             model.compile(backend=backend, **compile_options)
             compiled = model
+        elif form == "function":
+            compiled = _ModelCalledByAFunction(model, torch.compile(_call, backend=backend, **compile_options))
         else:
             compiled = torch.compile(model, backend=backend, **compile_options)
         try:
@@ -712,6 +715,23 @@ def test_the_backends_check_counts_what_eager_code_before_the_first_graph_saved(
     _backend_trains_within_a_budget(reference, plain, _batches, budget, refused_with, refusals=2)
 
 
+def _call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+class _ModelCalledByAFunction:
+    """``model`` run through ``step(model, x)``, a compiled function taking the model as an argument."""
+
+    def __init__(self, model: nn.Module, step: Callable) -> None:
+        self.model, self.step = model, step
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step(self.model, x)
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+
 class _EagerHead(nn.Module):
     """A last layer Dynamo runs outside every graph, with a frozen bias (as transformers' Whisper's frozen
     positional embedding ran in its eager stem)."""
@@ -726,13 +746,14 @@ class _EagerHead(nn.Module):
         return self.linear(x) + self.frozen[: x.shape[-1]].sum()
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile(model)", "model.compile()"])
-def test_the_backend_without_model_counts_the_parameters_of_the_model_being_compiled(in_place: bool) -> None:
+@pytest.mark.parametrize("form", ["wrapper", "in place", "function"])
+def test_the_backend_without_model_counts_the_parameters_of_the_model_being_compiled(form: str) -> None:
     """``torch.compile(model, backend=ckptc.backend(...))`` without ``model=`` (as with ``backend="ckptc"``)
     knew only the parameters its graphs take: those of eager code after the last graph, and frozen ones,
     were counted nowhere, and the check verified steps measured independently over the budget (Whisper
     tiny: 1.004x).  The backend now finds the model being compiled (its ``torch.compile`` wrapper's call,
-    or the model's own call under ``model.compile()``) and counts them as with ``model=``."""
+    the model's own call under ``model.compile()``, the one module a compiled function was called with)
+    and counts them as with ``model=``."""
     torch.compiler.reset()
     torch.manual_seed(0)
     reference = nn.Sequential(*(_Block() for _ in range(4)), _EagerHead())
@@ -741,7 +762,7 @@ def test_the_backend_without_model_counts_the_parameters_of_the_model_being_comp
     budget = int(0.9 * _peak(plain, eager, eager, _batches(1)))
     refused_with = (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError)
     _backend_trains_within_a_budget(
-        reference, plain, _batches, budget, refused_with, refusals=2, name_the_model=False, in_place=in_place
+        reference, plain, _batches, budget, refused_with, refusals=2, name_the_model=False, form=form
     )
 
 
