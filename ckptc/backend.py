@@ -53,9 +53,10 @@ def backend(
     file or :class:`ModelPlan` instead of solving.  ``model`` lets each graph count
     the parameters, buffers and gradients that it does not see (after a graph
     break, in eager code, frozen) in its baseline; without it the model being
-    compiled is found from its ``torch.compile`` wrapper's call, and a compiled
-    function taking the model as an argument has the rest learned from the
-    first step that runs (eager code after the last graph is not seen).
+    compiled is found on the stack (its ``torch.compile`` wrapper's call, its own
+    call under ``model.compile()``, the one module a compiled function is called
+    with), and otherwise what the graphs do not take is learned from the first
+    step that runs (eager code after the last graph is not seen).
 
     The backend plans and measures only what Dynamo hands it: code Dynamo runs
     eagerly (a skipped frame, say after a graph break inside a loop) is neither
