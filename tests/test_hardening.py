@@ -534,6 +534,21 @@ def test_a_graph_too_large_to_plan_is_refused_before_planning_naming_the_loop(mo
     ckptc.capture(_TimeStepLoop(), (torch.randn(2, 20, 8),))
 
 
+def test_a_mixture_of_experts_too_large_to_plan_is_told_to_break_the_graph_between_layers(monkeypatch) -> None:
+    """A mixture of experts unrolls its loop over experts in every layer (OLMoE-1B-7B: 22,747 ops, above the
+    8,000 ckptc plans): the refusal says to break the graph before each layer, which plans each layer once."""
+    from ckptc.capture import coverage
+    from tests.zoo import get_case
+
+    monkeypatch.setattr(coverage, "MAX_GRAPH_OPS", 200)  # the real bound, scaled down to run in seconds
+    case = get_case("olmoe", size="tiny")
+    with pytest.raises(ckptc.UntraceableModelError) as info:
+        ckptc.capture(case.model, case.example_inputs, case.example_kwargs)
+    message = str(info.value)
+    assert "selects tokens for an expert" in message and "register_forward_pre_hook" in message, message
+    assert "parallel scan" not in message
+
+
 def test_a_failure_inside_capture_is_a_ckptc_error_with_the_cause_chained() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.WhisperConfig(

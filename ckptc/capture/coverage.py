@@ -151,14 +151,28 @@ def refuse_oversized(gm: torch.fx.GraphModule, model_name: str) -> None:
             "in a Python loop that Dynamo unrolls into the graph (a recurrence over time steps, a loop over "
             "positions)."
         )
+    routed = sum(1 for n in ops if internals.binds_unbacked_symbols(n))
+    if routed > MAX_GRAPH_OPS // 100:
+        # Sizes that depend on the data, many of them: tokens routed to each expert, a mixture of experts
+        # unrolling its expert loop in every layer.
+        what_to_do = (
+            f"What to do: the graph selects tokens for an expert {routed:,} times (a mixture of experts' loop "
+            "over its experts, in every layer): break the graph before each layer, so that each layer is a "
+            "graph of its own, compiled once and planned for every layer: `for layer in <the decoder layers>: "
+            "layer.register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())`; or plan fewer "
+            "layers."
+        )
+    else:
+        what_to_do = (
+            "What to do: replace the loop with a parallel or vectorized form (a state-space model's sequential "
+            "scan with a parallel scan, e.g. mamba.py's, which transformers' Mamba uses with use_mambapy=True); "
+            "shorten the sequence; or leave that module out of ckptc (torch.compiler.disable on it) and "
+            "checkpoint it with torch.utils.checkpoint."
+        )
     raise UntraceableModelError(
         f"ckptc will not capture {model_name}: one of its graphs has {len(ops):,} ops, more than the "
         f"{MAX_GRAPH_OPS:,} ckptc plans, and capturing, pricing and planning it would take memory and time "
-        f"that grow with its size.{cause}\n"
-        "What to do: replace the loop with a parallel or vectorized form (a state-space model's sequential "
-        "scan with a parallel scan, e.g. mamba.py's, which transformers' Mamba uses with use_mambapy=True); "
-        "shorten the sequence; or leave that module out of ckptc (torch.compiler.disable on it) and "
-        "checkpoint it with torch.utils.checkpoint."
+        f"that grow with its size.{cause}\n{what_to_do}"
     )
 
 
