@@ -6,8 +6,8 @@ each expert on the tokens routed to it.  ``torch.where(expert_mask[e])``
 that depends on the data.  Each count alone may reach its whole slice (the
 bound Dynamo gives it), but the slices are disjoint, so together the counts
 are at most the mask's nonzeros, and a one-hot mask holds one nonzero per
-index it encodes (``one_hot(indices, E)``, or ``indices[..., None] ==
-arange(E)`` as it is decomposed, ``iota`` under Inductor).  Priced at their bounds the layer's experts
+index it encodes (``one_hot(indices, E)``, decomposed into ``indices[...,
+None] == arange(E)``, ``iota`` under Inductor).  Priced at their bounds the layer's experts
 count its tokens E times over; :func:`routed_sizes` finds such counts and the
 nodes whose bytes grow with each, so that the simulator prices the worst
 routing instead (:class:`solvers.SizeGroup`).  What is not recognised stays
@@ -156,8 +156,8 @@ class _Mask:
 
 
 def _one_hot_mask(node: fx.Node) -> _Mask | None:
-    """``node`` as a one-hot mask, where its ops say it is one (``one_hot(indices)``, or ``indices[..., None]
-    == arange(E)``); None otherwise."""
+    """``node`` as a one-hot mask, where its ops say it is one (``indices[..., None] == arange(E)``, which
+    ``one_hot(indices, E)`` decomposes into); None otherwise."""
     path = []
     source = node
     while _op(source) in _SAME_VALUES:
@@ -167,9 +167,7 @@ def _one_hot_mask(node: fx.Node) -> _Mask | None:
     result = source.meta.get("val") if isinstance(source, fx.Node) else None
     if not isinstance(result, torch.Tensor):
         return None
-    if name == "one_hot" and isinstance(source.args[0], fx.Node):
-        indices, class_dim = source.args[0], result.dim() - 1
-    elif name == "eq" and len(source.args) >= 2:
+    if name == "eq" and len(source.args) >= 2:
         indices, class_dim = None, None
         a, b = source.args[:2]
         for values, other in ((a, b), (b, a)):
