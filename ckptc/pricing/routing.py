@@ -7,14 +7,18 @@ that depends on the data.  Each count alone may reach its whole slice (the
 bound Dynamo gives it), but the slices are disjoint, so together the counts
 are at most the mask's nonzeros, and a one-hot mask holds one nonzero per
 index it encodes (``one_hot(indices, E)``, decomposed into ``indices[...,
-None] == arange(E)``, ``iota`` under Inductor).  Priced at their bounds the layer's experts
-count its tokens E times over; :func:`routed_sizes` finds such counts and the
-nodes whose bytes grow with each, so that the simulator prices the worst
-routing instead (:class:`solvers.SizeGroup`).  What is not recognised stays
-priced at its bound.
+None] == arange(E)``, ``iota`` under Inductor); where the indices are
+``topk``'s, k distinct per token, a class's slice holds at most one per
+token.  Priced at their ranges the layer's experts count its tokens E times
+over; :func:`routed_sizes` finds such counts and the nodes whose bytes grow
+with each, so that the simulator prices the worst routing instead
+(:class:`solvers.SizeGroup`).  What is not recognised stays at its range.
 
 Example: OLMoE (top-2 of 4 experts) has four counts ``u0..u3``, each at
-most ``2 * tokens``, together at most ``2 * tokens``.
+most ``2 * tokens`` by Dynamo's range and ``tokens`` by top-2, together at
+most ``2 * tokens``.  Paper trail: the worst split is the greedy solution of
+a fractional knapsack at each step of the schedule (the members' bytes per
+unit sorted, each filled to its bound until the total is spent).
 """
 
 from __future__ import annotations
