@@ -252,7 +252,11 @@ class Replans:
                     "smaller last batch, or sizes that depend on data): its plan was priced at the sizes it was "
                     f"compiled with. What to do: {advice}compile with dynamic=False (each input size then gets a "
                     "plan of its own; or drop the last partial batch), or train through ckptc.optimize, which "
-                    "plans such a step again with the excess counted."
+                    "plans such a step again with the excess counted.  Sizes that depend on the data (tokens "
+                    "routed to experts) stay symbolic with dynamic=False: if the step holds what a fresh plan "
+                    "does not count (gradients resident under accumulation, the model called twice), every "
+                    "budget named is refused again up to the unoptimized peak; train that loop through "
+                    "ckptc.optimize."
                 )
                 raise BudgetExceededError(peak_bytes, self.budget_bytes, suggested, self.replans, what_to_do)
             raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans)
