@@ -49,9 +49,16 @@ def llama3_8b(seq: int = 4096) -> tuple[torch.nn.Module, tuple, dict, Any]:
         use_cache=False,
         attn_implementation="sdpa",
     )
+    return _causal_lm_on_meta(LlamaForCausalLM, config, batch=1, seq=seq)
+
+
+def _causal_lm_on_meta(
+    model_class: Any, config: Any, *, batch: int, seq: int
+) -> tuple[torch.nn.Module, tuple, dict, Any]:
+    """A transformers causal LM built on ``meta`` in bf16, with token ids that are also its labels."""
     with torch.device("meta"), _default_dtype(torch.bfloat16):
-        model = LlamaForCausalLM(config).train()
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        model = model_class(config).train()
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, (ids,), {"labels": ids}, None
 
 
@@ -90,10 +97,7 @@ def olmoe_1b_7b_4_layers(seq: int = 4096) -> tuple[torch.nn.Module, tuple, dict,
         use_cache=False,
         attn_implementation="sdpa",
     )
-    with torch.device("meta"), _default_dtype(torch.bfloat16):
-        model = OlmoeForCausalLM(config).train()
-    ids = torch.zeros(4, seq, dtype=torch.long, device="meta")
-    return model, (ids,), {"labels": ids}, None
+    return _causal_lm_on_meta(OlmoeForCausalLM, config, batch=4, seq=seq)
 
 
 MODELS = {

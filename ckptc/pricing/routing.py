@@ -23,7 +23,6 @@ unit sorted, each filled to its bound until the total is spent).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -74,7 +73,7 @@ class RoutedSizes:
     total: int
     bounds: Mapping[Any, int]
     growing: Mapping[str, tuple[Any, int]]
-    priced_at: Mapping[Any, int] = dataclasses.field(default_factory=dict)
+    priced_at: Mapping[Any, int]
 
 
 def routed_sizes(graph: fx.Graph) -> list[RoutedSizes]:
