@@ -68,13 +68,12 @@ def lowest_peak_plan(problem: Problem) -> Plan:
     candidates = [hierarchical_lowest(problem), chen_lowest(problem)]
     if problem.size_groups:
         # The families search with per-block bytes that a shared total makes non-additive: their plans for
-        # every count at its bound are candidates too, so the floor is never above theirs.
-        candidates += [hierarchical_lowest(at_bounds(problem)), chen_lowest(at_bounds(problem))]
-    for plan in candidates:
-        if problem.size_groups:
+        # every count at its bound are candidates too (priced here), so the floor is never above theirs.
+        for plan in (hierarchical_lowest(at_bounds(problem)), chen_lowest(at_bounds(problem))):
             result = simulate(problem, plan)
             info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost)
-            plan = dataclasses.replace(plan, info=info)
+            candidates.append(dataclasses.replace(plan, info=info))
+    for plan in candidates:
         trimmed = drop_unread(problem, plan)
         if trimmed is not plan:
             result = simulate(problem, trimmed)

@@ -60,8 +60,7 @@ class JointProblem:
     @functools.cached_property
     def memory(self) -> MemoryModel:
         """How the allocator of the device the graph runs on counts its memory."""
-        placeholders = [n.meta.get("val") for n in self.joint.graph.nodes if n.op == "placeholder"]
-        return memory_model(graph_device([v for v in placeholders if isinstance(v, torch.Tensor)]))
+        return graph_memory(self.joint)
 
     @property
     def held_output_bytes(self) -> int:
@@ -144,9 +143,10 @@ class JointProblem:
         )
 
 
-def _placeholder_values(joint: fx.GraphModule) -> list[torch.Tensor]:
+def graph_memory(joint: fx.GraphModule) -> MemoryModel:
+    """How the allocator of the device ``joint`` runs on counts its memory (from its inputs' device)."""
     values = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
-    return [v for v in values if isinstance(v, torch.Tensor)]
+    return memory_model(graph_device([v for v in values if isinstance(v, torch.Tensor)]))
 
 
 def _size_groups(
@@ -157,14 +157,17 @@ def _size_groups(
     gain the most its rounding can add at a smaller count (``fields`` is updated)."""
     groups = []
     for routed in routed_sizes(graph):
+        growing: dict[Any, list[tuple[str, int]]] = {symbol: [] for symbol in routed.bounds}
+        for name, (symbol, unit) in routed.growing.items():
+            growing[symbol].append((name, unit))
         members = []
         for symbol, bound in routed.bounds.items():
             nodes = []
-            for name, (grows_with, unit) in routed.growing.items():
+            top = routed.priced_at[symbol]
+            for name, unit in growing[symbol]:
                 node = fields.get(name)
-                if grows_with != symbol or node is None or node["alias_of"] is not None or node["part_of"] is not None:
+                if node is None or node["alias_of"] is not None or node["part_of"] is not None:
                     continue
-                top = routed.priced_at.get(symbol, bound)
                 if node["bytes"] < unit * top or not node["bytes"]:
                     continue  # priced otherwise (a gradient summed in place, a value never written)
                 # Priced at the count's range; the mask bounds it lower (top-k: one token per row).
@@ -356,7 +359,7 @@ def joint_to_problem(
         stable_names[GRADIENT_SUM_NODE] = GRADIENT_SUM_NODE
     order = inputs + forward + backward
     position = {name: i for i, name in enumerate(order)}
-    size_groups = _size_groups(joint.graph, fields, memory_model(graph_device(_placeholder_values(joint))))
+    size_groups = _size_groups(joint.graph, fields, graph_memory(joint))
     problem = solvers.Problem(
         nodes=tuple(
             # Preds in execution order, each once: what a plan file's fingerprint was made from.
