@@ -1158,3 +1158,11 @@ def fake_tensor_mode() -> tuple[Any, bool]:
             active.shape_env = ShapeEnv()
         return active, False
     return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), True
+
+
+def storage_ref(tensor: torch.Tensor) -> Any:
+    """A weak reference to ``tensor``'s storage (``.expired()`` once it is freed, whichever tensors,
+    views or saved copies held it; ``.cdata`` names it): liveness of memory, not of a Python object."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(tensor.untyped_storage())

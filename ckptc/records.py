@@ -76,6 +76,9 @@ class GraphRecord:
     gradients_unexpected: bool = False
     # What earlier runs of this same graph in the step leave alive at its last run (StepAccount.repeat_bytes).
     repeat_bytes: int = 0
+    # Held results of earlier graphs that its baseline does not count: a step showed them dead by the time
+    # it runs (StepAccount.results_let_go).
+    earlier_let_go_bytes: int = 0
     # Its baseline counts every parameter's gradient resident (StepAccount.gradients_resident).
     gradients_resident: bool = False
     # Its floor once the model's later calls in the step count, given the gradients' bytes by parameter
@@ -103,7 +106,8 @@ class GraphRecord:
     @property
     def own_baseline_bytes(self) -> int:
         """The baseline without what earlier graphs (and earlier runs of this one) of the step keep."""
-        return self.baseline_bytes - sum(e.step_bytes for e in self.earlier) - self.repeat_bytes
+        earlier = sum(e.step_bytes for e in self.earlier) - self.earlier_let_go_bytes
+        return self.baseline_bytes - earlier - self.repeat_bytes
 
     @property
     def problem(self) -> solvers.Problem:

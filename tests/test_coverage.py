@@ -16,7 +16,7 @@ import copy
 import torch
 
 import ckptc
-from tests.helpers import assert_same_training, get_case, step
+from tests.helpers import assert_same_training, budget_bounds, get_case, measure, step
 
 
 def test_moe_routing_stays_in_one_graph_trains_like_eager_and_fits_the_budget() -> None:
@@ -110,3 +110,24 @@ def test_coverage_counts_every_run_of_a_graph_run_several_times() -> None:
     assert sorted(g.runs for g in coverage.graphs) == [1, 3], [(g.index, g.runs) for g in coverage.graphs]
     assert coverage.flops_share > 0.9, str(coverage)
     assert "run 3 times" in str(coverage)
+
+
+def test_results_the_eager_code_between_graphs_lets_go_are_not_counted_beside_later_graphs() -> None:
+    """OPT breaks its graph at data-dependent branches: the embedding graph's result dies in the eager
+    code between graphs, before the head's graph runs.  Counted held beside every later graph, the
+    prediction stood 1.9% above the measured step (0.9814, ``python -m bench.first_step --models opt``).
+    A step now notes, from weak references to their storages, which graphs' results are dead (or
+    handed on as inputs) when each later graph starts or plans, and that graph's baseline stops
+    counting them: the measured step is within 1% of the prediction, within the budget, like eager."""
+    case = get_case("opt", size="tiny")
+    bounds = budget_bounds(case)
+    budget = bounds.at(0.5)
+    reference = copy.deepcopy(case.model)
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    for _ in range(3):
+        step(case, fast)
+    plan = fast.plan
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+    assert plan.measured_peak_bytes >= 0.99 * plan.predicted_peak_bytes, (plan.measured_peak_bytes, plan)
+    assert measure(case, fast).peak_bytes <= budget
+    assert_same_training(case, reference, step(case, fast), step(case, reference))

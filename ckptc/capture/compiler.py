@@ -357,8 +357,8 @@ class CheckpointCompiler:
             internals.profiler_mark(FORWARD_RETURNED)  # a measured step's loss region begins (ckptc.meter)
             if no_zeros:
                 internals.pass_missing_grads_as_none(outputs, args)
-            if check is not None:
-                check.graph_returned(outputs)
+            if events is not None:
+                events.graph_returned(record, outputs)
             return outputs
 
         return run
@@ -601,12 +601,12 @@ class CheckpointCompiler:
         A ``final`` plan is not made again: a graph that cannot fit is refused, never deferred."""
         placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
         mine = {id(r) for r in self.records}
+        earlier_calls = {id(r) for r in self.active if id(r) not in mine}
+        events = self.step_check or self.step_events
+        if events is not None:  # results of earlier graphs the eager code between let go: not counted held
+            self.replans.observed_results_let_go(events.results_beside(index, example_inputs, self.records))
         baseline_bytes, inputs = self.account.graph_baseline(
-            self.model,
-            example_inputs,
-            placeholders,
-            self.active,
-            earlier_calls={id(r) for r in self.active if id(r) not in mine},
+            self.model, example_inputs, placeholders, self.active, index=index, earlier_calls=earlier_calls
         )
         # What runs of graphs between its first and last run in the step leave alive (a graph run several times).
         repeated = self.account.repeated_runs_bytes(index, {r.index: r for r in self.records})
@@ -642,6 +642,9 @@ class CheckpointCompiler:
             repeat_bytes=repeated,
         )
         record.break_after = internals.graph_break_after(gm)
+        record.earlier_let_go_bytes = sum(e.step_bytes for e in self.active) - self.account.earlier_bytes(
+            self.active, index, earlier_calls
+        )
         if index < len(self.records):
             self.records[index] = record
         else:

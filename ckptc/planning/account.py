@@ -130,6 +130,11 @@ class StepAccount:
             before one backward) planned again to leave this call room
             (:meth:`ckptc.planning.replan.Replans.make_room_for_later_calls`): this call's graphs,
             whose baselines count what those keep, plan again after them.
+        results_let_go: pairs ``(earlier, later)`` of graph indices: a step showed the earlier graph's
+            results dead (or handed on as the later graph's inputs) when the later graph of the same
+            call started (the eager code after a graph break used them and let them go, as
+            ``hidden = embeddings + positions`` does), so the later graph's baseline does not count
+            them held (:meth:`earlier_bytes`, :meth:`ckptc.planning.replan.Replans.observed_results_let_go`).
     """
 
     budget_bytes: int | None = None
@@ -148,6 +153,7 @@ class StepAccount:
     gradients_summed_by_autograd: bool = False
     loss_bytes: int = 0
     earlier_calls_planned: int = 0
+    results_let_go: frozenset[tuple[int, int]] = field(default=frozenset(), compare=False)
 
     @property
     def results_dropped_by_caller(self) -> bool:
@@ -262,6 +268,21 @@ class StepAccount:
         others = sum(n * current[j].step_bytes for j, n in counts.items() if j != index and j in current)
         return others + self.repeat_bytes.get(index, 0)
 
+    def earlier_bytes(
+        self, earlier: Sequence[GraphRecord], index: int, earlier_calls: Collection[int] = frozenset()
+    ) -> int:
+        """What the graphs ``earlier`` in the step leave alive while graph ``index`` runs: what each keeps
+        for its backward and the results the caller holds (:attr:`GraphRecord.step_bytes`), less the
+        results a step showed dead by then (:attr:`results_let_go`; graphs of this call only, not those
+        of ``earlier_calls``, the ids of earlier calls' records)."""
+        let_go = self._let_go(earlier, index, earlier_calls)
+        return sum(r.step_bytes - (r.held_output_bytes if id(r) in let_go else 0) for r in earlier)
+
+    def _let_go(self, earlier: Sequence[GraphRecord], index: int, earlier_calls: Collection[int]) -> set[int]:
+        if not self.results_let_go:
+            return set()
+        return {id(r) for r in earlier if (r.index, index) in self.results_let_go and id(r) not in earlier_calls}
+
     def graph_baseline(
         self,
         model: torch.nn.Module | None,
@@ -269,9 +290,10 @@ class StepAccount:
         placeholders: Sequence[Any],
         earlier: Sequence[GraphRecord],
         *,
+        index: int,
         earlier_calls: Collection[int] = frozenset(),
     ) -> tuple[int, GraphInputs]:
-        """The baseline of a graph taking ``graph_inputs`` (real tensors) whose joint graph's
+        """The baseline of graph ``index`` taking ``graph_inputs`` (real tensors) whose joint graph's
         placeholder values are ``placeholders`` (fake tensors), after the graphs ``earlier``
         in the same step, at its first run in the step (its later runs: :meth:`repeated_runs_bytes`).
         Also returns the graph's tensor inputs (:attr:`ckptc.records.GraphRecord.inputs`).
@@ -339,15 +361,19 @@ class StepAccount:
             )
         # Held results are in step_bytes under any plan (kept for backward or held beside): a bound
         # that does not depend on the plans, so CapturedStep can plan earlier graphs again.
-        held_by_earlier = sum(r.joint_problem.held_output_bytes for r in earlier)
-        handed_on = sum(inputs.data[i] for i in inputs.handed)
+        let_go = self._let_go(earlier, index, earlier_calls)
+        held_by_earlier = sum(r.joint_problem.held_output_bytes for r in earlier if id(r) not in let_go)
+        # Results handed on by a graph whose results are let go beside this one are counted by neither.
+        handed_on = max(
+            0, sum(inputs.data[i] for i in inputs.handed) - sum(r.held_output_bytes for r in earlier if id(r) in let_go)
+        )
         device = graph_device([v for v in placeholders if isinstance(v, torch.Tensor)])
         return (
             max(
                 0,
                 outside
                 + sum(earlier_data.values())
-                + sum(r.step_bytes for r in earlier)
+                + self.earlier_bytes(earlier, index, earlier_calls)
                 - min(handed_on, held_by_earlier)
                 + HELD_RESULTS_RESERVE_BYTES
                 + self.rank_bytes

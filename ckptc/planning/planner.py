@@ -743,7 +743,7 @@ class CapturedStep:
         for position, captured in enumerate(self.records):
             earlier = [decided[id(e)] for e in captured.earlier if id(e) in decided]
             repeated = account.repeated_runs_bytes(position, current)
-            baseline = max(0, captured.own_baseline_bytes + sum(e.step_bytes for e in earlier) + repeated)
+            baseline = max(0, captured.own_baseline_bytes + account.earlier_bytes(earlier, position) + repeated)
             jp = with_baseline(captured.joint_problem, baseline)
             record = decide(
                 jp,

@@ -58,7 +58,7 @@ from ckptc.planning.account import StepAccount, gradients_resident, unnamed_grad
 from ckptc.planning.replan import Replans, room_needed, settle
 from ckptc.records import GraphRecord
 from ckptc.runtime.lengths import LengthBuckets
-from ckptc.runtime.tracker import StepEvents, StepTracker
+from ckptc.runtime.tracker import ResultLifetimes, StepEvents, StepTracker
 
 log = logging.getLogger("ckptc.runtime.step")
 
@@ -329,6 +329,7 @@ class StepRuntime:
         self.active: list[GraphRecord] = []  # every graph run in the current step, in order
         self.last: ShapePlan | None = None
         self._tracker = StepTracker(self._end_step, self._second_backward)
+        self._lifetimes = ResultLifetimes()  # of the current step's graphs' results
         self._step_plans: list[ShapePlan] = []
         self._step_keys: list[tuple] = []
         self._step_compiled = False
@@ -578,10 +579,23 @@ class StepRuntime:
         counts, so this is the measurement of the whole step, made on the step that planned instead
         of the one after it (which then runs verified plans, or plans again with the excess counted).
         Not a step whose meter stopped when it planned (:class:`~ckptc.runtime.tracker.StepTracker`)."""
+        for shape in self._step_plans:
+            if any(r is record for r in shape.compiler.records):
+                shape.replans.observed_results_let_go(self.results_beside(record.index, args, shape.compiler.records))
         if self.active or not self._step_compiled or not self._tracker.open or self._tracker.measuring:
             return
         if self._step_inputs is not None and self.last is not None:
             self._measure(self.last, *self._step_inputs)
+
+    def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
+        """A graph of the open step returned ``outputs``."""
+        self._lifetimes.graph_returned(record, outputs)
+
+    def results_beside(
+        self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
+    ) -> list[tuple[GraphRecord, int, bool]]:
+        """Whether earlier graphs' results are alive as graph ``index`` starts or plans (StepEvents)."""
+        return self._lifetimes.beside(index, inputs, records)
 
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before
@@ -663,6 +677,7 @@ class StepRuntime:
     def _begin_step(self, args: tuple, kwargs: dict, shape: ShapePlan, gradients: bool) -> None:
         """Open a step of ``shape`` (``gradients``: it starts with gradients resident)."""
         self._tracker.begin()
+        self._lifetimes.begin()
         self.active.clear()
         self._step_plans = []
         self._step_compiled = False

@@ -29,6 +29,10 @@ graphs.  Both follow a step through one :class:`StepTracker`:
   profiler never outlives it (left running, it disturbs the user's profilers and can crash the
   interpreter at exit).  The graph, not the results: ``loss = model(a) + model(b)`` drops both
   results at once, and the backward still comes through ``loss``.
+
+Beside the tracker, :class:`ResultLifetimes` notes whether each graph's results are still alive when
+the step's next other graph starts: the eager code after a graph break often uses a graph's results
+and lets them go (``hidden = embeddings + positions``), so later graphs need not count them held.
 """
 
 from __future__ import annotations
@@ -56,6 +60,59 @@ class StepEvents(Protocol):
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """Graph ``record`` runs now on ``args`` (Dynamo's real inputs, parameters included),
         under its current plan."""
+
+    def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
+        """Graph ``record`` returned ``outputs``."""
+
+    def results_beside(
+        self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
+    ) -> list[tuple[GraphRecord, int, bool]]:
+        """Whether the results of graphs of ``records`` that ran earlier in the open step are alive as
+        graph ``index`` starts (or plans) on ``inputs`` (:meth:`ResultLifetimes.beside`)."""
+
+
+class ResultLifetimes:
+    """Whether each graph's results (other than scalars) are alive beside later graphs of the step, from
+    weak references to their storages (nothing the caller dropped is kept alive; a result alive only
+    as a view, or as a later graph's saved input, is alive): beside a later graph (not another run of
+    its own) when a result's storage exists as that graph starts or is planned and is not one of its
+    inputs' (an input is counted by the graph that takes it).  For
+    :meth:`ckptc.planning.replan.Replans.observed_results_let_go`."""
+
+    def __init__(self) -> None:
+        self._returned: list[tuple[GraphRecord, list[Any]]] = []  # the open step's graph runs so far
+
+    def begin(self) -> None:
+        """A new step: nothing of the last one is judged in it."""
+        self._returned = []
+
+    def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
+        refs = [
+            internals.storage_ref(t)
+            for t in internals.tree_leaves(outputs)
+            if isinstance(t, torch.Tensor) and t.numel() > 1
+        ]
+        if refs:
+            self._returned.append((record, refs))
+
+    def beside(
+        self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
+    ) -> list[tuple[GraphRecord, int, bool]]:
+        """``(earlier, index, alive)`` for each graph of ``records`` (one compiler's) that ran before graph
+        ``index`` in the open step, as graph ``index`` starts on ``inputs``: whether its results are alive
+        beside it."""
+        mine = {id(r) for r in records}
+        if any(r.index == index and id(r) in mine for r, _ in self._returned):
+            return []  # planned again after it ran in this step: the graphs after it are not before it
+        taken = {internals.storage_ref(a).cdata for a in inputs if isinstance(a, torch.Tensor)}
+        verdicts: dict[int, tuple[GraphRecord, int, bool]] = {}
+        for earlier, refs in self._returned:
+            if id(earlier) not in mine or earlier.index == index:
+                continue  # another compiler's graph, or another run of its own (StepAccount.repeat_runs)
+            alive = any(not ref.expired() and ref.cdata not in taken for ref in refs)
+            seen = verdicts.get(id(earlier))
+            verdicts[id(earlier)] = (earlier, index, alive or (seen is not None and seen[2]))
+        return list(verdicts.values())
 
 
 class StepTracker:

@@ -46,7 +46,7 @@ from ckptc.meter import MemoryMeasurement, allocated_bytes, resident_bytes, resi
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
-from ckptc.runtime.tracker import StepTracker
+from ckptc.runtime.tracker import ResultLifetimes, StepTracker
 
 log = logging.getLogger("ckptc.runtime.watch")
 
@@ -83,6 +83,7 @@ class BackendStepCheck:
         self._counted: set[Any] = set()  # storages the meter holds already (in its baseline or its events)
         self._ran: list[GraphRecord] = []  # the graphs of the open (or last) step, in run order
         self._runs = _StepRuns()  # of the open step's graphs
+        self._lifetimes = ResultLifetimes()  # of the open step's graphs' results
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
@@ -128,6 +129,7 @@ class BackendStepCheck:
             self._count_gradients()
         self._count_missed()
         self._tracker.begin()
+        self._lifetimes.begin()
         self._ran = []
         self._runs = _StepRuns()
         sizes = tuple(
@@ -152,6 +154,7 @@ class BackendStepCheck:
         """Graph ``record`` runs on ``args`` now, under its current plan."""
         self._ran.append(record)
         self._runs.add(record, args)
+        self.replans.observed_results_let_go(self._lifetimes.beside(record.index, args, self._ran))
         if self._measure and not self._tracker.measuring:
             self._counted = set()
             self._tracker.measure(_device_of(args), 0)
@@ -174,8 +177,15 @@ class BackendStepCheck:
             ]
             self._tracker.add_baseline_unless_allocated(resident_storages(leaves, self._counted))
 
-    def graph_returned(self, outputs: Any) -> None:
+    def results_beside(
+        self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
+    ) -> list[tuple[GraphRecord, int, bool]]:
+        """Whether earlier graphs' results are alive as graph ``index`` starts or plans (StepEvents)."""
+        return self._lifetimes.beside(index, inputs, self._ran)
+
+    def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
         """After a graph ran: its results' backward ends the step."""
+        self._lifetimes.graph_returned(record, outputs)
         tensors = [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
         if self._tracker.measuring:
             resident_bytes(*tensors, seen=self._counted)  # marked counted: the meter's events hold them
