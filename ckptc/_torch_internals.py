@@ -180,8 +180,9 @@ def cpu_allocations(
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, str]]]:
     """The CPU allocator's events of a finished ``torch.profiler.profile(profile_memory=True)``
     run as ``(time_ns, address, nbytes)`` in time order (``nbytes`` negative for a free), and the
-    instants :func:`profiler_mark` put there under the names in ``marks``, as ``(time_ns, name)``
-    in time order (one walk of the run's events for both, on the same clock).
+    instants :func:`profiler_mark` put there under the names in ``marks`` (or a name in ``marks``
+    followed by ``:`` and a suffix, such as a graph's index), as ``(time_ns, name)`` in time order
+    (one walk of the run's events for both, on the same clock).
 
     The address matters: the CPU allocator reports a free with the size it
     recorded when the block was allocated under *some* profiler session,
@@ -200,7 +201,7 @@ def cpu_allocations(
             fields = event.extra_fields
             if fields.device.type == "cpu":
                 allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size))
-        elif event.tag == _EventType.TorchOp and event.name in marks:
+        elif event.tag == _EventType.TorchOp and (event.name in marks or event.name.rsplit(":", 1)[0] in marks):
             found.append((event.start_time_ns, event.name))
     allocations.sort()
     found.sort()

@@ -32,6 +32,7 @@ from ckptc.planning.policies import warn_unmatched_patterns
 from ckptc.plans import ModelPlan, _parameter_sizes, applied_plan
 from ckptc.records import GraphRecord
 from ckptc.runtime.step import ForwardState, ShapePlan, StepRuntime, refuse_unplanned
+from ckptc.runtime.tracker import ResultLifetimes
 
 log = logging.getLogger("ckptc.api")
 
@@ -439,7 +440,8 @@ def capture(
             for p in model.parameters():
                 p.grad = None
             with _capture_errors(model):
-                shape.compile(model, template, ran)
+                # Which graphs' results the eager code between graphs lets go, as optimize's steps note it.
+                shape.compile(model, template, ran, ResultLifetimes())
                 output = shape.plan_call(model, template, ran, inputs, kwargs, reference=ranks is None)
                 refuse_unplanned(model, ran, shape.eager, output)
             try:  # the caller's loss function: its own errors are raised as they are
@@ -468,6 +470,7 @@ def capture(
         coverage=coverage,
         sequence=[position[id(r)] for r in ran],
         unnamed_gradient_bytes=unnamed_gradient_bytes(model, ran),
+        results_let_go=shape.replans.account.results_let_go,
         **sizes,
     )
 

@@ -14,12 +14,13 @@ compiles and plans.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -35,7 +36,8 @@ from ckptc.pricing.devices import memory_model
 log = logging.getLogger("ckptc.meter")
 
 #: Marks ckptc's compiled graphs put in a measured step (:func:`ckptc._torch_internals.profiler_mark`):
-#: where a graph's forward returned, and where a graph's backward starts.
+#: where a graph's forward starts and returns, and where a graph's backward starts.
+GRAPH_STARTS = "ckptc::graph_starts"
 FORWARD_RETURNED = "ckptc::forward_returned"
 BACKWARD_STARTS = "ckptc::backward_starts"
 
@@ -68,6 +70,10 @@ class MemoryMeasurement:
             starting (where the caller computes the loss and runs its backward), the most the step
             held above what it held when that forward returned; None without those marks (CPU only).
         peak_in_loss: whether the step's peak was reached there.
+        eager_after: by graph index, between that graph's forward returning and the next graph
+            starting (eager code between graphs: a graph break's), the most the step held above what
+            it held when that forward returned (the largest over its runs; CPU only).
+        peak_after: the graph after whose forward the step's peak was reached, there (None: elsewhere).
     """
 
     peak_bytes: int
@@ -76,6 +82,8 @@ class MemoryMeasurement:
     timeline: tuple[int, ...] = field(default=(), repr=False)
     loss_bytes: int | None = None
     peak_in_loss: bool = False
+    eager_after: Mapping[int, int] = field(default_factory=dict)
+    peak_after: int | None = None
 
 
 def resident_bytes(*objects: Any, seen: set[Hashable] | None = None) -> int:
@@ -221,18 +229,22 @@ class StepMeter:
             self._profile.__exit__(None, None, None)
         finally:
             self._quiet.__exit__(None, None, None)
-        allocations, marks = cpu_allocations(self._profile, frozenset({FORWARD_RETURNED, BACKWARD_STARTS}))
+        allocations, marks = cpu_allocations(
+            self._profile, frozenset({GRAPH_STARTS, FORWARD_RETURNED, BACKWARD_STARTS})
+        )
         allocated = {address for _, address, nbytes in allocations if nbytes > 0}
         self.baseline_bytes += sum(nbytes for address, nbytes in self._maybe_resident if address not in allocated)
         peak, level, timeline = _peak_of_events(allocations)
-        loss, peak_in_loss = _loss_region(marks, [time for time, _, _ in allocations], timeline, peak)
+        regions = _eager_regions(marks, [time for time, _, _ in allocations], timeline, peak)
         return MemoryMeasurement(
             peak_bytes=self.baseline_bytes + peak,
             baseline_bytes=self.baseline_bytes,
             end_bytes=self.baseline_bytes + level,
             timeline=timeline,
-            loss_bytes=loss,
-            peak_in_loss=peak_in_loss,
+            loss_bytes=regions.loss_bytes,
+            peak_in_loss=regions.peak_in_loss,
+            eager_after=regions.after,
+            peak_after=regions.peak_after,
         )
 
     def abort(self) -> None:
@@ -268,27 +280,42 @@ def _peak_of_events(allocations: list[tuple[int, int, int]]) -> tuple[int, int, 
     return peak, level, tuple(timeline)
 
 
-def _loss_region(
-    marks: list[tuple[int, str]], times: list[int], timeline: tuple[int, ...], peak: int
-) -> tuple[int | None, bool]:
-    """From the level after each allocator event (``timeline``) at its time (``times``): the most
-    held above the level at the last :data:`FORWARD_RETURNED` mark before the first
-    :data:`BACKWARD_STARTS` mark (``marks``, ``(time, name)``), up to that mark, and whether ``peak``
-    was reached there."""
+@dataclass
+class _Regions:
+    loss_bytes: int | None = None
+    peak_in_loss: bool = False
+    after: dict[int, int] = field(default_factory=dict)
+    peak_after: int | None = None
+
+
+def _eager_regions(marks: list[tuple[int, str]], times: list[int], timeline: tuple[int, ...], peak: int) -> _Regions:
+    """From the level after each allocator event (``timeline``) at its time (``times``) and the marks
+    the graphs put in the step (``marks``, ``(time, name)``): what the step held above the level at
+    each graph's :data:`FORWARD_RETURNED` mark (``name:index``) up to the next :data:`GRAPH_STARTS`
+    mark (eager code between graphs, by graph index), and up to the first :data:`BACKWARD_STARTS` mark
+    after the last one (the caller's loss), and where ``peak`` was reached among them."""
+    regions = _Regions()
     end = next((t for t, name in marks if name == BACKWARD_STARTS), None)
-    returned = [t for t, name in marks if name == FORWARD_RETURNED and end is not None and t < end]
-    if not returned:
-        return None, False
-    begin = returned[-1]
-    at_return = 0
-    inside = []
-    for time, level in zip(times, timeline, strict=True):
-        if time <= begin:
-            at_return = level
-        elif time <= end:
-            inside.append(level)
-    highest = max(inside, default=at_return)
-    return highest - at_return, bool(inside) and highest == peak
+    if end is None:
+        return regions
+    starts = [t for t, name in marks if name == GRAPH_STARTS]
+    returned = [(t, name) for t, name in marks if name.startswith(FORWARD_RETURNED) and t < end]
+    for k, (begin, name) in enumerate(returned):
+        following = bisect.bisect_right(starts, begin)
+        stop = starts[following] if following < len(starts) and starts[following] < end else end
+        first, last = bisect.bisect_right(times, begin), bisect.bisect_right(times, stop)
+        at_return = timeline[first - 1] if first > 0 else 0
+        highest = max(timeline[first:last], default=at_return)
+        reached = last > first and highest == peak
+        if stop == end:
+            if k == len(returned) - 1:  # the caller's loss, after the last graph's forward
+                regions.loss_bytes, regions.peak_in_loss = highest - at_return, reached
+            continue
+        index = int(name.rsplit(":", 1)[1]) if ":" in name.removeprefix("ckptc::") else -1
+        regions.after[index] = max(regions.after.get(index, 0), highest - at_return)
+        if reached:
+            regions.peak_after = index
+    return regions
 
 
 def _start_accelerator_span(device: torch.device) -> tuple[int, int]:

@@ -661,20 +661,32 @@ def test_a_model_dynamo_traces_only_with_graph_breaks_at_item_trains_like_eager(
     kwargs = {"attention_mask": torch.ones_like(ids), "global_attention_mask": global_mask, "labels": ids}
     step = ckptc.capture(copy.deepcopy(reference), (ids,), kwargs)
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
-    for _ in range(3):  # the step that plans, one planned again once the results are seen dropped, one measured
-        for m in (eager, model):
-            m.zero_grad(set_to_none=True)
-        expected = eager(ids, **kwargs).loss
-        expected.backward()
-        loss = fast(ids, **kwargs).loss  # after eager's step: its graph is not in ckptc's measurement
-        loss.backward()
-        torch.testing.assert_close(loss, expected)
-        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-            assert (p.grad is None) == (q.grad is None), name
-            if p.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+    def train(budget: int) -> Any:
+        eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+        fast = ckptc.optimize(model, budget_bytes=budget)
+        for _ in range(4):  # plans, plans again once the results are seen dropped, measured, verified
+            for m in (eager, model):
+                m.zero_grad(set_to_none=True)
+            expected = eager(ids, **kwargs).loss
+            expected.backward()
+            loss = fast(ids, **kwargs).loss  # after eager's step: its graph is not in ckptc's measurement
+            loss.backward()
+            torch.testing.assert_close(loss, expected)
+            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+                assert (p.grad is None) == (q.grad is None), name
+                if p.grad is not None:
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        return fast
+
+    try:
+        fast = train(budget)
+    except ckptc.BudgetExceededError as refused:
+        # The eager code between its graphs (at each break) is not in capture's figures, and this budget is
+        # within 0.2% of its floor: the refusal names one that works.
+        assert "eager code between graphs" in str(refused)
+        budget = refused.min_feasible_bytes
+        fast = train(budget)
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
 
 

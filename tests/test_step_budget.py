@@ -452,6 +452,26 @@ def test_closed_loop_corrects_a_step_that_exceeds_the_budget() -> None:
     assert optimized.plan.predicted_peak_bytes <= budget
 
 
+def test_eager_code_between_graphs_is_priced_after_the_graph_before_it() -> None:
+    """The eager code between the two graphs holds three 512 KiB tensors at once (the repeated result,
+    the scale it saves, their product) on top of what the first graph keeps.  Counted only as a flat
+    correction of the whole step, a refusal named a budget fitting the floor plan, and a plan keeping
+    more before that code measured 650,400 B over it when retried.  A step measured over its budget
+    now prices what the eager code held after each graph's forward at that graph's end (exact
+    allocator bytes), and training under it holds the budget with eager's gradients."""
+    case = _eager_case()
+    reference = copy.deepcopy(case.model)
+    budget = budget_bounds(case).unoptimized  # keeping everything would fit, if the eager code held nothing
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    for _ in range(6):
+        step(case, fast)
+    (shape,) = fast.step_runtime.plans.values()
+    assert dict(shape.replans.account.eager_bytes_after) == {0: 3 * 512 * 256 * 4}
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+    assert measure(case, fast).peak_bytes <= budget
+    assert_same_training(case, reference, step(case, fast), step(case, reference))
+
+
 def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:
     case = _eager_case()
     budget = budget_bounds(case).at(0.9)

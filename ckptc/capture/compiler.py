@@ -36,7 +36,7 @@ from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
 from ckptc.errors import CkptcError
-from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED
+from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED, GRAPH_STARTS
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
 from ckptc.planning.planner import decide
@@ -348,13 +348,15 @@ class CheckpointCompiler:
                 planned_under = account
             if events is not None:
                 events.graph_starts(record, args)
+            internals.profiler_mark(GRAPH_STARTS)  # a measured step's region of eager code ends (ckptc.meter)
             try:
                 outputs = compiled(*args)
             except BaseException:
                 if check is not None:
                     check.abort()
                 raise
-            internals.profiler_mark(FORWARD_RETURNED)  # a measured step's loss region begins (ckptc.meter)
+            # A measured step's region of eager code (or the caller's loss) begins (ckptc.meter).
+            internals.profiler_mark(f"{FORWARD_RETURNED}:{record.index}")
             if no_zeros:
                 internals.pass_missing_grads_as_none(outputs, args)
             if events is not None:
@@ -623,7 +625,7 @@ class CheckpointCompiler:
             free_unused_grads=not self.account.result_gradients,
             in_place_backward=self.options.compiler == "eager",
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
-            loss_bytes=self.account.loss_bytes,
+            loss_bytes=max(self.account.loss_bytes, self.account.eager_bytes_after.get(index, 0)),
             gradient_sum_bytes=max(inputs.parameters.values(), default=0)
             if self.account.gradients_summed_by_autograd
             else 0,

@@ -130,6 +130,11 @@ class StepAccount:
             before one backward) planned again to leave this call room
             (:meth:`ckptc.planning.replan.Replans.make_room_for_later_calls`): this call's graphs,
             whose baselines count what those keep, plan again after them.
+        eager_bytes_after: by graph index, what a measured step held above its level as that graph's
+            forward returned, while eager code ran before the step's next graph (a graph break's
+            code: a mask, a mix of the result, what it saves for its own backward): priced, as
+            ``loss_bytes`` is, at the end of that graph's forward, where the graph's kept values are
+            alive beside it (a flat correction would not grow with what the plan keeps there).
         results_let_go: pairs ``(earlier, later)`` of graph indices: a step showed the earlier graph's
             results dead (or handed on as the later graph's inputs) when the later graph of the same
             call started (the eager code after a graph break used them and let them go, as
@@ -153,6 +158,7 @@ class StepAccount:
     gradients_summed_by_autograd: bool = False
     loss_bytes: int = 0
     earlier_calls_planned: int = 0
+    eager_bytes_after: Mapping[int, int] = field(default_factory=dict)
     results_let_go: frozenset[tuple[int, int]] = field(default=frozenset(), compare=False)
 
     @property
@@ -178,6 +184,12 @@ class StepAccount:
                 "later call's backward makes them before the earlier calls' run): zero them with "
                 "zero_grad(set_to_none=True) before a step that does not accumulate, run evaluation "
                 "forwards under torch.no_grad(), and, where the loss allows it, run a backward after each call"
+            )
+        if self.eager_bytes_after:
+            said.append(
+                f"{max(self.eager_bytes_after.values())} bytes held by eager code between graphs (after a graph "
+                "break), beside what the graph before it keeps: remove the break (the coverage report in "
+                "ckptc.optimize(...).plan names it) to bring that code into a plan"
             )
         if self.loss_bytes:
             said.append(

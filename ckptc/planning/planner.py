@@ -618,6 +618,7 @@ class CapturedStep:
         coverage: Any = None,
         sequence: Sequence[int] | None = None,
         unnamed_gradient_bytes: int = 0,
+        results_let_go: frozenset[tuple[int, int]] = frozenset(),
     ) -> None:
         if not records:
             raise InvalidArgumentError("a captured step needs at least one graph")
@@ -626,6 +627,7 @@ class CapturedStep:
         # identical layers are compiled once).
         self.sequence = list(range(len(self.records))) if sequence is None else list(sequence)
         self.unnamed_gradient_bytes = unnamed_gradient_bytes  # see ckptc.planning.account.repeat_bytes
+        self.results_let_go = results_let_go  # seen on the capture's step (StepAccount.results_let_go)
         self.options = options
         self.parameter_bytes = parameter_bytes
         self.gradient_bytes = gradient_bytes
@@ -635,7 +637,13 @@ class CapturedStep:
         )
         self._keep_everything = self._decide_all(
             options.replace(budget_bytes=None, strategy="none"),
-            Replans(StepAccount(hold_outputs=options.hold_outputs, result_gradients=options.hold_outputs is True)),
+            Replans(
+                StepAccount(
+                    hold_outputs=options.hold_outputs,
+                    result_gradients=options.hold_outputs is True,
+                    results_let_go=results_let_go,
+                )
+            ),
         )
         for record in self._keep_everything:  # once per graph, not per budget: every plan file carries it
             fingerprint(record.joint_problem)
@@ -675,6 +683,7 @@ class CapturedStep:
             hold_outputs=options.hold_outputs,
             result_gradients=options.hold_outputs is True,  # held results may feed the caller's loss
             defer_infeasible=budget is not None,
+            results_let_go=self.results_let_go,
         )
         return self._decide_all(options, Replans(account), plan_source, progress)
 

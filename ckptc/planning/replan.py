@@ -217,6 +217,12 @@ class Replans:
                 f"the {loss} bytes the loss held between forward and backward (a loss computed outside the "
                 "model, or code run eagerly after the last graph)"
             )
+        # Eager code between graphs is priced where it runs whether or not the peak was there: a budget
+        # that fits this step's plans with the excess counted flat must also fit plans that keep more
+        # before that code (as a retried budget's do).
+        if plans_again and self.counting_eager_code(measurement.eager_after) and measurement.peak_after is not None:
+            held = measurement.eager_after[measurement.peak_after]
+            return f"the {held} bytes eager code held after graph {measurement.peak_after} (a graph break's)"
         self._measured = (peak_bytes, tuple(ran), plans_again)
         if not plans_again:
             return "nothing: graphs with symbolic sizes keep their plans, so the next call raises BudgetExceededError"
@@ -293,6 +299,20 @@ class Replans:
             return False
         self._measured = None
         self.account = self.account.replace(outside_baseline_bytes=counted)
+        return True
+
+    def counting_eager_code(self, after: Mapping[int, int]) -> bool:
+        """A measured step showed what eager code between graphs held after each graph's forward
+        (:attr:`StepAccount.eager_bytes_after`): count it there, never less than counted before
+        (whether the account changed).  A flat correction, if the same step asks for one, is still
+        counted (:meth:`count_measured`)."""
+        counted = dict(self.account.eager_bytes_after)
+        for index, nbytes in after.items():
+            if index >= 0 and nbytes > counted.get(index, 0):
+                counted[index] = nbytes
+        if counted == self.account.eager_bytes_after:
+            return False
+        self.account = self.account.replace(eager_bytes_after=counted)
         return True
 
     def counting_loss(self, nbytes: int) -> bool:

@@ -86,6 +86,18 @@ class ResultLifetimes:
         """A new step: nothing of the last one is judged in it."""
         self._returned = []
 
+    # As the StepEvents of a step nobody measures (ckptc.capture's reference step):
+    def planned(self, new_graph: bool = False) -> None:
+        pass
+
+    def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
+        pass
+
+    def results_beside(
+        self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
+    ) -> list[tuple[GraphRecord, int, bool]]:
+        return self.beside(index, inputs, records)
+
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
         refs = [
             internals.storage_ref(t)
