@@ -1163,7 +1163,11 @@ def fake_tensor_mode() -> tuple[Any, bool]:
 
 def storage_ref(tensor: torch.Tensor) -> Any:
     """A weak reference to ``tensor``'s storage (``.expired()`` once it is freed, whichever tensors,
-    views or saved copies held it; ``.cdata`` names it): liveness of memory, not of a Python object."""
+    views or saved copies held it; ``.cdata`` names it): liveness of memory, not of a Python object.
+    None for a tensor without one storage (sparse, nested, a tensor subclass without storage)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    return StorageWeakRef(tensor.untyped_storage())
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None

@@ -31,8 +31,8 @@ graphs.  Both follow a step through one :class:`StepTracker`:
   results at once, and the backward still comes through ``loss``.
 
 Beside the tracker, :class:`ResultLifetimes` notes whether each graph's results are still alive when
-the step's next other graph starts: the eager code after a graph break often uses a graph's results
-and lets them go (``hidden = embeddings + positions``), so later graphs need not count them held.
+a later graph of the step starts or plans: the eager code after a graph break often uses a graph's
+results and lets them go (``hidden = embeddings + positions``), so later graphs need not count them held.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class ResultLifetimes:
             if isinstance(t, torch.Tensor) and t.numel() > 1
         ]
         if refs:
-            self._returned.append((record, refs))
+            self._returned.append((record, refs))  # a None (no storage to watch) counts as alive
 
     def beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
@@ -116,12 +116,12 @@ class ResultLifetimes:
         mine = {id(r) for r in records}
         if any(r.index == index and id(r) in mine for r, _ in self._returned):
             return []  # planned again after it ran in this step: the graphs after it are not before it
-        taken = {internals.storage_ref(a).cdata for a in inputs if isinstance(a, torch.Tensor)}
+        taken = {ref.cdata for a in inputs if isinstance(a, torch.Tensor) and (ref := internals.storage_ref(a))}
         verdicts: dict[int, tuple[GraphRecord, int, bool]] = {}
         for earlier, refs in self._returned:
             if id(earlier) not in mine or earlier.index == index:
                 continue  # another compiler's graph, or another run of its own (StepAccount.repeat_runs)
-            alive = any(not ref.expired() and ref.cdata not in taken for ref in refs)
+            alive = any(ref is None or (not ref.expired() and ref.cdata not in taken) for ref in refs)
             seen = verdicts.get(id(earlier))
             verdicts[id(earlier)] = (earlier, index, alive or (seen is not None and seen[2]))
         return list(verdicts.values())
