@@ -527,13 +527,18 @@ def tighter_graph_budgets(
             f"{floor} bytes, or, where the loss allows it, run a backward after each call (gradient accumulation).",
         )
     if attempt >= MAX_STEP_RETRIES:
+        # The last retry had the graphs before the short ones keep as little as they can: the short ones
+        # fit at their floors beside them once the budget leaves the room they still lacked.
+        needed = budget_bytes + max(0, room_needed(short, budget_bytes))
         raise solvers.InfeasibleBudgetError(
             budget_bytes,
-            None,
+            needed if needed > budget_bytes else None,
             "ckptc could not make the graphs of this step fit together in "
             f"{solvers.format_bytes(budget_bytes)} ({budget_bytes} bytes) after {MAX_STEP_RETRIES} retries, "
-            f"although each graph's floor with the graphs before it at theirs is at most {floor} bytes. "
-            "What to do: give a few percent more budget, or pass solver='auto' if another solver was chosen.",
+            f"although each graph's floor with the graphs before it at theirs is at most {floor} bytes: with "
+            f"the graphs before it keeping as little as they can, the last graph that did not fit needs "
+            f"{needed} bytes. What to do: give a budget of at least {needed} bytes, or pass solver='auto' if "
+            "another solver was chosen.",
         )
     return _budgets_keeping_less(ran, before_last, room_needed(short, budget_bytes), budget_bytes, attempt, current)
 
