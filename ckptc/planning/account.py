@@ -135,11 +135,12 @@ class StepAccount:
             code: a mask, a mix of the result, what it saves for its own backward): priced, as
             ``loss_bytes`` is, at the end of that graph's forward, where the graph's kept values are
             alive beside it (a flat correction would not grow with what the plan keeps there).
-        results_let_go: pairs ``(earlier, later)`` of graph indices: a step showed the earlier graph's
-            results dead (or handed on as the later graph's inputs) when the later graph of the same
-            call started (the eager code after a graph break used them and let them go, as
-            ``hidden = embeddings + positions`` does), so the later graph's baseline does not count
-            them held (:meth:`earlier_bytes`, :meth:`ckptc.planning.replan.Replans.observed_results_let_go`).
+        results_let_go: by pair ``(earlier, later)`` of graph indices, how many runs of the earlier
+            graph in the step had their results dead (or handed on as the later graph's inputs) when the
+            later graph of the same call started (the eager code after a graph break used them and let
+            them go, as ``hidden = embeddings + positions`` does): the later graph's baseline does not
+            count those runs' results held (:meth:`earlier_bytes`,
+            :meth:`ckptc.planning.replan.Replans.observed_results_let_go`).
     """
 
     budget_bytes: int | None = None
@@ -159,7 +160,7 @@ class StepAccount:
     loss_bytes: int = 0
     earlier_calls_planned: int = 0
     eager_bytes_after: Mapping[int, int] = field(default_factory=dict)
-    results_let_go: frozenset[tuple[int, int]] = field(default=frozenset(), compare=False)
+    results_let_go: Mapping[tuple[int, int], int] = field(default_factory=dict, compare=False)
 
     @property
     def results_dropped_by_caller(self) -> bool:
@@ -288,12 +289,20 @@ class StepAccount:
         results a step showed dead by then (:attr:`results_let_go`; graphs of this call only, not those
         of ``earlier_calls``, the ids of earlier calls' records)."""
         let_go = self._let_go(earlier, index, earlier_calls)
-        return sum(r.step_bytes - (r.held_output_bytes if id(r) in let_go else 0) for r in earlier)
+        return sum(r.step_bytes - (r.held_output_bytes if k in let_go else 0) for k, r in enumerate(earlier))
 
     def _let_go(self, earlier: Sequence[GraphRecord], index: int, earlier_calls: Collection[int]) -> set[int]:
+        """Positions in ``earlier`` of the runs whose results are let go beside graph ``index``."""
         if not self.results_let_go:
             return set()
-        return {id(r) for r in earlier if (r.index, index) in self.results_let_go and id(r) not in earlier_calls}
+        left = dict(self.results_let_go)
+        positions = set()
+        for k, r in enumerate(earlier):
+            pair = (r.index, index)
+            if left.get(pair, 0) > 0 and id(r) not in earlier_calls:
+                left[pair] -= 1
+                positions.add(k)
+        return positions
 
     def graph_baseline(
         self,
@@ -374,10 +383,12 @@ class StepAccount:
         # Held results are in step_bytes under any plan (kept for backward or held beside): a bound
         # that does not depend on the plans, so CapturedStep can plan earlier graphs again.
         let_go = self._let_go(earlier, index, earlier_calls)
-        held_by_earlier = sum(r.joint_problem.held_output_bytes for r in earlier if id(r) not in let_go)
+        held_by_earlier = sum(r.joint_problem.held_output_bytes for k, r in enumerate(earlier) if k not in let_go)
         # Results handed on by a graph whose results are let go beside this one are counted by neither.
         handed_on = max(
-            0, sum(inputs.data[i] for i in inputs.handed) - sum(r.held_output_bytes for r in earlier if id(r) in let_go)
+            0,
+            sum(inputs.data[i] for i in inputs.handed)
+            - sum(r.held_output_bytes for k, r in enumerate(earlier) if k in let_go),
         )
         device = graph_device([v for v in placeholders if isinstance(v, torch.Tensor)])
         return (

@@ -618,7 +618,7 @@ class CapturedStep:
         coverage: Any = None,
         sequence: Sequence[int] | None = None,
         unnamed_gradient_bytes: int = 0,
-        results_let_go: frozenset[tuple[int, int]] = frozenset(),
+        results_let_go: Mapping[tuple[int, int], int] | None = None,
     ) -> None:
         if not records:
             raise InvalidArgumentError("a captured step needs at least one graph")
@@ -627,7 +627,7 @@ class CapturedStep:
         # identical layers are compiled once).
         self.sequence = list(range(len(self.records))) if sequence is None else list(sequence)
         self.unnamed_gradient_bytes = unnamed_gradient_bytes  # see ckptc.planning.account.repeat_bytes
-        self.results_let_go = results_let_go  # seen on the capture's step (StepAccount.results_let_go)
+        self.results_let_go = dict(results_let_go or {})  # seen on the capture's step (StepAccount.results_let_go)
         self.options = options
         self.parameter_bytes = parameter_bytes
         self.gradient_bytes = gradient_bytes
@@ -641,7 +641,7 @@ class CapturedStep:
                 StepAccount(
                     hold_outputs=options.hold_outputs,
                     result_gradients=options.hold_outputs is True,
-                    results_let_go=results_let_go,
+                    results_let_go=self.results_let_go,
                 )
             ),
         )

@@ -84,7 +84,7 @@ class Replans:
         self._tightened = 0
         self._repeats = 0
         self._room_made = 0  # times later calls of the step asked these graphs to keep less
-        self._results_seen_alive: set[tuple[int, int]] = set()  # see observed_results_let_go
+        self._fewest_dead: dict[tuple[int, int], int] = {}  # see observed_results_let_go
 
     @property
     def budget_bytes(self) -> int | None:
@@ -383,24 +383,26 @@ class Replans:
         self.account = account.replace(hold_outputs=None, outputs_assumed_held=False)
         return True
 
-    def observed_results_let_go(self, verdicts: Iterable[tuple[GraphRecord, int, bool]]) -> None:
-        """Whether earlier graphs' results were alive as a later graph of the step started or planned
-        (``verdicts``: ``(earlier, later index, alive)``, :class:`ckptc.runtime.tracker.ResultLifetimes`).
-        Results counted held that were dead (the eager code after a graph break used them and let them
-        go) are let go beside that later graph: its baseline stops counting them, from its next plan
-        (:attr:`StepAccount.results_let_go`, not compared: no plan is made again for it alone).  A pair
-        seen alive once is counted held from then on (no plan flips back and forth)."""
-        let_go = set(self.account.results_let_go)
-        for earlier, later, alive in verdicts:
+    def observed_results_let_go(self, verdicts: Iterable[tuple[GraphRecord, int, int]]) -> None:
+        """How many runs of earlier graphs had their results dead as a later graph of the step started or
+        planned (``verdicts``: ``(earlier, later index, dead runs)``,
+        :class:`ckptc.runtime.tracker.ResultLifetimes`).  Results counted held that were dead (the eager
+        code after a graph break used them and let them go) are let go beside that later graph: its
+        baseline stops counting them, from its next plan (:attr:`StepAccount.results_let_go`, not
+        compared: no plan is made again for it alone).  The fewest dead runs any step showed for a pair
+        count (no plan flips back and forth)."""
+        let_go = dict(self.account.results_let_go)
+        for earlier, later, dead in verdicts:
             pair = (earlier.index, later)
-            if alive:
-                self._results_seen_alive.add(pair)
-                let_go.discard(pair)
-            elif earlier.held_output_bytes and pair not in self._results_seen_alive:
-                let_go.add(pair)
+            fewest = self._fewest_dead.get(pair, dead)
+            self._fewest_dead[pair] = fewest = min(fewest, dead)
+            if fewest and earlier.held_output_bytes:
+                let_go[pair] = fewest
+            else:
+                let_go.pop(pair, None)
         if let_go != self.account.results_let_go:
-            log.debug("results of earlier graphs dead beside later ones: %s", sorted(let_go))
-            self.account = self.account.replace(results_let_go=frozenset(let_go))
+            log.debug("runs of earlier graphs whose results are dead beside later ones: %s", sorted(let_go.items()))
+            self.account = self.account.replace(results_let_go=let_go)
 
     def letting_results_go_for_room(self, error: solvers.InfeasibleBudgetError) -> bool:
         """Whether to plan again after ``error``: the graph that could not fit computes its own loss

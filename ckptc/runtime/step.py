@@ -593,8 +593,9 @@ class StepRuntime:
 
     def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
-    ) -> list[tuple[GraphRecord, int, bool]]:
-        """Whether earlier graphs' results are alive as graph ``index`` starts or plans (StepEvents)."""
+    ) -> list[tuple[GraphRecord, int, int]]:
+        """How many runs of earlier graphs have their results dead as graph ``index`` starts or plans
+        (StepEvents)."""
         return self._lifetimes.beside(index, inputs, records)
 
     def _refuse_dispatch_modes(self) -> None:

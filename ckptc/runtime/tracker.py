@@ -66,17 +66,17 @@ class StepEvents(Protocol):
 
     def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
-    ) -> list[tuple[GraphRecord, int, bool]]:
-        """Whether the results of graphs of ``records`` that ran earlier in the open step are alive as
-        graph ``index`` starts (or plans) on ``inputs`` (:meth:`ResultLifetimes.beside`)."""
+    ) -> list[tuple[GraphRecord, int, int]]:
+        """How many runs of each graph of ``records`` that ran earlier in the open step have their results
+        dead as graph ``index`` starts (or plans) on ``inputs`` (:meth:`ResultLifetimes.beside`)."""
 
 
 class ResultLifetimes:
     """Whether each graph's results (other than scalars) are alive beside later graphs of the step, from
     weak references to their storages (nothing the caller dropped is kept alive; a result alive only
-    as a view, or as a later graph's saved input, is alive): beside a later graph (not another run of
-    its own) when a result's storage exists as that graph starts or is planned and is not one of its
-    inputs' (an input is counted by the graph that takes it).  For
+    as a view, or as a later graph's saved input, is alive): a run's results are alive beside a later
+    graph (not another run of its own) when one's storage exists as that graph starts or is planned
+    and is not one of its inputs' (an input is counted by the graph that takes it).  For
     :meth:`ckptc.planning.replan.Replans.observed_results_let_go`."""
 
     def __init__(self) -> None:
@@ -95,7 +95,7 @@ class ResultLifetimes:
 
     def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
-    ) -> list[tuple[GraphRecord, int, bool]]:
+    ) -> list[tuple[GraphRecord, int, int]]:
         return self.beside(index, inputs, records)
 
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
@@ -109,21 +109,21 @@ class ResultLifetimes:
 
     def beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
-    ) -> list[tuple[GraphRecord, int, bool]]:
-        """``(earlier, index, alive)`` for each graph of ``records`` (one compiler's) that ran before graph
-        ``index`` in the open step, as graph ``index`` starts on ``inputs``: whether its results are alive
-        beside it."""
+    ) -> list[tuple[GraphRecord, int, int]]:
+        """``(earlier, index, dead)`` for each graph of ``records`` (one compiler's) that ran before graph
+        ``index`` in the open step, as graph ``index`` starts on ``inputs``: how many of its runs have
+        their results dead beside it."""
         mine = {id(r) for r in records}
         if any(r.index == index and id(r) in mine for r, _ in self._returned):
             return []  # planned again after it ran in this step: the graphs after it are not before it
         taken = {ref.cdata for a in inputs if isinstance(a, torch.Tensor) and (ref := internals.storage_ref(a))}
-        verdicts: dict[int, tuple[GraphRecord, int, bool]] = {}
+        verdicts: dict[int, tuple[GraphRecord, int, int]] = {}
         for earlier, refs in self._returned:
             if id(earlier) not in mine or earlier.index == index:
                 continue  # another compiler's graph, or another run of its own (StepAccount.repeat_runs)
             alive = any(ref is None or (not ref.expired() and ref.cdata not in taken) for ref in refs)
-            seen = verdicts.get(id(earlier))
-            verdicts[id(earlier)] = (earlier, index, alive or (seen is not None and seen[2]))
+            dead = verdicts[id(earlier)][2] if id(earlier) in verdicts else 0
+            verdicts[id(earlier)] = (earlier, index, dead + (not alive))
         return list(verdicts.values())
 
 

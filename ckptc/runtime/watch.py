@@ -179,8 +179,9 @@ class BackendStepCheck:
 
     def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
-    ) -> list[tuple[GraphRecord, int, bool]]:
-        """Whether earlier graphs' results are alive as graph ``index`` starts or plans (StepEvents)."""
+    ) -> list[tuple[GraphRecord, int, int]]:
+        """How many runs of earlier graphs have their results dead as graph ``index`` starts or plans
+        (StepEvents)."""
         return self._lifetimes.beside(index, inputs, self._ran)
 
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
