@@ -116,14 +116,26 @@ class ResultLifetimes:
         mine = {id(r) for r in records}
         if any(r.index == index and id(r) in mine for r, _ in self._returned):
             return []  # planned again after it ran in this step: the graphs after it are not before it
-        taken = {ref.cdata for a in inputs if isinstance(a, torch.Tensor) and (ref := internals.storage_ref(a))}
+        taken: set[int] | None = None  # the inputs' storages, found once a result outlives its graph's run
+
+        def alive(ref: Any) -> bool:
+            nonlocal taken
+            if ref is None:
+                return True
+            if ref.expired():
+                return False
+            if taken is None:  # parameters are never a graph's results
+                tensors = [a for a in inputs if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)]
+                taken = {r.cdata for a in tensors if (r := internals.storage_ref(a)) is not None}
+            return ref.cdata not in taken
+
         verdicts: dict[int, tuple[GraphRecord, int, int]] = {}
         for earlier, refs in self._returned:
             if id(earlier) not in mine or earlier.index == index:
                 continue  # another compiler's graph, or another run of its own (StepAccount.repeat_runs)
-            alive = any(ref is None or (not ref.expired() and ref.cdata not in taken) for ref in refs)
+            alive_run = any(alive(ref) for ref in refs)
             dead = verdicts[id(earlier)][2] if id(earlier) in verdicts else 0
-            verdicts[id(earlier)] = (earlier, index, dead + (not alive))
+            verdicts[id(earlier)] = (earlier, index, dead + (not alive_run))
         return list(verdicts.values())
 
 
