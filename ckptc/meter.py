@@ -311,7 +311,7 @@ def _eager_regions(marks: list[tuple[int, str]], times: list[int], timeline: tup
             if k == len(returned) - 1:  # the caller's loss, after the last graph's forward
                 regions.loss_bytes, regions.peak_in_loss = highest - at_return, reached
             continue
-        index = int(name[len(FORWARD_RETURNED) + 1 :]) if name != FORWARD_RETURNED else -1
+        index = int(name[len(FORWARD_RETURNED) + 1 :])
         regions.after[index] = max(regions.after.get(index, 0), highest - at_return)
         if reached:
             regions.peak_after = index

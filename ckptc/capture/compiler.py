@@ -347,6 +347,8 @@ class CheckpointCompiler:
                     raise refusal from error
                 planned_under = account
             if events is not None:
+                # Results of earlier graphs the eager code between let go: not counted held from the next plan.
+                self.replans.observed_results_let_go(events.results_beside(record.index, args, self.records))
                 events.graph_starts(record, args)
             internals.profiler_mark(GRAPH_STARTS)  # a measured step's region of eager code ends (ckptc.meter)
             try:
@@ -605,7 +607,7 @@ class CheckpointCompiler:
         mine = {id(r) for r in self.records}
         earlier_calls = {id(r) for r in self.active if id(r) not in mine}
         events = self.step_check or self.step_events
-        if events is not None:  # results of earlier graphs the eager code between let go: not counted held
+        if events is not None:  # as at every run (see ``run``), before this graph's plan is made
             self.replans.observed_results_let_go(events.results_beside(index, example_inputs, self.records))
         baseline_bytes, inputs = self.account.graph_baseline(
             self.model, example_inputs, placeholders, self.active, index=index, earlier_calls=earlier_calls

@@ -288,8 +288,7 @@ class StepAccount:
         for its backward and the results the caller holds (:attr:`GraphRecord.step_bytes`), less the
         results a step showed dead by then (:attr:`results_let_go`; graphs of this call only, not those
         of ``earlier_calls``, the ids of earlier calls' records)."""
-        let_go = self._let_go(earlier, index, earlier_calls)
-        return sum(r.step_bytes - (r.held_output_bytes if k in let_go else 0) for k, r in enumerate(earlier))
+        return _left_alive(earlier, self._let_go(earlier, index, earlier_calls))
 
     def _let_go(self, earlier: Sequence[GraphRecord], index: int, earlier_calls: Collection[int]) -> set[int]:
         """Positions in ``earlier`` of the runs whose results are let go beside graph ``index``."""
@@ -385,18 +384,15 @@ class StepAccount:
         let_go = self._let_go(earlier, index, earlier_calls)
         held_by_earlier = sum(r.joint_problem.held_output_bytes for k, r in enumerate(earlier) if k not in let_go)
         # Results handed on by a graph whose results are let go beside this one are counted by neither.
-        handed_on = max(
-            0,
-            sum(inputs.data[i] for i in inputs.handed)
-            - sum(r.held_output_bytes for k, r in enumerate(earlier) if k in let_go),
-        )
+        let_go_bytes = sum(earlier[k].held_output_bytes for k in let_go)
+        handed_on = max(0, sum(inputs.data[i] for i in inputs.handed) - let_go_bytes)
         device = graph_device([v for v in placeholders if isinstance(v, torch.Tensor)])
         return (
             max(
                 0,
                 outside
                 + sum(earlier_data.values())
-                + self.earlier_bytes(earlier, index, earlier_calls)
+                + _left_alive(earlier, let_go)
                 - min(handed_on, held_by_earlier)
                 + HELD_RESULTS_RESERVE_BYTES
                 + self.rank_bytes
@@ -405,6 +401,12 @@ class StepAccount:
             ),
             inputs,
         )
+
+
+def _left_alive(earlier: Sequence[GraphRecord], let_go: Collection[int]) -> int:
+    """What the runs ``earlier`` leave alive (:attr:`GraphRecord.step_bytes`), less the held results of
+    those at the positions ``let_go``."""
+    return sum(r.step_bytes - (r.held_output_bytes if k in let_go else 0) for k, r in enumerate(earlier))
 
 
 def repeat_bytes(

@@ -308,7 +308,7 @@ class Replans:
         counted (:meth:`count_measured`)."""
         counted = dict(self.account.eager_bytes_after)
         for index, nbytes in after.items():
-            if index >= 0 and nbytes > counted.get(index, 0):
+            if nbytes > counted.get(index, 0):
                 counted[index] = nbytes
         if counted == self.account.eager_bytes_after:
             return False

@@ -579,9 +579,6 @@ class StepRuntime:
         counts, so this is the measurement of the whole step, made on the step that planned instead
         of the one after it (which then runs verified plans, or plans again with the excess counted).
         Not a step whose meter stopped when it planned (:class:`~ckptc.runtime.tracker.StepTracker`)."""
-        for shape in self._step_plans:
-            if any(r is record for r in shape.compiler.records):
-                shape.replans.observed_results_let_go(self.results_beside(record.index, args, shape.compiler.records))
         if self.active or not self._step_compiled or not self._tracker.open or self._tracker.measuring:
             return
         if self._step_inputs is not None and self.last is not None:
@@ -596,7 +593,7 @@ class StepRuntime:
     ) -> list[tuple[GraphRecord, int, int]]:
         """How many runs of earlier graphs have their results dead as graph ``index`` starts or plans
         (StepEvents)."""
-        return self._lifetimes.beside(index, inputs, records)
+        return self._lifetimes.results_beside(index, inputs, records)
 
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before

@@ -68,7 +68,7 @@ class StepEvents(Protocol):
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
     ) -> list[tuple[GraphRecord, int, int]]:
         """How many runs of each graph of ``records`` that ran earlier in the open step have their results
-        dead as graph ``index`` starts (or plans) on ``inputs`` (:meth:`ResultLifetimes.beside`)."""
+        dead as graph ``index`` starts (or plans) on ``inputs`` (:meth:`ResultLifetimes.results_beside`)."""
 
 
 class ResultLifetimes:
@@ -93,11 +93,6 @@ class ResultLifetimes:
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         pass
 
-    def results_beside(
-        self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
-    ) -> list[tuple[GraphRecord, int, int]]:
-        return self.beside(index, inputs, records)
-
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
         refs = [
             internals.storage_ref(t)
@@ -107,7 +102,7 @@ class ResultLifetimes:
         if refs:
             self._returned.append((record, refs))  # a None (no storage to watch) counts as alive
 
-    def beside(
+    def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
     ) -> list[tuple[GraphRecord, int, int]]:
         """``(earlier, index, dead)`` for each graph of ``records`` (one compiler's) that ran before graph

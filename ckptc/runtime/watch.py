@@ -154,7 +154,6 @@ class BackendStepCheck:
         """Graph ``record`` runs on ``args`` now, under its current plan."""
         self._ran.append(record)
         self._runs.add(record, args)
-        self.replans.observed_results_let_go(self._lifetimes.beside(record.index, args, self._ran))
         if self._measure and not self._tracker.measuring:
             self._counted = set()
             self._tracker.measure(_device_of(args), 0)
@@ -182,7 +181,7 @@ class BackendStepCheck:
     ) -> list[tuple[GraphRecord, int, int]]:
         """How many runs of earlier graphs have their results dead as graph ``index`` starts or plans
         (StepEvents)."""
-        return self._lifetimes.beside(index, inputs, self._ran)
+        return self._lifetimes.results_beside(index, inputs, records)
 
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
         """After a graph ran: its results' backward ends the step."""
