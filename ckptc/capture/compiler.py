@@ -43,7 +43,7 @@ from ckptc.planning.planner import decide
 from ckptc.planning.policies import policies_from_patterns
 from ckptc.planning.replan import Replans
 from ckptc.plans import ModelPlan
-from ckptc.pricing.costs import annotate_costs, measure_runtimes, measure_scratch
+from ckptc.pricing.costs import OpMemory, annotate_costs, measure_runtimes, measure_scratch
 from ckptc.pricing.problem import joint_to_problem
 from ckptc.records import GraphRecord, PlanSource, RecordLink
 from ckptc.rewrite.lean_backward import (
@@ -144,8 +144,9 @@ class CheckpointCompiler:
         self.plans_made = 0  # graphs planned so far, counting those planned again
         # Whether a graph has symbolic sizes (:func:`has_symbolic_sizes`): not planned again in place.
         self.symbolic = False
-        # Kernels' scratch by op signature, measured once for every graph this compiler plans (again).
-        self._scratch: dict[tuple, int] = {}
+        # What each op signature showed run on random data (scratch, oversized outputs), measured once
+        # for every graph this compiler plans (again).
+        self._scratch: dict[tuple, OpMemory] = {}
         # The largest size each input dimension of its graphs took, by (placeholder, dimension) (see _sizes_seen).
         self._largest_sizes: dict[tuple[str, int], int] = {}
         self.records: list[GraphRecord] = []

@@ -634,8 +634,20 @@ def _signature(node: fx.Node) -> tuple:
     return (node.target, tuple(describe(a) for a in leaves))
 
 
-def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None) -> int:
-    """Measure the temporary memory each op allocates while it runs.
+class OpMemory(NamedTuple):
+    """What one run of an op on random data showed about its memory (:func:`measure_scratch`)."""
+
+    #: Bytes it allocated and freed before returning.
+    scratch_bytes: int
+    #: Bytes its output's storage holds beyond the output's elements: a kernel that reduces
+    #: inside a buffer it allocated returns its result in that buffer (the CPU ``mse_loss``
+    #: returns a scalar whose storage is the elementwise loss), which stays allocated as long
+    #: as the result does.
+    surplus_bytes: int = 0
+
+
+def measure_scratch(joint: fx.GraphModule, known: dict[tuple, OpMemory] | None = None) -> int:
+    """Measure the temporary memory each op allocates while it runs, and what its output really holds.
 
     Kernels allocate workspace that their outputs do not show: CPU
     convolutions' im2col buffers, oneDNN reorders, cuDNN workspaces, a CUDA
@@ -644,7 +656,10 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
     strides and device) runs once on random tensors, in isolation, on the
     device the graph runs on: on the CPU the allocator's events give its peak
     above its end level, on an accelerator the allocator's peak counter does
-    (:func:`_scratch_on_accelerator`).  An op whose inputs and outputs take
+    (:func:`_scratch_on_accelerator`).  An output whose storage the kernel
+    allocated larger than its elements (a reduction returned inside its
+    elementwise buffer) is priced at that storage (:attr:`OpMemory.surplus_bytes`):
+    fake tensors show only the elements.  An op whose inputs and outputs take
     more than :data:`FULL_SIZE_SCRATCH_BYTES` runs with its largest sizes
     shrunk and its scratch scaled up (:func:`_shrunk_sizes`), so a step far
     larger than this machine (planned under fake tensors) is priced too.  Ops
@@ -665,11 +680,11 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
     if known is not None:
         for signature in [sig for sig in by_signature if sig in known]:
             for node in by_signature.pop(signature):
-                node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=known[signature])
+                _price_memory(node, known[signature])
     on_device: dict[torch.device, dict[tuple, fx.Node]] = {}
     for signature, nodes in by_signature.items():
         on_device.setdefault(_node_device(nodes[0]), {})[signature] = nodes[0]
-    measured: dict[tuple, int] = {}
+    measured: dict[tuple, OpMemory] = {}
     # Random ops (dropout allocates a temporary mask) run too; fork_rng keeps the
     # program's random stream as it was.
     unreachable = [d for d in on_device if d.type != "cpu" and not torch.get_device_module(d.type).is_available()]
@@ -687,11 +702,11 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
                 measured.update(_scratch_on_cpu(nodes))
             else:
                 measured.update(_scratch_on_accelerator(nodes, device))
-    for signature, scratch in measured.items():
+    for signature, memory in measured.items():
         for node in by_signature[signature]:
-            node.meta["ckptc"] = replace(node.meta["ckptc"], scratch_bytes=scratch)
+            _price_memory(node, memory)
         if known is not None:
-            known[signature] = scratch
+            known[signature] = memory
     failed = [node for nodes in on_device.values() for signature, node in nodes.items() if signature not in measured]
     if failed:
         names = sorted({op_name(node.target) for node in failed})
@@ -702,6 +717,30 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, int] | None = None
             ", ".join(names[:8]) + (", ..." if len(names) > 8 else ""),
         )
     return len(measured)
+
+
+def _price_memory(node: fx.Node, memory: OpMemory) -> None:
+    """Record ``memory`` in ``node``'s cost: its scratch, and its bytes grown by the surplus where
+    it allocates one tensor of its own (not a view, not one output of several)."""
+    cost = node.meta["ckptc"]
+    val = node.meta.get("val")
+    nbytes = cost.bytes
+    if memory.surplus_bytes and cost.bytes and cost.alias_of is None and isinstance(val, torch.Tensor):
+        elements = priced_size(val.untyped_storage().nbytes(), f"the bytes of {node.name}")
+        nbytes = memory_model(val.device).storage_bytes(elements + memory.surplus_bytes)
+    node.meta["ckptc"] = replace(cost, scratch_bytes=memory.scratch_bytes, bytes=max(nbytes, cost.bytes))
+
+
+def _surplus_bytes(out: Any, args: Any, kwargs: Any) -> int:
+    """Bytes the storage of ``out`` (one tensor the op allocated) holds beyond its elements; 0 for an
+    output that is not one tensor, or that shares an argument's storage (an in-place op, a view)."""
+    if not isinstance(out, torch.Tensor) or out.layout != torch.strided:
+        return 0
+    storage = out.untyped_storage().data_ptr()
+    arguments = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.layout == torch.strided]
+    if any(a.untyped_storage().data_ptr() == storage for a in arguments):
+        return 0
+    return max(0, out.untyped_storage().nbytes() - out.numel() * out.element_size())
 
 
 def _node_device(node: fx.Node) -> torch.device:
@@ -788,13 +827,14 @@ def _scratch_runs(node: fx.Node) -> list[tuple[dict[int, int], float]]:
     return [(sizes, scale)]
 
 
-def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
+def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, OpMemory]:
     """Scratch of CPU ops: the allocator's events (``torch.profiler``) inside each op's labelled window."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     labels: dict[str, tuple] = {}  # label -> signature
     scales: dict[tuple, float] = {}
+    surplus: dict[tuple, int] = {}
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, (signature, node) in enumerate(nodes.items()):
             for j, (sizes, scale) in enumerate(_scratch_runs(node)):
@@ -803,6 +843,7 @@ def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
                     args, kwargs = _random_arguments(node, sizes)
                     with record_function(label):
                         out = node.target(*args, **kwargs)
+                    surplus[signature] = round(_surplus_bytes(out, args, kwargs) * scale)
                     del out, args, kwargs
                 except Exception:  # a value without fake-tensor metadata, a data-dependent op
                     _could_not_run(node, sizes)
@@ -826,11 +867,11 @@ def _scratch_on_cpu(nodes: dict[tuple, fx.Node]) -> dict[tuple, int]:
             peak = max(peak, level)
             k += 1
         signature = labels[label]
-        measured[signature] = round(max(0, peak - max(level, 0)) * scales[signature])
+        measured[signature] = OpMemory(round(max(0, peak - max(level, 0)) * scales[signature]), surplus[signature])
     return measured
 
 
-def _scratch_on_accelerator(nodes: dict[tuple, fx.Node], device: torch.device) -> dict[tuple, int]:
+def _scratch_on_accelerator(nodes: dict[tuple, fx.Node], device: torch.device) -> dict[tuple, OpMemory]:
     """Scratch of ops on an accelerator: its allocator's peak counter while the op runs, above the level
     with its outputs allocated (whole blocks, as the budget counts them).  What an op allocates once and
     keeps (a cuBLAS workspace) is in that level too, so it is not scratch: the memory model counts it."""
@@ -845,7 +886,7 @@ def _scratch_on_accelerator(nodes: dict[tuple, fx.Node], device: torch.device) -
                 out = node.target(*args, **kwargs)
                 module.synchronize(device)
                 scratch = max(0, module.max_memory_allocated(device) - module.memory_allocated(device))
-                measured[signature] = round(scratch * scale)
+                measured[signature] = OpMemory(round(scratch * scale), round(_surplus_bytes(out, args, kwargs) * scale))
                 del out, args, kwargs
                 break
             except Exception:  # a value without fake-tensor metadata, a data-dependent op
