@@ -405,7 +405,8 @@ def test_a_call_without_gradients_before_backward_belongs_to_the_step_and_it_is_
 
 # -- 2: closed loop ----------------------------------------------------------------
 class _EagerHoldsMemory(nn.Module):
-    """Eager code between two graphs keeps a tensor alive for backward that no graph sees."""
+    """Eager code between two graphs keeps a tensor alive until backward that no graph sees and no
+    autograd node saves (a gradient hook holds it): nothing but a measured step shows it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -420,8 +421,10 @@ class _EagerHoldsMemory(nn.Module):
 
 @torch.compiler.disable
 def _eager_mix(h: torch.Tensor) -> torch.Tensor:
-    scale = torch.full((h.shape[0], h.shape[1] * 2), 0.5)  # saved by mul for backward
-    return (h.repeat(1, 2) * scale).view(h.shape[0], 2, h.shape[1]).sum(1)
+    scale = torch.full((h.shape[0], h.shape[1] * 2), 0.5)
+    product = h.repeat(1, 2) * 0.5
+    product.register_hook(lambda grad: grad * scale / 0.5)  # holds ``scale`` until backward, unsaved
+    return product.view(h.shape[0], 2, h.shape[1]).sum(1)
 
 
 def _eager_case() -> ModelCase:
@@ -466,10 +469,53 @@ def test_eager_code_between_graphs_is_priced_after_the_graph_before_it() -> None
     for _ in range(6):
         step(case, fast)
     (shape,) = fast.step_runtime.plans.values()
-    assert dict(shape.replans.account.eager_bytes_after) == {0: 3 * 512 * 256 * 4}
+    (after,) = shape.replans.account.eager_bytes_after.items()
+    assert after[0] == 0 and 0 <= after[1] - 3 * 512 * 256 * 4 < 64  # three tensors and a few scalars
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
     assert measure(case, fast).peak_bytes <= budget
     assert_same_training(case, reference, step(case, fast), step(case, reference))
+
+
+class _EagerSavesForBackward(nn.Module):
+    """Eager code between two graphs saves a mask for its own backward: dropout as the CPU runs it, the
+    input times a float mask that the product's autograd node keeps until backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128))
+        self.second = nn.Sequential(nn.GELU(), nn.Linear(128, 128), nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(_eager_dropout(self.first(x))).square().mean()
+
+
+@torch.compiler.disable
+def _eager_dropout(h: torch.Tensor) -> torch.Tensor:
+    return F.dropout(h, 0.5, training=True)
+
+
+def test_what_eager_code_between_graphs_saves_for_backward_counts_from_the_step_that_plans() -> None:
+    """The mask the eager dropout saves (256 KiB) lives until its backward, after the second graph's:
+    found in the autograd nodes upstream of the second graph's inputs as it plans, it is in its
+    baseline and in capture's unoptimized peak, so the first verified step, at a budget that keeps
+    everything, holds it without planning again (before: measured 256 KiB over that budget)."""
+    case = ModelCase(
+        "eager-saves",
+        _EagerSavesForBackward().train(),
+        (torch.randn(512, 128, generator=torch.Generator().manual_seed(3)),),
+        {},
+        loss=lambda out: out,
+    )
+    budget = budget_bounds(case).unoptimized
+    fast = ckptc.optimize(case.model, budget_bytes=budget)
+    step(case, fast)  # plans
+    step(case, fast)  # the first verified step
+    (shape,) = fast.step_runtime.plans.values()
+    assert dict(shape.replans.account.eager_saved_before) == {1: 512 * 128 * 4}
+    assert fast.plan.measured_peak_bytes is not None
+    assert 0.99 * fast.plan.predicted_peak_bytes <= fast.plan.measured_peak_bytes <= budget
+    assert measure(case, fast).peak_bytes <= budget
 
 
 def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:

@@ -610,6 +610,7 @@ class CheckpointCompiler:
         events = self.step_check or self.step_events
         if events is not None:  # as at every run (see ``run``), before this graph's plan is made
             self.replans.observed_results_let_go(events.results_beside(index, example_inputs, self.records))
+            self.replans.observed_eager_saves(index, events.saved_by_eager_code(example_inputs, self.model))
         baseline_bytes, inputs = self.account.graph_baseline(
             self.model, example_inputs, placeholders, self.active, index=index, earlier_calls=earlier_calls
         )

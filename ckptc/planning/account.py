@@ -141,6 +141,11 @@ class StepAccount:
             them go, as ``hidden = embeddings + positions`` does): the later graph's baseline does not
             count those runs' results held (:meth:`earlier_bytes`,
             :meth:`ckptc.planning.replan.Replans.observed_results_let_go`).
+        eager_saved_before: by graph index, what eager code of the step (a graph break's, or before
+            the first graph) saved for its own backward upstream of that graph, seen as it planned
+            (a dropout mask, a norm's input: :meth:`ckptc.runtime.tracker.ResultLifetimes.saved_by_eager_code`):
+            alive until that code's backward, after this graph's and every later graph's, so counted in
+            their baselines (not compared: graphs planned before it need no new plan).
     """
 
     budget_bytes: int | None = None
@@ -161,6 +166,7 @@ class StepAccount:
     earlier_calls_planned: int = 0
     eager_bytes_after: Mapping[int, int] = field(default_factory=dict)
     results_let_go: Mapping[tuple[int, int], int] = field(default_factory=dict, compare=False)
+    eager_saved_before: Mapping[int, int] = field(default_factory=dict, compare=False)
 
     @property
     def results_dropped_by_caller(self) -> bool:
@@ -394,6 +400,7 @@ class StepAccount:
                 + sum(earlier_data.values())
                 + _left_alive(earlier, let_go)
                 - min(handed_on, held_by_earlier)
+                + sum(nbytes for j, nbytes in self.eager_saved_before.items() if j <= index)
                 + HELD_RESULTS_RESERVE_BYTES
                 + self.rank_bytes
                 + self.correction_bytes

@@ -404,6 +404,15 @@ class Replans:
             log.debug("runs of earlier graphs whose results are dead beside later ones: %s", sorted(let_go.items()))
             self.account = self.account.replace(results_let_go=let_go)
 
+    def observed_eager_saves(self, index: int, nbytes: int) -> None:
+        """Eager code of the step saved ``nbytes`` for its backward upstream of graph ``index`` as it
+        planned (:meth:`ckptc.runtime.tracker.ResultLifetimes.saved_by_eager_code`): counted in its
+        baseline and later graphs', never less than a step showed before (:attr:`StepAccount.eager_saved_before`,
+        not compared: graphs planned before it are not planned again for it)."""
+        if nbytes > self.account.eager_saved_before.get(index, 0):
+            log.debug("eager code saved %d bytes upstream of graph %d", nbytes, index)
+            self.account = self.account.replace(eager_saved_before={**self.account.eager_saved_before, index: nbytes})
+
     def letting_results_go_for_room(self, error: solvers.InfeasibleBudgetError) -> bool:
         """Whether to plan again after ``error``: the graph that could not fit computes its own loss
         and counted its results held, which the account only assumed

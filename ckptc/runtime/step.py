@@ -407,7 +407,8 @@ class StepRuntime:
         if opened:
             self._count_measured()
             self._begin_step(args, kwargs, shape, resident)
-        elif self._tracker.measuring:
+        self._lifetimes.call_inputs(args, kwargs)
+        if not opened and self._tracker.measuring:
             self._tracker.add_baseline(resident_bytes(args, kwargs))
         if shape not in self._step_plans:
             self._step_plans.append(shape)
@@ -594,6 +595,10 @@ class StepRuntime:
         """How many runs of earlier graphs have their results dead as graph ``index`` starts or plans
         (StepEvents)."""
         return self._lifetimes.results_beside(index, inputs, records)
+
+    def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
+        """What the open step's eager code saved upstream of a graph that plans (StepEvents)."""
+        return self._lifetimes.saved_by_eager_code(inputs, model)
 
     def _refuse_dispatch_modes(self) -> None:
         """torch.compile runs no compiled graph under a dispatch mode (FlopCounterMode): refuse before

@@ -46,7 +46,7 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.errors import warn_once
-from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns
+from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns, resident_bytes
 from ckptc.records import GraphRecord
 
 
@@ -70,6 +70,10 @@ class StepEvents(Protocol):
         """How many runs of each graph of ``records`` that ran earlier in the open step have their results
         dead as graph ``index`` starts (or plans) on ``inputs`` (:meth:`ResultLifetimes.results_beside`)."""
 
+    def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
+        """Bytes eager code of the open step saved for its backward upstream of a graph that plans on
+        ``inputs`` (:meth:`ResultLifetimes.saved_by_eager_code`)."""
+
 
 class ResultLifetimes:
     """Whether each graph's results (other than scalars) are alive beside later graphs of the step, from
@@ -81,10 +85,47 @@ class ResultLifetimes:
 
     def __init__(self) -> None:
         self._returned: list[tuple[GraphRecord, list[Any]]] = []  # the open step's graph runs so far
+        self._resident: set[int] | None = None  # storages of the step's calls' inputs (None: not told)
+        self._walked: set[int] = set()  # ids of the open step's eager autograd nodes walked already
+        self._saved: set[int] = set()  # storages those saved, counted already
 
     def begin(self) -> None:
         """A new step: nothing of the last one is judged in it."""
         self._returned = []
+        self._resident = None
+        self._walked, self._saved = set(), set()
+
+    def call_inputs(self, args: tuple, kwargs: dict) -> None:
+        """A call of the open step takes ``args`` and ``kwargs``: resident, not memory its eager code made."""
+        tensors = [t for t in internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self._resident = (self._resident or set()) | {r.cdata for t in tensors if (r := internals.storage_ref(t))}
+
+    def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
+        """Bytes of the storages that eager code of the open step (between graphs, or before the first)
+        saved for its backward in the autograd nodes upstream of ``inputs`` (a graph's, as it plans),
+        each counted once in the step (:func:`ckptc._torch_internals.saved_by_eager_nodes`).  Left out:
+        the model's parameters and buffers, the calls' inputs, the graph's own inputs (it counts them)
+        and earlier graphs' results (counted by their graphs).  They stay alive until that eager code's
+        backward, which runs after this graph's: ``StepAccount.eager_saved_before``.  Tensors saved
+        without an autograd history (a dropout mask) count only once the calls' inputs are known
+        (:meth:`call_inputs`): otherwise a batch an eager layer saved would be counted twice."""
+        known = set(self._resident or ())
+        if model is not None:
+            state = [*model.parameters(), *model.buffers()]
+            known |= {r.cdata for t in state if (r := internals.storage_ref(t)) is not None}
+        own = [t for t in inputs if isinstance(t, torch.Tensor)]
+        known |= {r.cdata for t in own if (r := internals.storage_ref(t)) is not None}
+        known |= {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
+        total = 0
+        for tensor in internals.saved_by_eager_nodes(own, self._walked):
+            if tensor.grad_fn is None and self._resident is None:
+                continue
+            ref = internals.storage_ref(tensor)
+            if ref is None or ref.cdata in known or ref.cdata in self._saved or tensor.is_meta:
+                continue
+            self._saved.add(ref.cdata)
+            total += resident_bytes(tensor)
+        return total
 
     # As the StepEvents of a step nobody measures (ckptc.capture's reference step):
     def planned(self, new_graph: bool = False) -> None:
