@@ -175,45 +175,6 @@ def made_by_compiled_graph(tensor: torch.Tensor) -> bool:
     return node is not None and type(node).__name__.startswith("CompiledFunction")
 
 
-def saved_by_eager_nodes(tensors: Iterable[torch.Tensor], walked: set[int]) -> list[torch.Tensor]:
-    """What autograd saved for backward in the nodes eager code made upstream of ``tensors``.
-
-    Walks from each tensor's ``grad_fn`` through its nodes' inputs' nodes, stopping at a compiled
-    graph's node (``CompiledFunction``: what a graph saves, its plan counts) and at nodes whose ids are
-    in ``walked`` (walked for an earlier graph of the step; the walked ones are added).  Saved tensors
-    are read through a node's ``_saved_*`` attributes (C++ nodes) or ``saved_tensors`` (custom
-    ``autograd.Function``s); a node whose saved tensors were released (its backward ran) or changed in
-    place gives none.  Nothing is read under saved-tensor hooks (``save_on_cpu``, offloading): reading
-    would run their unpack hook.
-    """
-    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
-        return []
-    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    with outside_fake_mode():  # reading a saved tensor detaches it: real ones, inside a compiler pass
-        return _saved_upstream(stack, walked)
-
-
-def _saved_upstream(stack: list[Any], walked: set[int]) -> list[torch.Tensor]:
-    saved: list[torch.Tensor] = []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in walked or type(node).__name__.startswith("CompiledFunction"):
-            continue
-        walked.add(id(node))
-        names = [n for n in dir(node) if n.startswith("_saved_")]
-        if hasattr(node, "saved_tensors") and not names:
-            names = ["saved_tensors"]
-        for name in names:
-            try:
-                value = getattr(node, name)
-            except RuntimeError:  # released after its backward ran, or modified in place
-                continue
-            values = value if isinstance(value, (tuple, list)) else (value,)
-            saved.extend(t for t in values if isinstance(t, torch.Tensor))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return saved
-
-
 def cpu_allocations(
     prof: Any, marks: frozenset[str] = frozenset()
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, str]]]:
@@ -1014,28 +975,35 @@ def running_gradient_accumulator(edge: int, edges: int) -> Any:
     return accumulator if isinstance(getattr(accumulator, "variable", None), torch.nn.Parameter) else None
 
 
-def tensors_held_for_backward(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors autograd holds in the graph behind ``tensors`` (their ``grad_fn`` and the nodes those
-    lead to): what its nodes saved for backward, and the leaves it accumulates gradients into (parameters
-    eager code used).  What eager code that made ``tensors`` holds until its backward runs.
+def tensors_held_for_backward(tensors: Iterable[torch.Tensor], walked: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors autograd holds in the graph eager code made behind ``tensors`` (their ``grad_fn`` and
+    the nodes those lead to): what its nodes saved for backward, and the leaves it accumulates gradients
+    into (parameters eager code used).  What eager code that made ``tensors`` holds until its backward runs.
 
-    Read from the nodes' ``_saved_*`` attributes (autograd's generated accessors) and the ``variable``
-    of ``AccumulateGrad`` nodes; a node whose saved tensors were released already (or cannot be unpacked)
-    gives nothing: this runs inside the caller's step and must not fail it."""
+    The walk stops at a compiled graph's node (``CompiledFunction``: what a graph saves, its plan counts)
+    and at nodes whose ids are in ``walked`` (walked already; the walked ones are added).  Read from the
+    nodes' ``_saved_*`` attributes (autograd's generated accessors), ``saved_tensors`` (custom
+    ``autograd.Function``s) and the ``variable`` of ``AccumulateGrad`` nodes; a node whose saved tensors
+    were released already (or cannot be unpacked) gives nothing: this runs inside the caller's step and
+    must not fail it.  Nothing is read under saved-tensor hooks (``save_on_cpu``, offloading): reading
+    would run their unpack hook."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        return []
+    walked = set() if walked is None else walked
     found: list[torch.Tensor] = []
-    seen: set[int] = set()
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in walked or type(node).__name__.startswith("CompiledFunction"):
             continue
-        seen.add(id(node))
+        walked.add(id(node))
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
+        names = [name for name in dir(node) if name.startswith("_saved_")]
+        if not names and hasattr(node, "saved_tensors"):
+            names = ["saved_tensors"]
+        for name in names:
             try:
                 with outside_fake_mode():  # unpacking detaches: real tensors, also inside a compiler pass
                     value = getattr(node, name)

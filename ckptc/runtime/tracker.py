@@ -103,7 +103,7 @@ class ResultLifetimes:
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
         """Bytes of the storages that eager code of the open step (between graphs, or before the first)
         saved for its backward in the autograd nodes upstream of ``inputs`` (a graph's, as it plans),
-        each counted once in the step (:func:`ckptc._torch_internals.saved_by_eager_nodes`).  Left out:
+        each counted once in the step (:func:`ckptc._torch_internals.tensors_held_for_backward`).  Left out:
         the model's parameters and buffers, the calls' inputs, the graph's own inputs (it counts them)
         and earlier graphs' results (counted by their graphs).  They stay alive until that eager code's
         backward, which runs after this graph's: ``StepAccount.eager_saved_before``.  Tensors saved
@@ -117,7 +117,7 @@ class ResultLifetimes:
         known |= {r.cdata for t in own if (r := internals.storage_ref(t)) is not None}
         known |= {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
         total = 0
-        for tensor in internals.saved_by_eager_nodes(own, self._walked):
+        for tensor in internals.tensors_held_for_backward(own, self._walked):
             if tensor.grad_fn is None and self._resident is None:
                 continue
             ref = internals.storage_ref(tensor)
