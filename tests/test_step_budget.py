@@ -533,11 +533,15 @@ def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() 
     error = info.value
     assert error.budget_bytes == floor and error.measured_peak_bytes > floor
     assert error.min_feasible_bytes > floor and str(error.min_feasible_bytes) in str(error)
-    # the budget it names works
+    # The budget it names works from the first verified step: a new optimize of the same model starts from
+    # what the refused one measured (before, its first verified step measured 3,672,092 B over 3,415,916 B).
     works = ckptc.optimize(case.model, budget_bytes=error.min_feasible_bytes)
+    measured = []
     for _ in range(4):
         step(case, works)
-    assert works.plan.measured_peak_bytes <= error.min_feasible_bytes
+        measured.append(works.plan.measured_peak_bytes)
+    assert measured[1] is not None
+    assert all(m is None or m <= error.min_feasible_bytes for m in measured), (measured, error.min_feasible_bytes)
 
 
 # -- 3: never silent -----------------------------------------------------------------

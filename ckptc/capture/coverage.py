@@ -3,8 +3,9 @@
 Two concerns, one home:
 
 * **Refusals.**  Code that Dynamo does not capture runs eagerly between the
-  graphs ckptc plans: its activations are neither counted nor checkpointed,
-  so the budget would silently not hold.  Recurrent modules (``nn.LSTM``,
+  graphs ckptc plans: its activations are never checkpointed, and counted
+  only as far as a later graph finds them saved for backward as it plans,
+  so the budget could silently not hold.  Recurrent modules (``nn.LSTM``,
   ``nn.GRU``, ``nn.RNN``) are the common case.  ckptc captures them (Dynamo's
   ``allow_rnn``, enabled around ckptc's compiles, unrolls them into the graph),
   but that trace drops the dropout between stacked layers, and packed
@@ -291,8 +292,9 @@ class EagerForward:
                 model,
                 "coverage",
                 f"ckptc: {type(model).__name__}'s training step is split: {report.summary()}. Code outside the "
-                "graphs runs eagerly and unplanned: its activations are neither counted nor checkpointed (the "
-                "measured check corrects the budget for it, at more recompute than needed). What to do: "
+                "graphs runs eagerly and unplanned: its activations are never checkpointed, and only what it "
+                "saves for backward is counted before a step is measured (the measured check corrects the budget "
+                "for the rest, at more recompute than needed). What to do: "
                 "`fast.plan.coverage` lists each break with the line that caused it; remove those breaks "
                 "(TORCH_LOGS=graph_breaks shows them) to bring that code into a plan.",
                 stacklevel=7,
@@ -350,8 +352,10 @@ class Coverage:
     """How much of the training step ckptc's graphs cover, and why the step is split.
 
     What runs outside every graph (eager code between graph breaks, frames
-    Dynamo skipped) is neither counted nor checkpointed; the run-time check
-    (``verify=True``) then corrects the plan by what it measures.
+    Dynamo skipped) is never checkpointed, and of what it holds only what it
+    saves for its backward is counted as the graphs after it plan
+    (``StepAccount.eager_saved_before``); the run-time check (``verify=True``)
+    corrects the plan by what it measures beyond that.
 
     Attributes:
         graphs: per graph, its share of the eager forward's FLOPs and activations.

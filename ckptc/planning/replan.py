@@ -86,6 +86,30 @@ class Replans:
         self._room_made = 0  # times later calls of the step asked these graphs to keep less
         self._fewest_dead: dict[tuple[int, int], int] = {}  # see observed_results_let_go
 
+    #: What steps showed that an account carries on to a later ``optimize`` of the same model
+    #: (:meth:`starting_from`): measured evidence, not the budget, the gradients' state or the
+    #: decisions made from them (graph budgets, room left to later calls).
+    EVIDENCE = (
+        "correction_bytes",
+        "hold_outputs",
+        "result_gradients",
+        "outputs_assumed_held",
+        "loss_bytes",
+        "eager_bytes_after",
+        "eager_saved_before",
+        "results_let_go",
+        "repeat_bytes",
+        "repeat_runs",
+        "outside_baseline_bytes",
+    )
+
+    def starting_from(self, learned: StepAccount) -> None:
+        """Start from what the steps of an earlier ``optimize`` of the same model showed (``learned``,
+        the account it refused a budget under): the budget that refusal named then holds from the first
+        verified step, instead of running a step over it to learn the same again."""
+        self.account = self.account.replace(**{name: getattr(learned, name) for name in self.EVIDENCE})
+        log.info("starting from what an earlier optimize of this model measured (%d bytes)", learned.correction_bytes)
+
     @property
     def budget_bytes(self) -> int | None:
         """The step's budget (:attr:`StepAccount.budget_bytes`): no replan changes it."""

@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import weakref
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Iterator, Sequence
 
@@ -63,6 +64,12 @@ from ckptc.runtime.tracker import ResultLifetimes, StepEvents, StepTracker
 log = logging.getLogger("ckptc.runtime.step")
 
 MAX_DISTINCT_SIGNATURES = 256
+
+#: What the run-time checks of earlier ``optimize`` calls learned about a model before refusing its budget,
+#: by model and input signature: a later ``optimize`` of the same model (retried at the budget the refusal
+#: named) starts from it (:meth:`ckptc.planning.replan.Replans.starting_from`) instead of running a step
+#: over that budget to learn it again.
+_LEARNED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StepAccount]]" = weakref.WeakKeyDictionary()
 # New graphs for one planned shape after which a failing guard is named (train/eval, frozen or not: a few).
 RECOMPILES_WARNED = 4
 
@@ -638,6 +645,7 @@ class StepRuntime:
         self.plans.pop(shape.key, None)
         if shape.last_records or isinstance(refusal, BudgetExceededError):
             self._refused[shape.key] = refusal
+            _LEARNED.setdefault(self.model, {})[shape.key] = shape.account
 
     def _plan_for(self, key: tuple, *, gradients: bool) -> ShapePlan:
         """The plan of ``key``, planned again once if this step starts with gradients resident
@@ -662,6 +670,9 @@ class StepRuntime:
                 )
             self.signatures_seen.add(digest)
             shape = ShapePlan.first(key, self.template, self.ranks, gradients=gradients, watch_outputs=True)
+            learned = _LEARNED.get(self.model, {}).get(key)
+            if learned is not None and self.template.plan_source is None:
+                shape.replans.starting_from(learned)
             self._compile(shape)
             self.plans[key] = shape
             while len(self.plans) > self.max_plans:
