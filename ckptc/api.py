@@ -442,9 +442,7 @@ def capture(
             with _capture_errors(model):
                 # Which graphs' results the eager code between graphs lets go, and what it saves for its
                 # backward, as optimize's steps note them.
-                lifetimes = ResultLifetimes()
-                lifetimes.call_inputs(inputs, kwargs)
-                shape.compile(model, template, ran, lifetimes)
+                shape.compile(model, template, ran, ResultLifetimes())
                 output = shape.plan_call(model, template, ran, inputs, kwargs, reference=ranks is None)
                 refuse_unplanned(model, ran, shape.eager, output)
             try:  # the caller's loss function: its own errors are raised as they are

@@ -414,8 +414,7 @@ class StepRuntime:
         if opened:
             self._count_measured()
             self._begin_step(args, kwargs, shape, resident)
-        self._lifetimes.call_inputs(args, kwargs)
-        if not opened and self._tracker.measuring:
+        elif self._tracker.measuring:
             self._tracker.add_baseline(resident_bytes(args, kwargs))
         if shape not in self._step_plans:
             self._step_plans.append(shape)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -85,43 +85,35 @@ class ResultLifetimes:
 
     def __init__(self) -> None:
         self._returned: list[tuple[GraphRecord, list[Any]]] = []  # the open step's graph runs so far
-        self._resident: set[int] | None = None  # storages of the step's calls' inputs (None: not told)
+        self._inputs: set[int] = set()  # storages of the open step's graphs' tensor inputs
         self._walked: set[int] = set()  # ids of the open step's eager autograd nodes walked already
         self._saved: set[int] = set()  # storages those saved, counted already
 
     def begin(self) -> None:
         """A new step: nothing of the last one is judged in it."""
         self._returned = []
-        self._resident = None
-        self._walked, self._saved = set(), set()
-
-    def call_inputs(self, args: tuple, kwargs: dict) -> None:
-        """A call of the open step takes ``args`` and ``kwargs``: resident, not memory its eager code made."""
-        tensors = [t for t in internals.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        self._resident = (self._resident or set()) | {r.cdata for t in tensors if (r := internals.storage_ref(t))}
+        self._inputs, self._walked, self._saved = set(), set(), set()
 
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
         """Bytes of the storages that eager code of the open step (between graphs, or before the first)
         saved for its backward in the autograd nodes upstream of ``inputs`` (a graph's, as it plans),
-        each counted once in the step (:func:`ckptc._torch_internals.tensors_held_for_backward`).  Left out:
-        the model's parameters and buffers, the calls' inputs, the graph's own inputs (it counts them)
-        and earlier graphs' results (counted by their graphs).  They stay alive until that eager code's
-        backward, which runs after this graph's: ``StepAccount.eager_saved_before``.  Tensors saved
-        without an autograd history (a dropout mask) count only once the calls' inputs are known
-        (:meth:`call_inputs`): otherwise a batch an eager layer saved would be counted twice."""
-        known = set(self._resident or ())
+        each counted once in the step (:func:`ckptc._torch_internals.tensors_held_for_backward`): a
+        dropout mask, a norm's statistics, an input an eager layer reads in backward.  Left out: leaves
+        that require a gradient (parameters), the model's buffers, the tensor inputs of the step's graphs
+        so far (they count them) and earlier graphs' results (counted by their graphs).  They stay alive
+        until that eager code's backward, which runs after this graph's: ``StepAccount.eager_saved_before``."""
+        self._inputs |= _storages(inputs)
+        known = self._inputs | {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
         if model is not None:
-            state = [*model.parameters(), *model.buffers()]
-            known |= {r.cdata for t in state if (r := internals.storage_ref(t)) is not None}
-        own = [t for t in inputs if isinstance(t, torch.Tensor)]
-        known |= {r.cdata for t in own if (r := internals.storage_ref(t)) is not None}
-        known |= {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
+            known |= _storages(model.buffers())
         total = 0
-        for tensor in internals.tensors_held_for_backward(own, self._walked):
-            if tensor.grad_fn is None and self._resident is None:
+        for tensor in internals.tensors_held_for_backward(
+            [t for t in inputs if isinstance(t, torch.Tensor)], self._walked
+        ):
+            if tensor.grad_fn is None and tensor.requires_grad:
                 continue
             ref = internals.storage_ref(tensor)
-            if ref is None or ref.cdata in known or ref.cdata in self._saved or tensor.is_meta:
+            if ref is None or ref.cdata in known or ref.cdata in self._saved:
                 continue
             self._saved.add(ref.cdata)
             total += resident_bytes(tensor)
@@ -149,6 +141,7 @@ class ResultLifetimes:
         """``(earlier, index, dead)`` for each graph of ``records`` (one compiler's) that ran before graph
         ``index`` in the open step, as graph ``index`` starts on ``inputs``: how many of its runs have
         their results dead beside it."""
+        self._inputs |= _storages(inputs)
         mine = {id(r) for r in records}
         if any(r.index == index and id(r) in mine for r, _ in self._returned):
             return []  # planned again after it ran in this step: the graphs after it are not before it
@@ -173,6 +166,11 @@ class ResultLifetimes:
             dead = verdicts[id(earlier)][2] if id(earlier) in verdicts else 0
             verdicts[id(earlier)] = (earlier, index, dead + (not alive_run))
         return list(verdicts.values())
+
+
+def _storages(tensors: Iterable[Any]) -> set[int]:
+    """The storages (``StorageWeakRef.cdata``) behind the tensors among ``tensors``."""
+    return {r.cdata for t in tensors if isinstance(t, torch.Tensor) and (r := internals.storage_ref(t)) is not None}
 
 
 class StepTracker:

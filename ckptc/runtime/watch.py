@@ -184,8 +184,7 @@ class BackendStepCheck:
         return self._lifetimes.results_beside(index, inputs, records)
 
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
-        """What eager code saved upstream of a graph that plans (StepEvents; the model's call inputs are not
-        seen here, so what it saved without an autograd history is not counted)."""
+        """What eager code of the open step saved upstream of a graph that plans (StepEvents)."""
         return self._lifetimes.saved_by_eager_code(inputs, model)
 
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
