@@ -76,6 +76,7 @@ __all__ = [
     "graph_module",
     "donate_no_saved_tensors",
     "tensors_held_for_backward",
+    "trainable_leaf_or_view",
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
     "is_fake",
@@ -1013,6 +1014,13 @@ def tensors_held_for_backward(tensors: Iterable[torch.Tensor], walked: set[int] 
             found.extend(v for v in values if isinstance(v, torch.Tensor))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def trainable_leaf_or_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a leaf that requires a gradient (a parameter) or a view of one (``weight.t()``,
+    which eager code saves for a product's backward): the parameter's storage, not memory the step made."""
+    base = tensor if tensor._base is None else tensor._base
+    return base.grad_fn is None and base.requires_grad
 
 
 def backward_accumulates(accumulator: Any) -> bool:

@@ -38,6 +38,7 @@ results and lets them go (``hidden = embeddings + positions``), so later graphs 
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
 import weakref
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -99,18 +100,19 @@ class ResultLifetimes:
         saved for its backward in the autograd nodes upstream of ``inputs`` (a graph's, as it plans),
         each counted once in the step (:func:`ckptc._torch_internals.tensors_held_for_backward`): a
         dropout mask, a norm's statistics, an input an eager layer reads in backward.  Left out: leaves
-        that require a gradient (parameters), the model's buffers, the tensor inputs of the step's graphs
-        so far (they count them) and earlier graphs' results (counted by their graphs).  They stay alive
+        that require a gradient and their views (parameters, ``weight.t()``), the model's parameters and
+        buffers, the tensor inputs of the step's graphs so far (they count them) and earlier graphs'
+        results (counted by their graphs).  They stay alive
         until that eager code's backward, which runs after this graph's: ``StepAccount.eager_saved_before``."""
         self._inputs |= _storages(inputs)
         known = self._inputs | {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
         if model is not None:
-            known |= _storages(model.buffers())
+            known |= _storages(itertools.chain(model.parameters(), model.buffers()))
         total = 0
         for tensor in internals.tensors_held_for_backward(
             [t for t in inputs if isinstance(t, torch.Tensor)], self._walked
         ):
-            if tensor.grad_fn is None and tensor.requires_grad:
+            if internals.trainable_leaf_or_view(tensor):
                 continue
             ref = internals.storage_ref(tensor)
             if ref is None or ref.cdata in known or ref.cdata in self._saved:
