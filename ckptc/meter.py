@@ -186,7 +186,6 @@ class StepMeter:
         self.device = torch.device(device)
         self.baseline_bytes = baseline_bytes
         self._profile: Any = None
-        self._quiet: Any = None
         self._start = 0
         self._maybe_resident: list[tuple[int, int]] = []  # see add_baseline_unless_allocated
 
@@ -194,10 +193,11 @@ class StepMeter:
         if self.device.type == "cpu":
             from torch.profiler import ProfilerActivity, profile
 
-            self._quiet = quiet_profiler()
-            self._quiet.__enter__()
-            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profile.__enter__()
+            # Quiet only while it starts and stops: stderr stays the caller's during the step (an error raised
+            # in it, with the meter still running, is printed).
+            with quiet_profiler():
+                self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+                self._profile.__enter__()
         else:
             self._start, workspaces = _start_accelerator_span(self.device)
             self.baseline_bytes += workspaces
@@ -225,10 +225,8 @@ class StepMeter:
             peak = module.max_memory_allocated(self.device) - self._start
             end = module.memory_allocated(self.device) - self._start
             return MemoryMeasurement(self.baseline_bytes + peak, self.baseline_bytes, self.baseline_bytes + end)
-        try:
+        with quiet_profiler():
             self._profile.__exit__(None, None, None)
-        finally:
-            self._quiet.__exit__(None, None, None)
         allocations, marks = cpu_allocations(
             self._profile, frozenset({GRAPH_STARTS, FORWARD_RETURNED, BACKWARD_STARTS})
         )
@@ -250,10 +248,8 @@ class StepMeter:
     def abort(self) -> None:
         """Stop without a result (the step failed)."""
         if self.device.type == "cpu" and self._profile is not None:
-            try:
+            with quiet_profiler():
                 self._profile.__exit__(None, None, None)
-            finally:
-                self._quiet.__exit__(None, None, None)
             self._profile = None
 
 

@@ -236,6 +236,74 @@ def test_a_users_profiler_around_planning_and_later_steps_sees_the_steps() -> No
     assert _peak(plain, fast, model, _batches(9)) <= budget
 
 
+_FRAGILE_FAILS = [False]
+
+
+@torch.library.custom_op("ckptc_tests::fragile_grad", mutates_args=())
+def _fragile_grad(grad: torch.Tensor) -> torch.Tensor:
+    if _FRAGILE_FAILS[0]:
+        raise RuntimeError("a kernel failed in backward")
+    return grad.clone()
+
+
+@_fragile_grad.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("ckptc_tests::fragile", mutates_args=())
+def _fragile(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_fragile.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_fragile.register_autograd(lambda ctx, grad: _fragile_grad(grad))
+
+
+class _FragileNet(nn.Module):
+    """A layer whose backward kernel fails when told to (a custom op: it runs inside the compiled backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_fragile(self.a(x).relu())).square().mean()
+
+
+def test_a_backward_that_fails_in_a_measured_step_leaves_no_profiler_running_and_stderr_the_callers() -> None:
+    """A kernel failing inside a compiled backward while the step is measured: the error reaches the
+    caller on its own stderr, and no profiler of ckptc's is left enabled (before: stderr stayed on
+    /dev/null and the meter's profiler ran on, hiding the traceback and refusing the user's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = _FragileNet().train()
+    fast = ckptc.optimize(model, budget_bytes=10**8)
+    x = torch.randn(32, 64)
+    stderr = os.fstat(2)
+    _FRAGILE_FAILS[0] = True
+    try:
+        with pytest.raises(Exception, match="a kernel failed in backward"):
+            loss = fast(x)  # the step that plans a model of one graph is measured from its start
+            loss.backward()  # the caller still holds the loss, and its autograd graph, afterwards
+    finally:
+        _FRAGILE_FAILS[0] = False
+    assert not internals.profiler_active()
+    assert (os.fstat(2).st_dev, os.fstat(2).st_ino) == (stderr.st_dev, stderr.st_ino)
+    del loss
+    with profile(activities=[ProfilerActivity.CPU]):  # the user's own profiler starts
+        fast(x).backward()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        fast(x).backward()
+    assert fast.plan.measured_peak_bytes is not None
+
+
 def test_a_step_under_a_python_profiler_says_it_is_not_verified_and_a_later_step_is() -> None:
     """Under a Python profiler hooked in with ``sys.setprofile`` (cProfile, tracers) ckptc cannot stop its
     meter where it does (the first Python event after backward returns) without disturbing it: it says so

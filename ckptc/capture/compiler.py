@@ -532,18 +532,18 @@ class CheckpointCompiler:
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         link = gm.meta.get("ckptc_record")
         plans = link.plans if link is not None else None
-        if plans is not None:
-            # The backward of whichever plan's forward ran (GraphPlans): compiled on first use.
-            def backward_of_its_plan(args: list[Any]) -> Any:
-                internals.profiler_mark(BACKWARD_STARTS)  # a measured step's loss region ends (ckptc.meter)
-                return plans.run_backward(args)
-
-            return internals.mark_boxed(backward_of_its_plan)
-        compiled = self._backward_kernels(gm, example_inputs)
+        run = plans.run_backward if plans is not None else self._backward_kernels(gm, example_inputs)
 
         def backward(args: list[Any]) -> Any:
             internals.profiler_mark(BACKWARD_STARTS)  # a measured step's loss region ends (ckptc.meter)
-            return compiled(args)
+            try:
+                # The backward of whichever plan's forward ran (GraphPlans: compiled on first use), or this one's.
+                return run(args)
+            except BaseException:
+                events = self.step_check or self.step_events
+                if events is not None:
+                    events.backward_failed()  # no meter of ckptc's outlives the failed step
+                raise
 
         return internals.mark_boxed(backward)
 

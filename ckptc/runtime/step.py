@@ -602,6 +602,10 @@ class StepRuntime:
         (StepEvents)."""
         return self._lifetimes.results_beside(index, inputs, records)
 
+    def backward_failed(self) -> None:
+        """A graph's backward raised (StepEvents): the step ends unmeasured."""
+        self._tracker.backward_failed()
+
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
         """What the open step's eager code saved upstream of a graph that plans (StepEvents)."""
         return self._lifetimes.saved_by_eager_code(inputs, model)

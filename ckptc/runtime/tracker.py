@@ -71,6 +71,9 @@ class StepEvents(Protocol):
         """How many runs of each graph of ``records`` that ran earlier in the open step have their results
         dead as graph ``index`` starts (or plans) on ``inputs`` (:meth:`ResultLifetimes.results_beside`)."""
 
+    def backward_failed(self) -> None:
+        """A graph's backward raised: the open step ends unmeasured (:meth:`StepTracker.backward_failed`)."""
+
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
         """Bytes eager code of the open step saved for its backward upstream of a graph that plans on
         ``inputs`` (:meth:`ResultLifetimes.saved_by_eager_code`)."""
@@ -123,6 +126,9 @@ class ResultLifetimes:
 
     # As the StepEvents of a step nobody measures (ckptc.capture's reference step):
     def planned(self, new_graph: bool = False) -> None:
+        pass
+
+    def backward_failed(self) -> None:
         pass
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
@@ -313,6 +319,20 @@ class StepTracker:
         """Forget the step in progress (its call failed)."""
         self.unmeasured()
         self.end(measured=False)
+
+    def backward_failed(self) -> None:
+        """The open step's backward raised (a kernel failed): it ends unmeasured, its meter stopped on the
+        first Python event after the engine returns (not inside it: module docstring), so no profiler
+        of ckptc's outlives the failed step."""
+        if not self.open or self._end_scheduled:
+            return
+        if self._meter is None or self._meter.device.type != "cpu":
+            self.abort()
+        elif after_backward_returns(self.abort):
+            self._end_scheduled = True
+        else:  # a Python profiler hooked in: the next step stops the meter
+            self._meter_to_stop, self._meter = self._meter, None
+            self.end(measured=False)
 
     def end(self, *, measured: bool) -> None:
         """End the open step (``measured``: its measurement, if any, stands)."""

@@ -199,6 +199,10 @@ class BackendStepCheck:
         """Forget the step in progress (its call failed)."""
         self._tracker.abort()
 
+    def backward_failed(self) -> None:
+        """A graph's backward raised (StepEvents): the step ends unmeasured."""
+        self._tracker.backward_failed()
+
     def _count_gradients(self, *, accumulate: bool = True) -> None:
         if self.replans.counting_gradients(accumulate_in_backward=accumulate):
             self._replanned()
