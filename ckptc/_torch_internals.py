@@ -714,6 +714,27 @@ def dynamo_explain(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return torch._dynamo.explain(fn)(*args, **kwargs)
 
 
+def placeholder_values_laid_out_as(gm: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
+    """``gm``'s placeholder values (fake tensors), each with the strides of the tensor ``args`` passes
+    there where they differ (same static sizes): example inputs to compile kernels for the layouts a
+    run gives them, as AOTAutograd restrides a lazily compiled backward's inputs to the strides its
+    compiled forward's outputs have."""
+    values = []
+    for node, arg in zip(gm.graph.find_nodes(op="placeholder"), args, strict=False):
+        value = node.meta.get("val")
+        if (
+            isinstance(value, torch._subclasses.fake_tensor.FakeTensor)
+            and isinstance(arg, torch.Tensor)
+            and value.stride() != arg.stride()
+            and all(isinstance(n, int) for n in value.shape)
+            and tuple(value.shape) == tuple(arg.shape)
+        ):
+            with value.fake_mode:
+                value = torch.empty_strided(value.shape, arg.stride(), dtype=value.dtype, device=value.device)
+        values.append(value)
+    return values
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """Inductor kernels for one graph; random ops fall back to eager so they match eager.
 

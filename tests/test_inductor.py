@@ -21,6 +21,7 @@ import torch
 import ckptc
 from ckptc import _torch_internals as internals
 from ckptc.meter import measure_peak, resident_bytes
+from tests.helpers import assert_same_training, step
 from tests.zoo import get_case, gpt2_without_dropout
 
 LAYERS, WIDTH, HEADS, VOCAB, BATCH, SEQ = 4, 256, 4, 1024, 4, 256
@@ -151,6 +152,25 @@ def test_the_first_planned_step_under_inductor_is_within_the_budget(
     peak = _measured_peak(gpt2, model, optimized)
     assert peak <= budget
     assert peak <= optimized.plan.predicted_peak_bytes
+
+
+def test_a_saved_tensor_inductors_forward_lays_out_otherwise_reaches_a_backward_compiled_for_its_layout() -> None:
+    """Llama's attention saves the keys its grouped-query heads share, an expanded view in the joint
+    graph; under the halfway plan (nested recomputation) Inductor's forward returns it in another
+    layout, and the backward, compiled for the joint graph's strides, failed its input check ("expected
+    ... stride 1==0", every step).  Its kernels are now compiled on first use for the strides its inputs
+    arrive with, as AOTAutograd restrides a backward to its forward's outputs."""
+    case = get_case("llama", size="tiny")
+    reference = copy.deepcopy(case.model)
+    captured = ckptc.capture(
+        copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss, compiler="inductor"
+    )
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    fast = ckptc.optimize(case.model, budget_bytes=budget, compiler="inductor")
+    for _ in range(2):
+        loss = step(case, fast)
+    assert_same_training(case, reference, loss, step(case, reference), rtol=1e-3, atol=1e-4)
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
 
 
 def test_moe_routing_is_planned_for_inductor() -> None:

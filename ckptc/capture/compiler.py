@@ -553,9 +553,11 @@ class CheckpointCompiler:
         free = record.joint_problem.free_tangents if record is not None else ()
         sink = link.gradient_sink if link is not None else None
 
-        def compile_graph(graph: fx.GraphModule) -> Callable:
+        def compile_graph(graph: fx.GraphModule, args: list[Any]) -> Callable:
             if self._generates_kernels():
-                return _inductor_on_read_inputs(graph, example_inputs)
+                # For the layouts the saved tensors arrive in (Inductor's forward chooses them), as
+                # AOTAutograd restrides a backward's inputs to its forward's outputs.
+                return _inductor_on_read_inputs(graph, internals.placeholder_values_laid_out_as(graph, args))
             graph = reinplace(graph)
             return internals.boxed(accumulate_into_parameters(graph, sink) if sink is not None else graph)
 

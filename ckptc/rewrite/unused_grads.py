@@ -220,7 +220,9 @@ class ZeroGradBackward:
 
     Args:
         gm: the rewritten backward module (tangent placeholders last).
-        compile_graph: turns a module into a boxed callable.
+        compile_graph: turns a module into a boxed callable, given the arguments of its first run
+            (kernels are compiled for their layouts: a compiled forward may save a tensor in another
+            layout than the joint graph traced).
         free: tangents the plan priced as free (they should arrive as ``None``).
         record: the graph's record, marked when a free tangent arrives as a tensor.
     """
@@ -228,7 +230,7 @@ class ZeroGradBackward:
     def __init__(
         self,
         gm: fx.GraphModule,
-        compile_graph: Callable[[fx.GraphModule], Callable],
+        compile_graph: Callable[[fx.GraphModule, list[Any]], Callable],
         *,
         free: Iterable[str] = (),
         record: WatchedGraph | None = None,
@@ -272,7 +274,7 @@ class ZeroGradBackward:
         key = frozenset(missing)
         run = self.variants.get(key)
         if run is None:
-            run = self.variants[key] = self.compile_graph(specialize(self.gm, key) if key else self.gm)
+            run = self.variants[key] = self.compile_graph(specialize(self.gm, key) if key else self.gm, args)
             if key:
                 log.debug("backward specialized for unused results %s", sorted(key))
         try:
