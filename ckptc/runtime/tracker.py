@@ -18,7 +18,8 @@ graphs.  Both follow a step through one :class:`StepTracker`:
   activations: wrong gradients in some processes, crashes in others);
 * a CPU meter is stopped on the first Python event after the engine returns
   (:func:`ckptc.meter.after_backward_returns`): stopped inside the engine's callback, the profiler
-  would come back as a stale "enabled" one;
+  would come back as a stale "enabled" one; so is the meter of a step whose backward raised inside a
+  compiled graph (:meth:`StepTracker.backward_failed`), which ends unmeasured;
 * after a step ended by a backward its hooks stay until the next step begins: a second backward of
   the same step (``retain_graph=True``: another autograd graph task) is reported once;
 * when a backward ends a step, whether the caller still holds a result other than a scalar (logits
