@@ -532,7 +532,7 @@ class CheckpointCompiler:
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         link = gm.meta.get("ckptc_record")
         plans = link.plans if link is not None else None
-        run = plans.run_backward if plans is not None else self._backward_kernels(gm, example_inputs)
+        run = plans.run_backward if plans is not None else self._backward_kernels(gm)
 
         def backward(args: list[Any]) -> Any:
             internals.profiler_mark(BACKWARD_STARTS)  # a measured step's loss region ends (ckptc.meter)
@@ -547,7 +547,7 @@ class CheckpointCompiler:
 
         return internals.mark_boxed(backward)
 
-    def _backward_kernels(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    def _backward_kernels(self, gm: fx.GraphModule) -> Callable:
         link = gm.meta.get("ckptc_record")
         record = link.record if link is not None else None
         free = record.joint_problem.free_tangents if record is not None else ()
@@ -688,7 +688,7 @@ class GraphPlans:
         self,
         joint: fx.GraphModule,
         num_fwd_outputs: int,
-        compile_backward: Callable[[fx.GraphModule, Sequence[Any]], Callable],
+        compile_backward: Callable[[fx.GraphModule], Callable],
     ) -> None:
         self.joint = joint
         self.num_fwd_outputs = num_fwd_outputs
@@ -728,7 +728,7 @@ class GraphPlans:
         del args[0]
         backward = self._backwards.get(version)
         if backward is None:
-            backward = self._backwards[version] = self._compile_backward(self._backward_modules[version], ())
+            backward = self._backwards[version] = self._compile_backward(self._backward_modules[version])
         return backward(args)
 
     def __repr__(self) -> str:
