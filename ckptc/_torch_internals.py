@@ -950,17 +950,20 @@ def outside_fake_mode():
     return stack
 
 
-def on_backward_end(tensors: Sequence[torch.Tensor], callback: Callable[[], None]) -> Any:
+def on_backward_end(
+    tensors: Sequence[torch.Tensor], callback: Callable[[], None], began: Callable[[], None] = lambda: None
+) -> Any:
     """Call ``callback()`` once the backward pass that reaches any of ``tensors`` ends.
 
     A hook fires when backward computes the gradient of one of ``tensors``; it
-    queues ``callback`` on the autograd engine, which runs it when that
-    backward call has finished (every gradient accumulated).  Returns a handle
-    whose ``remove()`` detaches the hook.
+    calls ``began()`` and queues ``callback`` on the autograd engine, which runs it
+    when that backward call has finished (every gradient accumulated; not when it
+    raised).  Returns a handle whose ``remove()`` detaches the hook.
     """
     from torch.autograd.graph import register_multi_grad_hook
 
     def hook(_: Any) -> None:
+        began()
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     return register_multi_grad_hook(list(tensors), hook, mode="any")

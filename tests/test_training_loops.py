@@ -304,6 +304,61 @@ def test_a_backward_that_fails_in_a_measured_step_leaves_no_profiler_running_and
     assert fast.plan.measured_peak_bytes is not None
 
 
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FRAGILE_FAILS[0]:
+            raise RuntimeError("eager code's backward failed")
+        return grad * 2
+
+
+class _EagerFragileNet(nn.Module):
+    """Two graphs around eager code whose own backward fails when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_eager_double(self.a(x).relu())).square().mean()
+
+
+@torch.compiler.disable
+def _eager_double(h: torch.Tensor) -> torch.Tensor:
+    return _RaisesInBackward.apply(h)
+
+
+def test_a_step_whose_eager_backward_raised_is_over_when_the_next_call_begins() -> None:
+    """A backward that raises in eager code between graphs never ends its step by its hook: the next call
+    sees that the step's backward began and never ended, ends it unmeasured and begins a new one (before:
+    it ran as a second call of the failed step, whose meter still counted the failed step's memory, the
+    caller holding its loss: measured over the budget, a correction counted that no step needs)."""
+    torch.manual_seed(0)
+    model = _EagerFragileNet().train()
+    x = torch.randn(256, 64)
+    budget = ckptc.capture(copy.deepcopy(model), (x,)).unoptimized_peak_bytes
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    _FRAGILE_FAILS[0] = True
+    try:
+        with pytest.raises(RuntimeError, match="eager code's backward failed"):
+            failed = fast(x)  # the caller keeps the loss of the failed step (a notebook cell, say)
+            failed.backward()
+    finally:
+        _FRAGILE_FAILS[0] = False
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        fast(x).backward()
+    (shape,) = fast.step_runtime.plans.values()
+    assert shape.replans.account.correction_bytes == 0
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+    assert not internals.profiler_active()
+    del failed
+
+
 def test_a_step_under_a_python_profiler_says_it_is_not_verified_and_a_later_step_is() -> None:
     """Under a Python profiler hooked in with ``sys.setprofile`` (cProfile, tracers) ckptc cannot stop its
     meter where it does (the first Python event after backward returns) without disturbing it: it says so

@@ -390,6 +390,8 @@ class StepRuntime:
         self._refuse_dispatch_modes()
         if self._tracker.results_died():
             self._tracker.end(measured=False)  # the last step's results died without a backward
+        elif self._tracker.backward_raised():
+            self._tracker.abort()  # the last step's backward raised: this call begins a new step
         opened = not self._tracker.open
         if not self._ranks_known:
             self.ranks, self._ranks_known = distributed.rank_context(self.model), True

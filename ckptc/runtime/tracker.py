@@ -215,6 +215,7 @@ class StepTracker:
         self._end_scheduled = False  # the step ends on the first Python event after backward returns
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
         self._meter_stopped = False  # a meter of the open step stopped before its end: none starts again
+        self._backward_running = False  # a backward reaching the open step's results began and has not ended
         self._meter_to_stop: StepMeter | None = None  # one a backward ended under a Python profiler
 
     def __repr__(self) -> str:
@@ -227,6 +228,7 @@ class StepTracker:
     def begin(self) -> None:
         """Open a step (the last one's hooks go: a backward from now on belongs to this step)."""
         self._forget_hooks()
+        self._backward_running = False
         self._graphs = []
         self._non_scalar = []
         self.results_held = None
@@ -303,7 +305,7 @@ class StepTracker:
         if tensors:
             self._graphs.extend(_graph_ref(t, self._graph_died) for t in tensors)
             self._non_scalar.extend(weakref.ref(t) for t in tensors if t.numel() > 1)
-            self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended))
+            self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended, self._backward_began))
         elif not self._handles:
             self.end(measured=False)
 
@@ -350,7 +352,16 @@ class StepTracker:
         measurement = meter.stop() if meter is not None else None
         self._on_end(measured, measurement if measured else None)
 
+    def _backward_began(self) -> None:
+        self._backward_running = self.open
+
+    def backward_raised(self) -> bool:
+        """Whether the open step's backward began and never ended, seen from outside any backward (the
+        next call): it raised somewhere (eager code's own backward, say), and the step is over."""
+        return self.open and self._backward_running and internals.current_graph_task_id() < 0
+
     def _backward_ended(self) -> None:
+        self._backward_running = False
         task = internals.current_graph_task_id()
         if not self.open:
             if self._ended_backward is not None and task != self._ended_backward:
