@@ -265,14 +265,16 @@ _fragile.register_autograd(lambda ctx, grad: _fragile_grad(grad))
 
 
 class _FragileNet(nn.Module):
-    """A layer whose backward kernel fails when told to (a custom op: it runs inside the compiled backward)."""
+    """Two layers around ``middle``, whose backward fails when told to (``_FRAGILE_FAILS``): a custom op
+    runs inside the compiled backward, eager code between graphs in its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, middle: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
+        self.middle = middle
         self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_fragile(self.a(x).relu())).square().mean()
+        return self.b(self.middle(self.a(x).relu())).square().mean()
 
 
 def test_a_backward_that_fails_in_a_measured_step_leaves_no_profiler_running_and_stderr_the_callers() -> None:
@@ -282,7 +284,7 @@ def test_a_backward_that_fails_in_a_measured_step_leaves_no_profiler_running_and
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    model = _FragileNet().train()
+    model = _FragileNet(_fragile).train()
     fast = ckptc.optimize(model, budget_bytes=10**8)
     x = torch.randn(32, 64)
     stderr = os.fstat(2)
@@ -316,17 +318,6 @@ class _RaisesInBackward(torch.autograd.Function):
         return grad * 2
 
 
-class _EagerFragileNet(nn.Module):
-    """Two graphs around eager code whose own backward fails when told to."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_eager_double(self.a(x).relu())).square().mean()
-
-
 @torch.compiler.disable
 def _eager_double(h: torch.Tensor) -> torch.Tensor:
     return _RaisesInBackward.apply(h)
@@ -338,7 +329,7 @@ def test_a_step_whose_eager_backward_raised_is_over_when_the_next_call_begins() 
     it ran as a second call of the failed step, whose meter still counted the failed step's memory, the
     caller holding its loss: measured over the budget, a correction counted that no step needs)."""
     torch.manual_seed(0)
-    model = _EagerFragileNet().train()
+    model = _FragileNet(_eager_double).train()
     x = torch.randn(256, 64)
     budget = ckptc.capture(copy.deepcopy(model), (x,)).unoptimized_peak_bytes
     fast = ckptc.optimize(model, budget_bytes=budget)
