@@ -1204,9 +1204,7 @@ def storage_ref(tensor: torch.Tensor) -> Any:
     """A weak reference to ``tensor``'s storage (``.expired()`` once it is freed, whichever tensors,
     views or saved copies held it; ``.cdata`` names it): liveness of memory, not of a Python object.
     None for a tensor without one storage (sparse, nested, a tensor subclass without storage)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     try:
-        return StorageWeakRef(tensor.untyped_storage())
+        return storage_key(tensor)
     except (RuntimeError, NotImplementedError, TypeError):
         return None

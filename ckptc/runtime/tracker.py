@@ -106,9 +106,9 @@ class ResultLifetimes:
         dropout mask, a norm's statistics, an input an eager layer reads in backward.  Left out: leaves
         that require a gradient and their views (parameters, ``weight.t()``), the model's parameters and
         buffers, the tensor inputs of the step's graphs so far (they count them) and earlier graphs'
-        results (counted by their graphs).  They stay alive
-        until that eager code's backward, which runs after this graph's: ``StepAccount.eager_saved_before``."""
-        self._inputs |= _storages(inputs)
+        results (counted by their graphs).  They stay alive until that eager code's backward, which runs
+        after this graph's: ``StepAccount.eager_saved_before``."""
+        self._note_inputs(inputs)
         known = self._inputs | {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
         if model is not None:
             known |= _storages(itertools.chain(model.parameters(), model.buffers()))
@@ -150,22 +150,13 @@ class ResultLifetimes:
         """``(earlier, index, dead)`` for each graph of ``records`` (one compiler's) that ran before graph
         ``index`` in the open step, as graph ``index`` starts on ``inputs``: how many of its runs have
         their results dead beside it."""
-        self._inputs |= _storages(inputs)
+        taken = self._note_inputs(inputs)
         mine = {id(r) for r in records}
         if any(r.index == index and id(r) in mine for r, _ in self._returned):
             return []  # planned again after it ran in this step: the graphs after it are not before it
-        taken: set[int] | None = None  # the inputs' storages, found once a result outlives its graph's run
 
         def alive(ref: Any) -> bool:
-            nonlocal taken
-            if ref is None:
-                return True
-            if ref.expired():
-                return False
-            if taken is None:  # parameters are never a graph's results
-                tensors = [a for a in inputs if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)]
-                taken = {r.cdata for a in tensors if (r := internals.storage_ref(a)) is not None}
-            return ref.cdata not in taken
+            return ref is None or (not ref.expired() and ref.cdata not in taken)
 
         verdicts: dict[int, tuple[GraphRecord, int, int]] = {}
         for earlier, refs in self._returned:
@@ -175,6 +166,13 @@ class ResultLifetimes:
             dead = verdicts[id(earlier)][2] if id(earlier) in verdicts else 0
             verdicts[id(earlier)] = (earlier, index, dead + (not alive_run))
         return list(verdicts.values())
+
+    def _note_inputs(self, inputs: Sequence[Any]) -> set[int]:
+        """The storages of a graph's tensor inputs other than parameters (never a graph's results, and
+        counted apart), noted among the open step's graphs' inputs."""
+        taken = _storages(a for a in inputs if not isinstance(a, torch.nn.Parameter))
+        self._inputs |= taken
+        return taken
 
 
 def _storages(tensors: Iterable[Any]) -> set[int]:
