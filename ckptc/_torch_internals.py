@@ -276,9 +276,13 @@ def _at_hint(node: Any, at_least: Mapping[Any, int]) -> Any:
     free = node.expr.free_symbols
     if not at_least or not any(symbol in at_least for symbol in free):
         return hint
+    # torch 2.13 renamed var_to_val (a FutureWarning on every read); older releases have only the old name
+    backed = getattr(node.shape_env, "backed_var_to_val", None)
+    if backed is None:
+        backed = node.shape_env.var_to_val
     values = {}
     for symbol in free:
-        value = node.shape_env.var_to_val.get(symbol)
+        value = backed.get(symbol)
         if value is None:
             return hint
         values[symbol] = max(int(value), at_least.get(symbol, 0))
