@@ -15,8 +15,16 @@ import ckptc
 import ckptc.pricing.problem
 import solvers
 from ckptc.planning.account import planning_margin
-from ckptc.pricing.costs import annotate_costs
-from ckptc.pricing.devices import MemoryModel, block_bytes, cublas_workspace_bytes, graph_device, memory_model
+from ckptc.pricing.costs import annotate_costs, measure_scratch
+from ckptc.pricing.devices import (
+    MemoryModel,
+    block_bytes,
+    cublas_workspace_bytes,
+    flash_attention_backward_workspace,
+    graph_device,
+    kernel_workspace_bytes,
+    memory_model,
+)
 
 MiB = 1 << 20
 
@@ -89,9 +97,10 @@ def test_the_memory_model_is_chosen_by_the_device(monkeypatch: pytest.MonkeyPatc
     assert graph_device(tensors).type == "cuda" and graph_device(tensors[:1]).type == "cpu"
 
 
-def test_cuda_flash_attention_saves_logsumexp_and_the_rng_state_priced_as_blocks() -> None:
+def _flash_attention_step() -> tuple[fx.GraphModule, dict[int, fx.Node], fx.Node, fx.Node]:
     """A forward and backward of CUDA's flash attention kernel, on fake CUDA tensors: the shapes
-    are PyTorch's own meta kernels' (Llama-3-8B attention: 32 heads, seq 4096, head 128, bf16)."""
+    are PyTorch's own meta kernels' (Llama-3-8B attention: 32 heads, seq 4096, head 128, bf16).
+    Returns the graph, the forward's outputs by index, the forward and the backward."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention.default
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
     graph = fx.Graph()
@@ -130,7 +139,12 @@ def test_cuda_flash_attention_saves_logsumexp_and_the_rng_state_priced_as_blocks
         backward = graph.call_function(flash_backward, node_args)
         backward.meta["val"] = grads
         graph.output((got[0], backward))
-    costs = annotate_costs(fx.GraphModule(torch.nn.Module(), graph))
+    return fx.GraphModule(torch.nn.Module(), graph), got, forward, backward
+
+
+def test_cuda_flash_attention_saves_logsumexp_and_the_rng_state_priced_as_blocks() -> None:
+    gm, got, forward, backward = _flash_attention_step()
+    costs = annotate_costs(gm)
     by_name = {node: costs[node] for node in got.values()}
     out_cost, lse_cost, seed_cost, offset_cost, mask_cost = (by_name[got[i]] for i in (0, 1, 6, 7, 8))
     assert out_cost.bytes == 32 * MiB and out_cost.kind == "forward"
@@ -141,6 +155,36 @@ def test_cuda_flash_attention_saves_logsumexp_and_the_rng_state_priced_as_blocks
     saved = {n for n in backward.all_input_nodes if n.op != "placeholder"}
     assert saved == {got[0], got[1], got[6], got[7]}
     assert costs[forward].op == "_scaled_dot_product_flash_attention"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the scratch is measured, not modelled")
+def test_flash_attention_backwards_workspace_is_priced_for_cuda_without_a_gpu() -> None:
+    """Planned for CUDA on a machine without one, flash attention's backward is priced at the temporaries
+    its kernel allocates (``mha_bwd``): the fp32 row sums, 32 x 4096 x 4 B = 512 KiB, and the fp32
+    accumulator of the query's gradient, 4096 x 32 x 128 x 4 B = 64 MiB (it was priced at 0)."""
+    gm, _, forward, backward = _flash_attention_step()
+    annotate_costs(gm)
+    measure_scratch(gm)
+    assert backward.meta["ckptc"].scratch_bytes == 512 * 1024 + 64 * MiB
+    assert forward.meta["ckptc"].scratch_bytes == 0  # no rule for the forward: its temporaries are outputs
+
+
+def test_flash_attention_backwards_workspace_follows_the_kernels_rounding_and_grouped_heads() -> None:
+    # seq 1000 -> 1024 rows, head 80 -> 96 (rounded to 32 up to 128), 64 heads -> 4 splits of 132 SMs
+    assert flash_attention_backward_workspace((2, 16, 1000, 80), (2, 16, 1000, 80), 2) == [
+        2 * 16 * 1024 * 4,
+        2 * 1024 * 16 * 96 * 4,
+    ]
+    assert flash_attention_backward_workspace((1, 32, 1000, 80), (1, 32, 1000, 80), 2, deterministic=True)[1] == (
+        5 * 1024 * 32 * 96 * 4
+    )
+    # head 192 -> 192 (rounded to 64); grouped-query attention: the key's and value's gradients at 32 heads
+    grouped = flash_attention_backward_workspace((1, 32, 4096, 192), (1, 8, 4096, 192), 2)
+    assert grouped[1] == 4096 * 32 * 192 * 4 and grouped[2:] == [4096 * 32 * 192 * 2] * 2
+    assert kernel_workspace_bytes(torch.ops.aten.mm.default, [(2, 2), (2, 2)], 4, torch.device("cuda")) is None
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    shapes = [(1, 32, 4096, 128)] * 4
+    assert kernel_workspace_bytes(flash_backward, shapes, 2, torch.device("cpu")) is None
 
 
 def test_the_planning_margin_allows_for_blocks_served_from_the_cache() -> None:

@@ -57,7 +57,7 @@ from ckptc._torch_internals import (
 )
 from ckptc.errors import UntraceableModelError
 from ckptc.meter import quiet_profiler
-from ckptc.pricing.devices import memory_model
+from ckptc.pricing.devices import kernel_workspace_bytes, memory_model
 
 log = logging.getLogger("ckptc.pricing.costs")
 
@@ -663,9 +663,12 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, OpMemory] | None =
     more than :data:`FULL_SIZE_SCRATCH_BYTES` runs with its largest sizes
     shrunk and its scratch scaled up (:func:`_shrunk_sizes`), so a step far
     larger than this machine (planned under fake tensors) is priced too.  Ops
-    that cannot run on random data (data-dependent ones) are skipped (0 bytes),
-    and so are ops on a device this process cannot reach (a plan for CUDA made
-    without a GPU: logged; the run-time check measures what that leaves out).  ``known`` maps signatures
+    that cannot run on random data (data-dependent ones) are skipped (0 bytes).
+    Ops on a device this process cannot reach (a plan for CUDA made without a
+    GPU) are priced from their kernels' known workspaces where
+    :func:`~ckptc.pricing.devices.kernel_workspace_bytes` has them (flash
+    attention's backward), else at 0 bytes (logged; the run-time check measures
+    what that leaves out).  ``known`` maps signatures
     measured before (by an earlier graph, or the same graph planned again) to
     their scratch: those are not run again, and what this call measures is
     added to it.  Needs :func:`annotate_costs` first.  Returns the number of
@@ -689,12 +692,17 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, OpMemory] | None =
     # program's random stream as it was.
     unreachable = [d for d in on_device if d.type != "cpu" and not torch.get_device_module(d.type).is_available()]
     for device in unreachable:
+        unmeasured = on_device.pop(device)
+        modelled = {signature: _modelled_scratch(node, device) for signature, node in unmeasured.items()}
+        measured.update({signature: memory for signature, memory in modelled.items() if memory is not None})
         log.info(
-            "kernels' scratch memory on %s is priced at 0 bytes: no %s device here to measure it on (%d ops); "
-            "the run-time check measures what that leaves out on the first step",
+            "kernels' scratch memory on %s: no %s device here to measure it on; %d of %d distinct ops priced "
+            "from their kernels' known workspaces, the rest at 0 bytes (the run-time check measures what that "
+            "leaves out on the first step)",
             device,
             device.type,
-            len(on_device.pop(device)),
+            sum(memory is not None for memory in modelled.values()),
+            len(unmeasured),
         )
     with outside_fake_mode(), torch.random.fork_rng(devices=[d for d in on_device if d.type == "cuda"]):
         for device, nodes in on_device.items():
@@ -717,6 +725,17 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, OpMemory] | None =
             ", ".join(names[:8]) + (", ..." if len(names) > 8 else ""),
         )
     return len(measured)
+
+
+def _modelled_scratch(node: fx.Node, device: torch.device) -> OpMemory | None:
+    """``node``'s scratch from its kernel's known workspaces (:func:`kernel_workspace_bytes`), or None."""
+    args = _vals(node.args)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return None
+    shapes = [tuple(priced_size(size) for size in a.shape) if isinstance(a, torch.Tensor) else None for a in args]
+    nbytes = kernel_workspace_bytes(node.target, shapes, tensors[0].element_size(), device)
+    return None if nbytes is None else OpMemory(nbytes)
 
 
 def _price_memory(node: fx.Node, memory: OpMemory) -> None:

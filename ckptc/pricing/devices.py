@@ -35,6 +35,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -89,6 +90,66 @@ def cublaslt_workspace_bytes(config: str | None = None) -> int:
     if config and config.strip().isdigit():
         return int(config) * 1024
     return 1024 * 1024
+
+
+#: Streaming multiprocessors assumed for a CUDA device this process cannot query (H100 and H200 SXM).
+DEFAULT_SM_COUNT = 132
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def flash_attention_backward_workspace(
+    query_shape: tuple[int, ...],
+    key_shape: tuple[int, ...],
+    element_size: int,
+    *,
+    deterministic: bool = False,
+    sm_count: int = DEFAULT_SM_COUNT,
+) -> list[int]:
+    """Bytes of each temporary CUDA's flash-attention backward allocates and frees before returning.
+
+    Shapes are SDPA's ``(batch, heads, seq, head_dim)``.  From ``mha_bwd`` in PyTorch's
+    ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``: the row sums of
+    ``dout * out`` in fp32 (``softmax_d``, batch x heads x seq rounded to 128), the fp32
+    accumulator of the query's gradient (``dq_accum``, batch x seq rounded to 128 x heads x
+    head_dim rounded to 32, or to 64 above 128; under deterministic algorithms one per split,
+    ``ceil(SMs / (batch * heads))`` of them), and, where the key has fewer heads than the query
+    (grouped-query attention), the key's and value's gradients at the query's heads before they
+    are summed per group.  The gradients returned are the op's outputs, priced as such.
+    """
+    batch, heads, seq_q, head_dim = query_shape
+    heads_k, seq_k = key_shape[1], key_shape[2]
+    head_dim_rounded = _round_up(_round_up(head_dim, 8), 32 if head_dim <= 128 else 64)
+    seq_q_rounded = _round_up(seq_q, 128)
+    splits = -(-sm_count // max(1, batch * heads)) if deterministic else 1
+    sizes = [batch * heads * seq_q_rounded * 4, splits * batch * seq_q_rounded * heads * head_dim_rounded * 4]
+    if heads_k != heads:
+        sizes += [batch * seq_k * heads * head_dim * element_size] * 2
+    return sizes
+
+
+def kernel_workspace_bytes(
+    target: object, shapes: Sequence[tuple[int, ...] | None], element_size: int, device: torch.device
+) -> int | None:
+    """What ``target`` (an aten op) allocates and frees on ``device`` before returning, as its allocator
+    counts it, where the kernel's source says so: the price of a kernel's scratch when it cannot be
+    measured (a plan for CUDA made without a GPU).  ``shapes`` are its positional arguments' shapes
+    (``None`` for one that is not a tensor), ``element_size`` its first tensor's.  ``None`` for an op
+    without such a rule (priced at 0; the run-time check measures it)."""
+    if torch.device(device).type != "cuda":
+        return None
+    if target is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
+        query, key = shapes[1], shapes[2]
+        if query is None or key is None or len(query) != 4 or len(key) != 4:
+            return None
+        sizes = flash_attention_backward_workspace(
+            query, key, element_size, deterministic=torch.are_deterministic_algorithms_enabled()
+        )
+        model = memory_model(device)
+        return sum(model.storage_bytes(size) for size in sizes)
+    return None
 
 
 @dataclass(frozen=True)
