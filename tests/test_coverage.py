@@ -131,3 +131,22 @@ def test_results_the_eager_code_between_graphs_lets_go_are_not_counted_beside_la
     assert plan.measured_peak_bytes >= 0.99 * plan.predicted_peak_bytes, (plan.measured_peak_bytes, plan)
     assert measure(case, fast).peak_bytes <= budget
     assert_same_training(case, reference, step(case, fast), step(case, reference))
+
+
+def test_a_long_break_reason_is_cut_at_a_word_not_mid_sentence_before_the_warnings_full_stop() -> None:
+    """Dynamo's explanation of a ``requires_grad`` setattr (transformers' Wav2Vec2) ran past the summary's
+    length and was cut mid-word, then stripped of its dots: the warning read "know how to . Code outside"."""
+    from ckptc.capture.coverage import _short_reason
+
+    reason = (
+        "setattr() on Tensor.requires_grad\n"
+        "  Explanation: setattr() on Tensor.requires_grad not supported. Mutating requires_grad can introduce a "
+        "new leaf from non-leaf or vice versa in the middle of the graph, which AOTAutograd does not currently know "
+        "how to handle correctly.\n  Hint: Use the 'eager' backend or put the mutation outside the compiled region."
+    )
+    short = _short_reason(reason)
+    assert len(short) <= 240
+    assert short == "setattr() on Tensor.requires_grad: setattr() on Tensor.requires_grad not supported."
+    words = _short_reason("title: " + "word " * 100)
+    assert words.endswith("word (...)") and len(words) <= 240
+    assert _short_reason("x" * 300).endswith(" (...)")

@@ -439,7 +439,15 @@ def _short_reason(reason: str) -> str:
         (line.removeprefix("Explanation:").strip() for line in lines[1:] if line.startswith("Explanation:")), ""
     )
     text = f"{title}: {explanation}" if explanation else title
-    return text if len(text) <= 240 else text[:237] + "..."
+    if len(text) <= 240:
+        return text
+    # Whole sentences where they fit, else whole words: a cut mid-word followed by the caller's own
+    # full stop read "does not currently know how to ."
+    sentence_end = text.rfind(". ", 0, 240)
+    if sentence_end > len(title):
+        return text[: sentence_end + 1]
+    cut = text.rfind(" ", 0, 234)
+    return text[: cut if cut > 0 else 234] + " (...)"
 
 
 def _tensors_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
