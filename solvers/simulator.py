@@ -361,8 +361,23 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
 
     # Backward phase: materialise missing forward preds depth first. Iterative,
     # because a chain with nothing kept recurses as deep as the chain is long.
-    materialised = bytearray((kept_array | always[3]).view(np.uint8))  # kept or a forward output
-    for b in problem._backward_idx:
+    # Materialised values stay so, so a backward step whose forward reads all are at
+    # the start needs nothing: only the others are walked in Python.
+    reads = problem._cache.get("simulator.backward_reads")
+    if reads is None:
+        backward_idx = problem._backward_idx
+        reads = problem._cache["simulator.backward_reads"] = (
+            np.fromiter((p for b in backward_idx for p in fwd_preds[b]), dtype=np.int64),
+            np.repeat(np.arange(len(backward_idx)), [len(fwd_preds[b]) for b in backward_idx]),
+        )
+    at_start = kept_array | always[3]  # kept or a forward output
+    materialised = bytearray(at_start.view(np.uint8))
+    backward = problem._backward_idx
+    done = 0
+    for position in np.unique(reads[1][~at_start[reads[0]]]).tolist():
+        nodes.extend(backward[done:position])
+        done = position + 1
+        b = backward[position]
         for p in fwd_preds[b]:
             if materialised[p]:
                 continue
@@ -380,6 +395,7 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
                     materialised[v] = 1
                     nodes.append(v)
         nodes.append(b)
+    nodes.extend(backward[done:])
     return nodes, n_fwd
 
 
