@@ -518,6 +518,65 @@ def test_what_eager_code_between_graphs_saves_for_backward_counts_from_the_step_
     assert measure(case, fast).peak_bytes <= budget
 
 
+class _EagerCodeMakesWhatALaterGraphTakes(nn.Module):
+    """Eager code between the first two graphs makes ``t`` and hands the second graph ``2 * t``; the third
+    graph takes ``t`` itself.  With ``saves``, the eager code saves ``t`` for its backward (``tanh``
+    saves its output); without, it saves nothing (``h + 1``)."""
+
+    def __init__(self, saves: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Sequential(nn.Linear(128, 128), nn.GELU())
+        self.second = nn.Sequential(nn.Linear(128, 128), nn.GELU())
+        self.third = nn.Linear(128, 128)
+        self.saves = saves
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, twice = _eager_tanh(self.first(x)) if self.saves else _eager_shift(self.first(x))
+        y = self.second(twice)
+        torch._dynamo.graph_break()
+        return (self.third(t) + y).square().mean()
+
+
+@torch.compiler.disable
+def _eager_tanh(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.tanh(h)
+    return t, t * 2
+
+
+@torch.compiler.disable
+def _eager_shift(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t = h + 1
+    return t, t * 2
+
+
+def test_an_eager_saved_tensor_a_later_graph_takes_is_counted_once() -> None:
+    """``t`` (256 KiB), saved by eager code upstream of the second graph and taken by the third, was counted
+    twice from the third graph on: as an eager save and as the third graph's input.  The third graph's
+    count of eager saves now gives it back: its prediction is the one of the same step whose eager code
+    saves nothing (before: 262,144 B above it), and training holds the budget with eager's gradients."""
+    x = torch.randn(512, 128, generator=torch.Generator().manual_seed(3))
+    third_graph_peaks = {}
+    for saves in (False, True):
+        case = ModelCase(
+            f"eager-makes-{saves}", _EagerCodeMakesWhatALaterGraphTakes(saves).train(), (x,), {}, loss=lambda out: out
+        )
+        reference = copy.deepcopy(case.model)
+        budget = budget_bounds(case).unoptimized
+        fast = ckptc.optimize(case.model, budget_bytes=budget)
+        step(case, fast)  # plans
+        step(case, fast)  # the first verified step
+        (shape,) = fast.step_runtime.plans.values()
+        saved = dict(shape.replans.account.eager_saved_before)
+        if saves:  # t at the second graph (and the scalar 2 its product saves), given back at the third
+            assert 0 <= saved[1] - 512 * 128 * 4 < 64 and saved[2] == -512 * 128 * 4, saved
+        third_graph_peaks[saves] = fast.plan.graphs[2].predicted_peak_bytes
+        assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+        assert measure(case, fast).peak_bytes <= budget
+        assert_same_training(case, reference, step(case, fast), step(case, reference))
+    assert abs(third_graph_peaks[True] - third_graph_peaks[False]) < 64, third_graph_peaks
+
+
 def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:
     case = _eager_case()
     budget = budget_bounds(case).at(0.9)

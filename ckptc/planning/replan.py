@@ -430,10 +430,11 @@ class Replans:
 
     def observed_eager_saves(self, index: int, nbytes: int) -> None:
         """Eager code of the step saved ``nbytes`` for its backward upstream of graph ``index`` as it
-        planned (:meth:`ckptc.runtime.tracker.ResultLifetimes.saved_by_eager_code`): counted in its
-        baseline and later graphs', never less than a step showed before (:attr:`StepAccount.eager_saved_before`,
-        not compared: graphs planned before it are not planned again for it)."""
-        if nbytes > self.account.eager_saved_before.get(index, 0):
+        planned (:meth:`ckptc.runtime.tracker.ResultLifetimes.saved_by_eager_code`; negative where graph
+        ``index`` takes as inputs what earlier graphs counted so): counted in its baseline and later
+        graphs', never less than a step showed before (:attr:`StepAccount.eager_saved_before`, not
+        compared: graphs planned before it are not planned again for it)."""
+        if nbytes and nbytes > self.account.eager_saved_before.get(index, -(1 << 62)):
             log.debug("eager code saved %d bytes upstream of graph %d", nbytes, index)
             self.account = self.account.replace(eager_saved_before={**self.account.eager_saved_before, index: nbytes})
 
