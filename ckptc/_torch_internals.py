@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import weakref
 from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
@@ -887,6 +888,11 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
       generator, as eager does (traced, they drew other numbers from torch's, and a SpecAugment
       mask differed from eager's).
     * A CPU LSTM is unrolled op by op while it trains (:func:`_lstm_unrolled_for_training`).
+    * Dynamo's warning that a backend failed and it added a graph break instead (a traceback ending
+      "Report an issue to the backend compiler repo") and its advice to set ``capture_scalar_outputs``
+      go to ckptc's log at info level (:class:`_DynamoAdviceToLog`): with ``.item()`` kept in the graph,
+      Dynamo breaks the graph where ckptc's capture meets a size it cannot bind, as plain
+      ``torch.compile`` does there; ckptc tried the setting first; the coverage report names every break.
     """
     patch = torch._dynamo.config.patch(
         recompile_limit=256,
@@ -897,8 +903,37 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
         ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | traced_logging_functions(),
         use_numpy_random_stream=True,
     )
-    with patch, _lstm_unrolled_for_training():
-        yield
+    to_log = _DynamoAdviceToLog()
+    loggers = [logging.getLogger(name) for name in _DynamoAdviceToLog.LOGGERS]
+    for logger in loggers:
+        logger.addFilter(to_log)
+    try:
+        with patch, _lstm_unrolled_for_training():
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(to_log)
+
+
+class _DynamoAdviceToLog(logging.Filter):
+    """Drops two of Dynamo's warnings that do not apply under ckptc (see :func:`compile_config`), saying
+    each in ``ckptc``'s log at info level: a backend's failure it turned into a graph break (ckptc's
+    capture with ``.item()`` kept in the graph), and, once ckptc captured again without, the advice to
+    set ``capture_scalar_outputs``, which ckptc tried first."""
+
+    LOGGERS = ("torch._dynamo.exc", "torch._dynamo.variables.tensor")
+    _ADVICE = ("Backend compiler exception", "Graph break from `Tensor.item()`")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno != logging.WARNING or not any(advice in message for advice in self._ADVICE):
+            return True
+        detail = next((line.strip() for line in message.splitlines() if line.strip().startswith("Exception:")), "")
+        logging.getLogger("ckptc.capture").info(
+            "Dynamo breaks the graph where it cannot keep a data-dependent value (%s), as plain torch.compile does",
+            detail.removeprefix("Exception:") or "Tensor.item()",
+        )
+        return False
 
 
 @contextlib.contextmanager
