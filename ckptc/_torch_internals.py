@@ -1079,6 +1079,11 @@ def tensors_held_for_backward(tensors: Iterable[torch.Tensor], walked: set[int] 
     return found
 
 
+def is_flash_attention_backward(target: Any) -> bool:
+    """Whether ``target`` is the backward of SDPA's flash-attention kernel (``aten`` names it private)."""
+    return target is torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+
+
 def trainable_leaf_or_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a leaf that requires a gradient (a parameter) or a view of one (``weight.t()``,
     which eager code saves for a product's backward): the parameter's storage, not memory the step made."""

@@ -434,7 +434,8 @@ class Replans:
         ``index`` takes as inputs what earlier graphs counted so): counted in its baseline and later
         graphs', never less than a step showed before (:attr:`StepAccount.eager_saved_before`, not
         compared: graphs planned before it are not planned again for it)."""
-        if nbytes and nbytes > self.account.eager_saved_before.get(index, -(1 << 62)):
+        counted = self.account.eager_saved_before
+        if nbytes and (index not in counted or nbytes > counted[index]):
             log.debug("eager code saved %d bytes upstream of graph %d", nbytes, index)
             self.account = self.account.replace(eager_saved_before={**self.account.eager_saved_before, index: nbytes})
 

@@ -39,6 +39,8 @@ from typing import Sequence
 
 import torch
 
+from ckptc._torch_internals import is_flash_attention_backward
+
 log = logging.getLogger("ckptc.pricing.devices")
 
 MIN_BLOCK = 512
@@ -140,7 +142,7 @@ def kernel_workspace_bytes(
     without such a rule (priced at 0; the run-time check measures it)."""
     if torch.device(device).type != "cuda":
         return None
-    if target is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
+    if is_flash_attention_backward(target):
         query, key = shapes[1], shapes[2]
         if query is None or key is None or len(query) != 4 or len(key) != 4:
             return None

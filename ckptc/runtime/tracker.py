@@ -111,8 +111,7 @@ class ResultLifetimes:
 
         Less, where this graph takes as an input a storage counted so at an earlier graph: from this
         graph on its baseline counts that input, so the earlier count stops here (the result can be
-        negative).  Longformer's eager global attention saves tensors its later graphs take, and was
-        predicted 80,000 B (10%) above its measured step."""
+        negative)."""
         taken = self._note_inputs(inputs)
         handed_over = sum(self._saved.pop(storage) for storage in taken & self._saved.keys())
         known = self._inputs | {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
