@@ -903,15 +903,14 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
         ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | traced_logging_functions(),
         use_numpy_random_stream=True,
     )
-    to_log = _DynamoAdviceToLog()
-    loggers = [logging.getLogger(name) for name in _DynamoAdviceToLog.LOGGERS]
-    for logger in loggers:
+    to_log = _DynamoAdviceToLog()  # one per entry: a nested entry's exit leaves the outer one's in place
+    for logger in _DYNAMO_ADVICE_LOGGERS:
         logger.addFilter(to_log)
     try:
         with patch, _lstm_unrolled_for_training():
             yield
     finally:
-        for logger in loggers:
+        for logger in _DYNAMO_ADVICE_LOGGERS:
             logger.removeFilter(to_log)
 
 
@@ -921,7 +920,6 @@ class _DynamoAdviceToLog(logging.Filter):
     capture with ``.item()`` kept in the graph), and, once ckptc captured again without, the advice to
     set ``capture_scalar_outputs``, which ckptc tried first."""
 
-    LOGGERS = ("torch._dynamo.exc", "torch._dynamo.variables.tensor")
     _ADVICE = ("Backend compiler exception", "Graph break from `Tensor.item()`")
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -934,6 +932,9 @@ class _DynamoAdviceToLog(logging.Filter):
             detail.removeprefix("Exception:") or "Tensor.item()",
         )
         return False
+
+
+_DYNAMO_ADVICE_LOGGERS = (logging.getLogger("torch._dynamo.exc"), logging.getLogger("torch._dynamo.variables.tensor"))
 
 
 @contextlib.contextmanager
