@@ -332,13 +332,7 @@ class StepTracker:
         of ckptc's outlives the failed step."""
         if not self.open or self._end_scheduled:
             return
-        if self._meter is None or self._meter.device.type != "cpu":
-            self.abort()
-        elif after_backward_returns(self.abort):
-            self._end_scheduled = True
-        else:  # a Python profiler hooked in: the next step stops the meter
-            self._meter_to_stop, self._meter = self._meter, None
-            self.end(measured=False)
+        self._end_after_engine(self.abort)
 
     def end(self, *, measured: bool) -> None:
         """End the open step (``measured``: its measurement, if any, stands)."""
@@ -375,16 +369,23 @@ class StepTracker:
             return
         self._ended_backward = task
         self.results_held = self._results_alive()
+        if not self._end_after_engine(self._end_scheduled_step):
+            self._under_python_profiler()  # not disturbed, and the step is not verified
+
+    def _end_after_engine(self, end: Callable[[], None]) -> bool:
+        """End the open step by ``end`` from inside the autograd engine: at once without a CPU meter, else
+        on the first Python event after the engine returns (a meter cannot stop inside the engine's
+        callback: module docstring).  False where a Python profiler hooked in and that event never comes:
+        the step ends now, unmeasured, and the next step stops its meter."""
         if self._meter is None or self._meter.device.type != "cpu":
-            self.end(measured=True)
-        elif after_backward_returns(self._end_scheduled_step):
+            end()
+        elif after_backward_returns(end):
             self._end_scheduled = True
         else:
-            # A Python profiler started during the step: not disturbed, and the step is not verified.  Its
-            # meter cannot stop inside the engine's callback (module docstring): the next step stops it.
-            self._under_python_profiler()
             self._meter_to_stop, self._meter = self._meter, None
             self.end(measured=False)
+            return False
+        return True
 
     def _results_alive(self) -> bool:
         """Whether the step's results other than a loss are alive as its backward ends (the caller holds
