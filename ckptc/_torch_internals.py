@@ -1040,13 +1040,16 @@ def running_gradient_accumulator(edge: int, edges: int) -> Any:
     return accumulator if isinstance(getattr(accumulator, "variable", None), torch.nn.Parameter) else None
 
 
-def tensors_held_for_backward(tensors: Iterable[torch.Tensor], walked: set[int] | None = None) -> list[torch.Tensor]:
+def tensors_held_for_backward(
+    tensors: Iterable[torch.Tensor], walked: set[Hashable] | None = None
+) -> list[torch.Tensor]:
     """The tensors autograd holds in the graph eager code made behind ``tensors`` (their ``grad_fn`` and
     the nodes those lead to): what its nodes saved for backward, and the leaves it accumulates gradients
     into (parameters eager code used).  What eager code that made ``tensors`` holds until its backward runs.
 
     The walk stops at a compiled graph's node (``CompiledFunction``: what a graph saves, its plan counts)
-    and at nodes whose ids are in ``walked`` (walked already; the walked ones are added).  Read from the
+    and at nodes in ``walked`` (walked already; the walked ones are added, each as its id and creation
+    number: a node's id alone names a new node once it is freed, which happens at once).  Read from the
     nodes' ``_saved_*`` attributes (autograd's generated accessors), ``saved_tensors`` (custom
     ``autograd.Function``s) and the ``variable`` of ``AccumulateGrad`` nodes; a node whose saved tensors
     were released already (or cannot be unpacked) gives nothing: this runs inside the caller's step and
@@ -1059,9 +1062,12 @@ def tensors_held_for_backward(tensors: Iterable[torch.Tensor], walked: set[int] 
     stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or id(node) in walked or type(node).__name__.startswith("CompiledFunction"):
+        if node is None or type(node).__name__.startswith("CompiledFunction"):
             continue
-        walked.add(id(node))
+        key = (id(node), node._sequence_nr())
+        if key in walked:
+            continue
+        walked.add(key)
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)

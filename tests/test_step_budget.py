@@ -577,6 +577,34 @@ def test_an_eager_saved_tensor_a_later_graph_takes_is_counted_once() -> None:
     assert abs(third_graph_peaks[True] - third_graph_peaks[False]) < 64, third_graph_peaks
 
 
+def test_eager_saves_are_counted_by_live_storages_and_nodes_not_by_reused_addresses() -> None:
+    """A freed autograd node's Python id, and a freed storage's address, name new ones at once.  The count
+    of eager saves kept both by id and address, so the eager code of a step whose first graph's inputs were
+    made, dropped and made again (a planning call's discarded forward) counted the new ``a`` as walked and
+    saved already (0 bytes), or its input as one an earlier graph had counted (a negative count, which
+    made a tiny OPT's plans differ by 256 bytes from run to run)."""
+    from ckptc.runtime.tracker import ResultLifetimes
+
+    weight = torch.randn(64, requires_grad=True)
+
+    def eager_code() -> torch.Tensor:
+        a = torch.randn(64)
+        return weight * a  # saves ``a`` (256 bytes) for the weight's gradient
+
+    lifetimes = ResultLifetimes()
+    lifetimes.begin()
+    first = eager_code()
+    assert lifetimes.saved_by_eager_code([first], None) == 256
+    reused = id(first.grad_fn)
+    del first  # its node and its saved ``a`` are freed
+    second = eager_code()
+    assert id(second.grad_fn) == reused  # what made the count go wrong (CPython reuses the freed memory)
+    assert lifetimes.saved_by_eager_code([second], None) == 256
+    del second
+    taken = torch.randn(64)  # a later graph's input, allocated where the freed saves were
+    assert lifetimes.saved_by_eager_code([taken], None) == 0  # nothing counted is handed on to it
+
+
 def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:
     case = _eager_case()
     budget = budget_bounds(case).at(0.9)

@@ -42,7 +42,7 @@ import gc
 import itertools
 import sys
 import weakref
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -50,6 +50,8 @@ from ckptc import _torch_internals as internals
 from ckptc.errors import warn_once
 from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns, resident_bytes
 from ckptc.records import GraphRecord
+
+V = TypeVar("V")
 
 
 class StepEvents(Protocol):
@@ -90,14 +92,16 @@ class ResultLifetimes:
 
     def __init__(self) -> None:
         self._returned: list[tuple[GraphRecord, list[Any]]] = []  # the open step's graph runs so far
-        self._inputs: set[int] = set()  # storages of the open step's graphs' tensor inputs
-        self._walked: set[int] = set()  # ids of the open step's eager autograd nodes walked already
-        self._saved: dict[int, int] = {}  # storages those saved, counted already, and their bytes
+        # Storages by ``cdata`` with their weak references: a freed storage's address is soon another's,
+        # so an entry whose storage was freed is dropped before any storage is looked up.
+        self._inputs: dict[int, Any] = {}  # storages of the open step's graphs' tensor inputs
+        self._walked: set[Hashable] = set()  # the open step's eager autograd nodes walked already
+        self._saved: dict[int, tuple[Any, int]] = {}  # storages those saved, counted already, and their bytes
 
     def begin(self) -> None:
         """A new step: nothing of the last one is judged in it."""
         self._returned = []
-        self._inputs, self._walked, self._saved = set(), set(), {}
+        self._inputs, self._walked, self._saved = {}, set(), {}
 
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
         """Bytes of the storages that eager code of the open step (between graphs, or before the first)
@@ -112,9 +116,12 @@ class ResultLifetimes:
         Less, where this graph takes as an input a storage counted so at an earlier graph: from this
         graph on its baseline counts that input, so the earlier count stops here (the result can be
         negative)."""
+        self._saved = _alive(self._saved, lambda entry: entry[0])
         taken = self._note_inputs(inputs)
-        handed_over = sum(self._saved.pop(storage) for storage in taken & self._saved.keys())
-        known = self._inputs | {ref.cdata for _, refs in self._returned for ref in refs if ref is not None}
+        handed_over = sum(self._saved.pop(storage)[1] for storage in taken & self._saved.keys())
+        known = self._inputs.keys() | {
+            ref.cdata for _, refs in self._returned for ref in refs if ref is not None and not ref.expired()
+        }
         if model is not None:
             known |= _storages(itertools.chain(model.parameters(), model.buffers()))
         total = -handed_over
@@ -126,8 +133,9 @@ class ResultLifetimes:
             ref = internals.storage_ref(tensor)
             if ref is None or ref.cdata in known or ref.cdata in self._saved:
                 continue
-            self._saved[ref.cdata] = resident_bytes(tensor)
-            total += self._saved[ref.cdata]
+            nbytes = resident_bytes(tensor)
+            self._saved[ref.cdata] = (ref, nbytes)
+            total += nbytes
         return total
 
     # As the StepEvents of a step nobody measures (ckptc.capture's reference step):
@@ -175,14 +183,26 @@ class ResultLifetimes:
     def _note_inputs(self, inputs: Sequence[Any]) -> set[int]:
         """The storages of a graph's tensor inputs other than parameters (never a graph's results, and
         counted apart), noted among the open step's graphs' inputs."""
-        taken = _storages(a for a in inputs if not isinstance(a, torch.nn.Parameter))
-        self._inputs |= taken
-        return taken
+        refs = _storage_refs(a for a in inputs if not isinstance(a, torch.nn.Parameter))
+        self._inputs = _alive(self._inputs, lambda ref: ref)
+        self._inputs.update(refs)
+        return set(refs)
 
 
 def _storages(tensors: Iterable[Any]) -> set[int]:
     """The storages (``StorageWeakRef.cdata``) behind the tensors among ``tensors``."""
-    return {r.cdata for t in tensors if isinstance(t, torch.Tensor) and (r := internals.storage_ref(t)) is not None}
+    return set(_storage_refs(tensors))
+
+
+def _storage_refs(tensors: Iterable[Any]) -> dict[int, Any]:
+    """Weak references to the storages behind the tensors among ``tensors``, by ``cdata``."""
+    return {r.cdata: r for t in tensors if isinstance(t, torch.Tensor) and (r := internals.storage_ref(t)) is not None}
+
+
+def _alive(entries: dict[int, V], ref_of: Callable[[V], Any]) -> dict[int, V]:
+    """``entries`` (by storage ``cdata``) without those whose storage was freed: its address can name
+    a new storage now."""
+    return {cdata: entry for cdata, entry in entries.items() if not ref_of(entry).expired()}
 
 
 class StepTracker:
