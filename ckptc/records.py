@@ -9,6 +9,7 @@ them imports the stage that made the record.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -32,16 +33,25 @@ class GraphInputs:
         state: every input that is model state (parameters and buffers).
         handed: the data inputs that are results of an earlier compiled graph
             (counted by that graph, not by later ones).
+        data_refs: weak references to the data inputs, by id: a data input freed since (a batch
+            of an earlier step) has an id that can name a new tensor now.
     """
 
     data: Mapping[int, int] = field(default_factory=dict)
     parameters: Mapping[int, int] = field(default_factory=dict)
     state: frozenset[int] = frozenset()
     handed: frozenset[int] = frozenset()
+    data_refs: Mapping[int, weakref.ref] = field(default_factory=dict, compare=False)
 
     @property
     def ids(self) -> frozenset[int]:
         return frozenset(self.data) | self.state
+
+    def still_takes(self, data_id: int) -> bool:
+        """Whether the live tensor of id ``data_id`` is one of these data inputs (not a new tensor
+        that took the id of a freed one)."""
+        ref = self.data_refs.get(data_id)
+        return data_id in self.data and ref is not None and ref() is not None
 
 
 @dataclass

@@ -605,6 +605,23 @@ def test_eager_saves_are_counted_by_live_storages_and_nodes_not_by_reused_addres
     assert lifetimes.saved_by_eager_code([taken], None) == 0  # nothing counted is handed on to it
 
 
+def test_an_earlier_graphs_freed_input_is_not_taken_for_a_new_tensor_with_its_id() -> None:
+    """A graph's baseline counts the data inputs of earlier graphs that it does not take itself, found
+    by id; an earlier graph planned in an earlier step names that step's batch, freed since, and a new
+    tensor soon has its id.  That id alone made the new tensor look taken, and left the earlier input out."""
+    import weakref
+
+    from ckptc.records import GraphInputs
+
+    batch = torch.randn(64)
+    inputs = GraphInputs(data={id(batch): 256}, data_refs={id(batch): weakref.ref(batch)})
+    assert inputs.still_takes(id(batch))
+    del batch
+    new = torch.randn(64)
+    assert id(new) in inputs.data  # CPython put the new tensor where the freed one was
+    assert not inputs.still_takes(id(new))
+
+
 def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:
     case = _eager_case()
     budget = budget_bounds(case).at(0.9)

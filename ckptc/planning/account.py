@@ -46,6 +46,7 @@ gives the solvers a planning budget (:func:`planning_budget`).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Sequence
@@ -343,6 +344,7 @@ class StepAccount:
             parameters={id(t): allocated_bytes(t) for t in tensors if id(t) in params and t.requires_grad},
             state=frozenset(id(t) for t in tensors if id(t) in state_ids),
             handed=frozenset(id(t) for t in tensors if id(t) not in state_ids and made_by_compiled_graph(t)),
+            data_refs={id(t): weakref.ref(t) for t in tensors if id(t) not in state_ids},
         )
         outside = 0
         if model is not None:
@@ -383,7 +385,9 @@ class StepAccount:
         for record in earlier:
             # A result an earlier graph handed on is counted by the graph that made it.
             earlier_data.update(
-                (i, n) for i, n in record.inputs.data.items() if i not in inputs.data and i not in record.inputs.handed
+                (i, n)
+                for i, n in record.inputs.data.items()
+                if not (i in inputs.data and record.inputs.still_takes(i)) and i not in record.inputs.handed
             )
         # Held results are in step_bytes under any plan (kept for backward or held beside): a bound
         # that does not depend on the plans, so CapturedStep can plan earlier graphs again.
