@@ -595,10 +595,8 @@ def test_eager_saves_are_counted_by_live_storages_and_nodes_not_by_reused_addres
     lifetimes.begin()
     first = eager_code()
     assert lifetimes.saved_by_eager_code([first], None) == 256
-    reused = id(first.grad_fn)
-    del first  # its node and its saved ``a`` are freed
+    del first  # its node and its saved ``a`` are freed: CPython and malloc usually give their memory to these
     second = eager_code()
-    assert id(second.grad_fn) == reused  # what made the count go wrong (CPython reuses the freed memory)
     assert lifetimes.saved_by_eager_code([second], None) == 256
     del second
     taken = torch.randn(64)  # a later graph's input, allocated where the freed saves were
@@ -614,12 +612,12 @@ def test_an_earlier_graphs_freed_input_is_not_taken_for_a_new_tensor_with_its_id
     from ckptc.records import GraphInputs
 
     batch = torch.randn(64)
-    inputs = GraphInputs(data={id(batch): 256}, data_refs={id(batch): weakref.ref(batch)})
-    assert inputs.still_takes(id(batch))
+    freed = id(batch)
+    inputs = GraphInputs(data={freed: 256}, data_refs={freed: weakref.ref(batch)})
+    assert inputs.still_takes(freed)
     del batch
-    new = torch.randn(64)
-    assert id(new) in inputs.data  # CPython put the new tensor where the freed one was
-    assert not inputs.still_takes(id(new))
+    new = torch.randn(64)  # usually at the freed tensor's address, so of its id
+    assert not inputs.still_takes(freed) and not inputs.still_takes(id(new))
 
 
 def test_closed_loop_off_keeps_the_prediction_and_on_raises_when_nothing_fits() -> None:
