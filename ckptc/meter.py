@@ -195,9 +195,13 @@ class StepMeter:
 
             # Quiet only while it starts and stops: stderr stays the caller's during the step (an error raised
             # in it, with the meter still running, is printed).
+            made_before = torch.empty(1)
             with quiet_profiler():
                 self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
                 self._profile.__enter__()
+                # PyTorch's C++ allocator logs the first free of a block made before a memory profiler
+                # started ("Memory block of unknown size ..."), then every 1000th: the first is this one.
+                del made_before
         else:
             self._start, workspaces = _start_accelerator_span(self.device)
             self.baseline_bytes += workspaces

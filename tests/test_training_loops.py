@@ -969,6 +969,9 @@ def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("done")
     assert "Requested callback is not found" not in run.stderr
+    # PyTorch's notice of a block freed under a profiler that started after it was made: ckptc's meter takes
+    # the first one where stderr is quiet (it printed on the first measured step of every process).
+    assert "Memory block of unknown size" not in run.stderr
 
 
 @pytest.mark.parametrize("entry", ["optimize", "backend"])
