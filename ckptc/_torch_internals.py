@@ -1064,6 +1064,8 @@ def tensors_held_for_backward(
         node = stack.pop()
         if node is None or type(node).__name__.startswith("CompiledFunction"):
             continue
+        # AccumulateGrad nodes share one creation number; one taken for a freed one only hides its leaf,
+        # which requires a gradient and so is never counted as saved.
         key = (id(node), node._sequence_nr())
         if key in walked:
             continue
