@@ -105,3 +105,30 @@ def test_rnn_without_dropout_is_captured_and_trains_like_eager_within_the_budget
         p.grad = None
     fast(x, lengths).backward()  # the first step after planning is measured (verify=True)
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+
+
+class _NestedTagger(Tagger):
+    """The recurrent call nested in an expression: where plain ``torch.compile`` (no ``allow_rnn``) breaks the
+    graph there, Dynamo cannot resume mid-expression, so it runs the whole ``forward`` eagerly and marks its
+    code to be skipped for every later compile."""
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.encoder.rnn(self.embed(x))[0])).square().mean()
+
+
+def test_a_forward_an_earlier_plain_torch_compile_skipped_is_captured_by_ckptc() -> None:
+    """Dynamo's skip mark, left by a compile under another configuration, must not make ckptc train unplanned
+    (it refused: "torch.compile ran the call without any captured graph")."""
+    x, lengths = _inputs()
+    torch._dynamo.reset()
+    torch.compile(_NestedTagger(nn.GRU, dropout=0.0), backend="eager")(x, lengths).backward()
+    torch.manual_seed(0)
+    model = _NestedTagger(nn.GRU, dropout=0.0)
+    reference = copy.deepcopy(model)
+    plan = ckptc.plan(copy.deepcopy(model), (x, lengths), strategy="none")
+    fast = ckptc.optimize(model, budget_bytes=plan.unoptimized_peak_bytes)
+    fast(x, lengths).backward()
+    reference(x, lengths).backward()
+    assert fast.plan is not None and len(fast.plan.graphs) == 1
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)

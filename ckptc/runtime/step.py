@@ -176,6 +176,9 @@ class ShapePlan:
         the account changes, the graphs plan again in place."""
         # Checked where a capture is prepared, not on every call: it walks every module.
         coverage.refuse_before_capture(model)
+        # A skip mark left by an earlier compile under another configuration (a plain torch.compile
+        # without allow_rnn gives up on a frame it cannot resume) would run every call unplanned.
+        internals.unskip_forwards(model)
         self.compiler = template.for_step(self.replans, step, events)
         self.compiled = internals.compile_module(model, self.compiler)
         self.new_plans()
