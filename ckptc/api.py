@@ -394,8 +394,11 @@ def capture(
 
     Runs one forward and backward pass on the example inputs (to capture every
     graph, including those after graph breaks) and restores the parameters'
-    gradients, the buffers (BatchNorm statistics) and the random state
-    afterwards, so the model is left exactly as it was.  ``options`` are those
+    gradients, the buffers (BatchNorm statistics), the random state and the
+    gradients of example inputs that require one afterwards, so the model and
+    its inputs are left exactly as they were.  Results of the graphs that the
+    model itself keeps through backward (a forward hook storing a layer's
+    output) are found on that step and counted held (the step runs once more).  ``options`` are those
     of :func:`optimize` that shape the captured problem (``must_save``,
     ``must_recompute``, ``hold_outputs``, ``compiler``, ``measure_time``) and
     the defaults of :meth:`CapturedStep.plan` (``strategy``, ``solver``,
@@ -436,29 +439,22 @@ def capture(
         inputs, kwargs = tuple(example_inputs), dict(example_kwargs or {})
         if target is not None:
             inputs, kwargs = stack.enter_context(offline_step(model, inputs, kwargs, target))
-        with training_state_restored(model):
+        with training_state_restored(model, inputs, kwargs):
             for p in model.parameters():
                 p.grad = None
+            # Which graphs' results the eager code between graphs lets go, what it saves for its backward,
+            # and whether the model holds results past backward, as optimize's steps note them.
+            lifetimes = ResultLifetimes()
             with _capture_errors(model):
-                # Which graphs' results the eager code between graphs lets go, and what it saves for its
-                # backward, as optimize's steps note them.
-                shape.compile(model, template, ran, ResultLifetimes())
-                output = shape.plan_call(model, template, ran, inputs, kwargs, reference=ranks is None)
-                refuse_unplanned(model, ran, shape.eager, output)
-            try:  # the caller's loss function: its own errors are raised as they are
-                loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-            except RuntimeError as error:
-                if target is None or "meta" not in str(error):
-                    raise
-                why = str(error).splitlines()[0][:200]
-                raise UntraceableModelError(
-                    f"ckptc captured {type(model).__name__} offline for {target}, but the loss function read a "
-                    f"tensor on the meta device ({why}): it closes over a tensor that is not one of "
-                    "the example inputs, so the capture could not replace it.\nWhat to do: pass what the loss "
-                    "reads as an input (labels=ids) or compute the loss inside the model's forward."
-                ) from None
-            with _capture_errors(model):
-                loss.backward()
+                shape.compile(model, template, ran, lifetimes)
+            _reference_step(model, shape, template, ran, inputs, kwargs, loss_fn, target, reference=ranks is None)
+            if lifetimes.results_alive() and shape.replans.observed_results(True, ran):
+                # The model holds results of its graphs past backward (a forward hook storing a layer's
+                # output): the step runs again with the graphs planned counting them held.
+                log.info("%s holds results of its graphs through backward: counted held", type(model).__name__)
+                del ran[:]
+                lifetimes.begin()
+                _reference_step(model, shape, template, ran, inputs, kwargs, loss_fn, target, reference=False)
     records = list({id(r): r for r in ran}.values())
     warn_unmatched_patterns(model, type(model).__name__, [r.joint_problem for r in records], checked)
     position = {id(r): i for i, r in enumerate(records)}
@@ -472,6 +468,7 @@ def capture(
         sequence=[position[id(r)] for r in ran],
         unnamed_gradient_bytes=unnamed_gradient_bytes(model, ran),
         results_let_go=shape.replans.account.results_let_go,
+        results_held=checked.hold_outputs is None and shape.replans.account.hold_outputs is True,
         **sizes,
     )
 
@@ -505,10 +502,15 @@ def plan(
 
 
 @contextlib.contextmanager
-def training_state_restored(model: torch.nn.Module) -> Iterator[None]:
+def training_state_restored(model: torch.nn.Module, *inputs: Any) -> Iterator[None]:
     """Run trial steps on ``model`` and then put back its gradients, buffers
-    (BatchNorm statistics) and the global random state, so nothing is lost."""
-    saved_grads = {p: p.grad for p in model.parameters()}
+    (BatchNorm statistics) and the global random state, and the gradients of the
+    tensors in ``inputs`` that are leaves requiring one (an input the caller
+    differentiates, as in adversarial training), so nothing is lost."""
+    leaves = [t for t in internals.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
+    saved_grads = {p: p.grad for p in [*model.parameters(), *leaves]}
+    for leaf in leaves:
+        leaf.grad = None  # the trial steps' backward would add into it in place
     saved = ForwardState(model)
     try:
         yield
@@ -516,6 +518,39 @@ def training_state_restored(model: torch.nn.Module) -> Iterator[None]:
         for p, g in saved_grads.items():
             p.grad = g
         saved.restore()
+
+
+def _reference_step(
+    model: torch.nn.Module,
+    shape: ShapePlan,
+    template: CheckpointCompiler,
+    ran: list[GraphRecord],
+    inputs: tuple,
+    kwargs: dict,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    target: torch.device | None,
+    *,
+    reference: bool,
+) -> None:
+    """``capture``'s training step: the planning call, appending its graphs to ``ran``, then the loss's
+    backward; nothing it returns outlives it."""
+    with _capture_errors(model):
+        output = shape.plan_call(model, template, ran, inputs, kwargs, reference=reference)
+        refuse_unplanned(model, ran, shape.eager, output)
+    try:  # the caller's loss function: its own errors are raised as they are
+        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+    except RuntimeError as error:
+        if target is None or "meta" not in str(error):
+            raise
+        why = str(error).splitlines()[0][:200]
+        raise UntraceableModelError(
+            f"ckptc captured {type(model).__name__} offline for {target}, but the loss function read a "
+            f"tensor on the meta device ({why}): it closes over a tensor that is not one of "
+            "the example inputs, so the capture could not replace it.\nWhat to do: pass what the loss "
+            "reads as an input (labels=ids) or compute the loss inside the model's forward."
+        ) from None
+    with _capture_errors(model):
+        loss.backward()
 
 
 @contextlib.contextmanager

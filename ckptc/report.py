@@ -308,7 +308,7 @@ def memory_timelines(
     device = parameters[0].device if parameters else torch.device("cpu")
     optimized = optimize(model, budget_bytes=budget_bytes, **options)
 
-    with training_state_restored(model):
+    with training_state_restored(model, example_inputs, example_kwargs):
         optimized_step = _training_step(optimized, example_inputs, example_kwargs, loss_fn)
         eager_step = _training_step(model, example_inputs, example_kwargs, loss_fn)
         _clear_gradients(parameters)

@@ -825,3 +825,41 @@ def test_a_new_input_shape_that_does_not_fit_is_named_in_the_refusal() -> None:
     with pytest.raises(ckptc.InfeasibleBudgetError, match=r"The call planned: inputs argument 0 \(256, 32\) float32"):
         fast(large).backward()
     fast(small).backward()  # the planned shape still trains
+
+
+def test_capture_and_plan_leave_the_gradient_of_an_input_the_caller_differentiates_as_it_was() -> None:
+    """Adversarial training differentiates the input (``x.requires_grad_()``, then ``x.grad``): ``capture``'s
+    trial step used to leave its gradient there, which the caller's next backward then added to."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    x = torch.randn(8, 16, requires_grad=True)
+    earlier = torch.full_like(x, 3.0)
+    x.grad = earlier
+    ckptc.capture(model, (x,))
+    ckptc.plan(model, (x,), strategy="none")
+    assert x.grad is earlier and torch.equal(x.grad, torch.full_like(x, 3.0))
+    x.grad = None
+    ckptc.capture(model, (x,))
+    assert x.grad is None
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _RetainsGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.hidden: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = []
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            x.retain_grad()  # a break inside a loop: Dynamo gives up on the whole frame
+            self.hidden.append(x)
+        return x.square().mean()
+
+
+def test_a_forward_dynamo_gives_up_on_is_refused_naming_dynamos_reason() -> None:
+    """The refusal used to guess (a recompile limit, ``torch.compiler.disable``) where Dynamo said why."""
+    with pytest.raises(ckptc.UntraceableModelError, match=r"gave up on the forward at a graph break: .*retain_grad"):
+        ckptc.capture(_RetainsGrad(), (torch.randn(4, 8),))

@@ -214,7 +214,9 @@ class StepAccount:
         elif self.hold_outputs and not self.outputs_assumed_held:
             said.append(
                 "the forward's results (logits), held until backward ends: drop them before backward "
-                "(loss = model(...).loss, or del the output object before loss.backward())"
+                "(loss = model(...).loss, or del the output object before loss.backward()); where the model "
+                "itself keeps them (a forward hook storing a layer's output in an attribute), clear them once "
+                "its loss has used them"
             )
         if self.repeat_runs:
             said.append(

@@ -619,6 +619,7 @@ class CapturedStep:
         sequence: Sequence[int] | None = None,
         unnamed_gradient_bytes: int = 0,
         results_let_go: Mapping[tuple[int, int], int] | None = None,
+        results_held: bool = False,
     ) -> None:
         if not records:
             raise InvalidArgumentError("a captured step needs at least one graph")
@@ -628,6 +629,9 @@ class CapturedStep:
         self.sequence = list(range(len(self.records))) if sequence is None else list(sequence)
         self.unnamed_gradient_bytes = unnamed_gradient_bytes  # see ckptc.planning.account.repeat_bytes
         self.results_let_go = dict(results_let_go or {})  # seen on the capture's step (StepAccount.results_let_go)
+        # The capture's step showed the model holding results of its graphs through backward (a forward hook
+        # storing a layer's output): its graphs were planned counting them held, and so is every budget.
+        self._hold_outputs = True if results_held and options.hold_outputs is None else options.hold_outputs
         self.options = options
         self.parameter_bytes = parameter_bytes
         self.gradient_bytes = gradient_bytes
@@ -639,8 +643,8 @@ class CapturedStep:
             options.replace(budget_bytes=None, strategy="none"),
             Replans(
                 StepAccount(
-                    hold_outputs=options.hold_outputs,
-                    result_gradients=options.hold_outputs is True,
+                    hold_outputs=self._hold_outputs,
+                    result_gradients=self._hold_outputs is True,
                     results_let_go=self.results_let_go,
                 )
             ),
@@ -680,8 +684,8 @@ class CapturedStep:
         budget = options.budget_bytes
         account = StepAccount(
             budget_bytes=budget,
-            hold_outputs=options.hold_outputs,
-            result_gradients=options.hold_outputs is True,  # held results may feed the caller's loss
+            hold_outputs=self._hold_outputs,
+            result_gradients=self._hold_outputs is True,  # held results may feed the caller's loss
             defer_infeasible=budget is not None,
             results_let_go=self.results_let_go,
         )

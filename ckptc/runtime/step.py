@@ -599,6 +599,7 @@ class StepRuntime:
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
         """A graph of the open step returned ``outputs``."""
         self._lifetimes.graph_returned(record, outputs)
+        self._tracker.results_of_a_graph([t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor)])
 
     def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
@@ -888,6 +889,15 @@ def refuse_unplanned(
             "input that requires grad) reaches its outputs, so there is no backward to plan. What to do: "
             "call it with the parameters it trains in use (unmerged adapters, say), or set requires_grad on "
             "the parameters it uses."
+        )
+    if not ran and eager is not None and eager.breaks:
+        reason = eager.breaks[0][0].rstrip(".")
+        raise UntraceableModelError(
+            f"ckptc could not run the training step of {type(model).__name__} under a plan: "
+            "torch.compile ran the call without any captured graph, so nothing would be checkpointed and the "
+            f"budget would not hold. Dynamo gave up on the forward at a graph break: {reason}.\n"
+            "What to do: remove that construct from the forward (TORCH_LOGS=graph_breaks shows its line), "
+            "or train without ckptc."
         )
     if not ran:
         raise UntraceableModelError(

@@ -97,10 +97,11 @@ class ResultLifetimes:
         self._inputs: dict[int, Any] = {}  # storages of the open step's graphs' tensor inputs
         self._walked: set[Hashable] = set()  # the open step's eager autograd nodes walked already
         self._saved: dict[int, tuple[Any, int]] = {}  # storages those saved, counted already, and their bytes
+        self._results: list[weakref.ref] = []  # the open step's graph results that need a gradient
 
     def begin(self) -> None:
         """A new step: nothing of the last one is judged in it."""
-        self._returned = []
+        self._returned, self._results = [], []
         self._inputs, self._walked, self._saved = {}, set(), {}
 
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
@@ -156,6 +157,22 @@ class ResultLifetimes:
         ]
         if refs:
             self._returned.append((record, refs))  # a None (no storage to watch) counts as alive
+        self._results.extend(
+            weakref.ref(t)
+            for t in internals.tree_leaves(outputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.numel() > 1
+        )
+
+    def results_alive(self) -> bool:
+        """Whether a result of the open step's graphs that needs a gradient (not a scalar) is alive, after a
+        garbage collection (a reference cycle holds nothing for the step).  Asked by a step that holds
+        none of them itself (``ckptc.capture``'s, once its backward ran): one alive then is held by the
+        model (a forward hook storing a layer's output in an attribute; Dynamo returns it from the graph
+        beside the call's results)."""
+        if not any(ref() is not None for ref in self._results):
+            return False
+        gc.collect()
+        return any(ref() is not None for ref in self._results)
 
     def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]
@@ -320,6 +337,12 @@ class StepTracker:
             self._meter.abort()
             self._meter = None
             self._meter_stopped = True
+
+    def results_of_a_graph(self, tensors: Sequence[torch.Tensor]) -> None:
+        """A graph of the open step returned ``tensors``: one still alive when backward ends is held
+        through it, by the caller or by the model (a forward hook storing a layer's output in an
+        attribute: Dynamo returns it from the graph beside the call's results)."""
+        self._non_scalar.extend(weakref.ref(t) for t in tensors if t.requires_grad and t.numel() > 1)
 
     def returned(self, tensors: Sequence[torch.Tensor]) -> None:
         """A call (or graph) of the open step returned ``tensors``, the results that need a gradient:
