@@ -444,7 +444,7 @@ def capture(
                 p.grad = None
             # Which graphs' results the eager code between graphs lets go, what it saves for its backward,
             # and whether the model holds results past backward, as optimize's steps note them.
-            lifetimes = ResultLifetimes()
+            lifetimes = ResultLifetimes(watch_results=True)
             with _capture_errors(model):
                 shape.compile(model, template, ran, lifetimes)
             _reference_step(model, shape, template, ran, inputs, kwargs, loss_fn, target, reference=ranks is None)

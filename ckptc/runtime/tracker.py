@@ -90,7 +90,8 @@ class ResultLifetimes:
     and is not one of its inputs' (an input is counted by the graph that takes it).  For
     :meth:`ckptc.planning.replan.Replans.observed_results_let_go`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, watch_results: bool = False) -> None:
+        self._watch_results = watch_results  # keep references to the results for results_alive
         self._returned: list[tuple[GraphRecord, list[Any]]] = []  # the open step's graph runs so far
         # Storages by ``cdata`` with their weak references: a freed storage's address is soon another's,
         # so an entry whose storage was freed is dropped before any storage is looked up.
@@ -157,18 +158,17 @@ class ResultLifetimes:
         ]
         if refs:
             self._returned.append((record, refs))  # a None (no storage to watch) counts as alive
-        self._results.extend(
-            weakref.ref(t)
-            for t in internals.tree_leaves(outputs)
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.numel() > 1
-        )
+        if self._watch_results:
+            self._results.extend(
+                _non_scalar_refs(t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor))
+            )
 
     def results_alive(self) -> bool:
         """Whether a result of the open step's graphs that needs a gradient (not a scalar) is alive, after a
         garbage collection (a reference cycle holds nothing for the step).  Asked by a step that holds
         none of them itself (``ckptc.capture``'s, once its backward ran): one alive then is held by the
         model (a forward hook storing a layer's output in an attribute; Dynamo returns it from the graph
-        beside the call's results)."""
+        beside the call's results).  Needs ``watch_results``."""
         if not any(ref() is not None for ref in self._results):
             return False
         gc.collect()
@@ -342,7 +342,7 @@ class StepTracker:
         """A graph of the open step returned ``tensors``: one still alive when backward ends is held
         through it, by the caller or by the model (a forward hook storing a layer's output in an
         attribute: Dynamo returns it from the graph beside the call's results)."""
-        self._non_scalar.extend(weakref.ref(t) for t in tensors if t.requires_grad and t.numel() > 1)
+        self._non_scalar.extend(_non_scalar_refs(tensors))
 
     def returned(self, tensors: Sequence[torch.Tensor]) -> None:
         """A call (or graph) of the open step returned ``tensors``, the results that need a gradient:
@@ -350,7 +350,7 @@ class StepTracker:
         backward will come (an inference call): the step ends now, unmeasured."""
         if tensors:
             self._graphs.extend(_graph_ref(t, self._graph_died) for t in tensors)
-            self._non_scalar.extend(weakref.ref(t) for t in tensors if t.numel() > 1)
+            self._non_scalar.extend(_non_scalar_refs(tensors))
             self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended, self._backward_began))
         elif not self._handles:
             self.end(measured=False)
@@ -471,3 +471,9 @@ def _graph_ref(tensor: torch.Tensor, callback: Callable[[weakref.ref], None]) ->
         return weakref.ref(node, callback)
     except TypeError:
         return weakref.ref(node.metadata.setdefault("ckptc.graph_alive", _GraphAlive()), callback)
+
+
+def _non_scalar_refs(tensors: Iterable[torch.Tensor]) -> list[weakref.ref]:
+    """Weak references to the results among ``tensors`` whose being held matters: those that need a
+    gradient, other than scalars (a loss the caller holds while calling backward on it)."""
+    return [weakref.ref(t) for t in tensors if t.requires_grad and t.numel() > 1]
