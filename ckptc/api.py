@@ -10,6 +10,7 @@ original model eagerly: nothing to plan, nothing to recompute.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import logging
@@ -178,7 +179,10 @@ class OptimizedModule(torch.nn.Module):
                 raise
         if name == "module" and not hasattr(model, "module"):
             return model
-        return getattr(model, name)
+        found = getattr(model, name)
+        if inspect.ismethod(found) and found.__self__ is model and not hasattr(torch.nn.Module, name):
+            return _unplanned_method(model, name, found)
+        return found
 
     @_model_signature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -216,31 +220,58 @@ def outside_dynamo(call: Callable[..., Any], *args: Any) -> Any:
     return call(*args)
 
 
-_told_eval_training: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+def _unplanned_method(model: torch.nn.Module, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (the model's own, reached through the wrapper: ``fast.encode_text(...)``), warning
+    once if a backward runs through what a call of it returned: ckptc plans only calls of the model
+    itself, so such a step (a two-tower model trained through its encoders) ran unplanned."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        output = method(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return output
+        cls = type(model).__name__
+        message = (
+            f"ckptc: a backward ran through a call of {cls}.{name}(...) made through ckptc's wrapper; ckptc "
+            f"plans only calls of the model itself ({cls}.forward), so that step ran {name} eagerly, unplanned "
+            "and unmeasured, and the budget did not hold for it. What to do: compute it in forward and call "
+            f"the wrapper (fast(...)), or pass ckptc.optimize a module whose forward calls {name}."
+        )
+        return _warn_on_backward(model, "unplanned-method", message, output)
+
+    return call
+
+
+_told: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_on_backward(model: torch.nn.Module, key: str, message: str, output: Any) -> Any:
+    """Warn ``message`` once (per model and ``key``) when a backward runs through ``output``, a call of
+    ``model`` that ran eagerly, outside ckptc's plans."""
+    if key in _told.get(model, ()):
+        return output
+    tensors = [t for t in internals.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def warn(_: torch.Tensor) -> None:
+        _told.setdefault(model, set()).add(key)  # no more hooks on such calls; warn_once says it once
+        warn_once(model, key, message)
+
+    if tensors:
+        tensors[0].register_hook(warn)
+    return output
 
 
 def _warn_on_backward_in_eval_mode(model: torch.nn.Module, output: Any) -> Any:
     """An eval-mode call with gradients enabled runs eagerly, unplanned: an evaluation that forgot
     ``torch.no_grad()``, or training in eval mode (to turn dropout off).  If a backward runs through
     it, it was training: warn once, since the budget did not hold for that step."""
-    if model in _told_eval_training:
-        return output
-    tensors = [t for t in internals.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-
-    def warn(_: torch.Tensor) -> None:
-        _told_eval_training.add(model)  # no more hooks on its eval calls; warn_once says it once
-        warn_once(
-            model,
-            "eval-training",
-            f"ckptc: a backward ran through a call of {type(model).__name__} made in eval mode; ckptc plans "
-            "only training-mode calls, so that step ran eagerly, unplanned and unmeasured, and the budget "
-            "did not hold for it. What to do: train in train mode (model.train(); set dropout's p to 0 to "
-            "turn it off), or run evaluation under torch.no_grad().",
-        )
-
-    if tensors:
-        tensors[0].register_hook(warn)
-    return output
+    message = (
+        f"ckptc: a backward ran through a call of {type(model).__name__} made in eval mode; ckptc plans "
+        "only training-mode calls, so that step ran eagerly, unplanned and unmeasured, and the budget "
+        "did not hold for it. What to do: train in train mode (model.train(); set dropout's p to 0 to "
+        "turn it off), or run evaluation under torch.no_grad()."
+    )
+    return _warn_on_backward(model, "eval-training", message, output)
 
 
 def optimize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import warnings
 
@@ -220,6 +221,45 @@ def test_no_grad_and_eval_run_eagerly_without_planning() -> None:
         _scalar(optimized(*case.example_inputs)).backward()
     optimized.train()
     assert case.model.training
+
+
+class _TwoTower(nn.Module):
+    """A two-tower model (CLIP-like) whose encoders are methods a training loop may call directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+        self.text = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def encode_image(self, x: torch.Tensor) -> torch.Tensor:
+        return self.image(x)
+
+    def encode_text(self, x: torch.Tensor) -> torch.Tensor:
+        return self.text(x)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encode_image(x), self.encode_text(y)
+
+
+def test_a_backward_through_a_method_called_through_the_wrapper_warns_that_the_step_ran_unplanned() -> None:
+    """``fast.encode_text(...)`` runs the model's method eagerly (only ``fast(...)`` is planned): a
+    step trained that way ran outside the budget, and says so once; forward and no_grad calls do not."""
+    model = _TwoTower()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    fast = ckptc.optimize(model, budget_gb=1)
+    assert inspect.signature(fast.encode_text) == inspect.signature(model.encode_text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            fast.encode_image(x)
+        _scalar(fast(x, y)).backward()
+        fast.config_free = 1  # plain attributes are untouched
+    with pytest.warns(ckptc.CkptcWarning, match=r"_TwoTower\.encode_(image|text)\(\.\.\.\).*eagerly, unplanned"):
+        (fast.encode_image(x) * fast.encode_text(y)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # it still trains, as eager
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast.encode_text(y).sum().backward()  # said once
 
 
 def test_manual_seed_reproducibility_across_two_optimized_runs() -> None:
