@@ -14,11 +14,13 @@ compiles and plans.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import logging
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
@@ -193,6 +195,8 @@ class StepMeter:
         if self.device.type == "cpu":
             from torch.profiler import ProfilerActivity, profile
 
+            _running.add(self)
+
             # Quiet only while it starts and stops: stderr stays the caller's during the step (an error raised
             # in it, with the meter still running, is printed).
             made_before = torch.empty(1)
@@ -231,6 +235,7 @@ class StepMeter:
             return MemoryMeasurement(self.baseline_bytes + peak, self.baseline_bytes, self.baseline_bytes + end)
         with quiet_profiler():
             self._profile.__exit__(None, None, None)
+        _running.discard(self)
         allocations, marks = cpu_allocations(
             self._profile, frozenset({GRAPH_STARTS, FORWARD_RETURNED, BACKWARD_STARTS})
         )
@@ -255,6 +260,21 @@ class StepMeter:
             with quiet_profiler():
                 self._profile.__exit__(None, None, None)
             self._profile = None
+        _running.discard(self)
+
+
+# CPU meters started and not yet stopped: a step whose backward never came (the caller's loss raised on
+# the first step and the script ended) leaves one running, and a profiler still enabled when the
+# interpreter shuts down crashed it (exit 139, after the caller's traceback).
+_running: weakref.WeakSet[StepMeter] = weakref.WeakSet()
+
+
+def _abort_running() -> None:
+    for meter in list(_running):
+        meter.abort()
+
+
+atexit.register(_abort_running)
 
 
 def _peak_of_events(allocations: list[tuple[int, int, int]]) -> tuple[int, int, tuple[int, ...]]:

@@ -975,6 +975,35 @@ def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_script_ending_in_the_first_steps_loss_exits_with_its_own_error(tmp_path: Path, entry: str) -> None:
+    """The caller's loss raises on the first step (a label batch of the wrong size) and the script ends
+    there, the forward's results alive: the interpreter exits with that error.  Before, ckptc's meter of
+    that step was still running and the exit crashed (exit 139)."""
+    script = tmp_path / "first_step.py"
+    wrap = (
+        "ckptc.optimize(model, budget_gb=1)"
+        if entry == "optimize"
+        else "torch.compile(model, backend=ckptc.backend(budget_gb=1, model=model))"
+    )
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch, ckptc
+            from tests.test_training_loops import _Net, _batches
+
+            model = _Net()
+            output = {wrap}(_batches(0)[0])
+            torch.nn.functional.cross_entropy(output, torch.zeros(3, dtype=torch.long))
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 1, (run.returncode, run.stderr[-3000:])
+    assert run.stderr.rstrip().endswith("to match target batch_size (3)."), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
 def test_a_forward_whose_results_die_without_a_backward_ends_its_step(entry: str) -> None:
     """Monitoring without ``torch.no_grad()``: a forward with gradients enabled whose output the caller
     drops.  Its step ends when the output dies, so the profiler measuring it stops there (before, it ran
