@@ -228,8 +228,8 @@ def _unplanned_method(model: torch.nn.Module, name: str, method: Callable[..., A
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         output = method(*args, **kwargs)
-        if not torch.is_grad_enabled():
-            return output
+        if not torch.is_grad_enabled() or not _reaches_parameters_eagerly(output, model):
+            return output  # a loss computed from planned results (fast.compute_loss(out, y)) is the step's
         cls = type(model).__name__
         message = (
             f"ckptc: a backward ran through a call of {cls}.{name}(...) made through ckptc's wrapper; ckptc "
@@ -240,6 +240,14 @@ def _unplanned_method(model: torch.nn.Module, name: str, method: Callable[..., A
         return _warn_on_backward(model, "unplanned-method", message, output)
 
     return call
+
+
+def _reaches_parameters_eagerly(output: Any, model: torch.nn.Module) -> bool:
+    """Whether the autograd graph of ``output`` reaches a parameter of ``model`` by eager ops, not
+    only through compiled graphs (ckptc's planned calls)."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    tensors = [t for t in internals.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    return any(id(t) in params for t in internals.tensors_held_for_backward(tensors))
 
 
 _told: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()

@@ -240,6 +240,9 @@ class _TwoTower(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.encode_image(x), self.encode_text(y)
 
+    def contrastive_loss(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(image @ text.T, torch.arange(len(image)))
+
 
 def test_a_backward_through_a_method_called_through_the_wrapper_warns_that_the_step_ran_unplanned() -> None:
     """``fast.encode_text(...)`` runs the model's method eagerly (only ``fast(...)`` is planned): a
@@ -253,6 +256,7 @@ def test_a_backward_through_a_method_called_through_the_wrapper_warns_that_the_s
         with torch.no_grad():
             fast.encode_image(x)
         _scalar(fast(x, y)).backward()
+        fast.contrastive_loss(*fast(x, y)).backward()  # a loss method over planned results: the step's own
         fast.config_free = 1  # plain attributes are untouched
     with pytest.warns(ckptc.CkptcWarning, match=r"_TwoTower\.encode_(image|text)\(\.\.\.\).*eagerly, unplanned"):
         (fast.encode_image(x) * fast.encode_text(y)).sum().backward()
