@@ -14,6 +14,7 @@ import functools
 import gc
 import inspect
 import logging
+import types
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -220,13 +221,14 @@ def outside_dynamo(call: Callable[..., Any], *args: Any) -> Any:
     return call(*args)
 
 
-def _unplanned_method(model: torch.nn.Module, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (the model's own, reached through the wrapper: ``fast.encode_text(...)``), warning
-    once if a backward runs through what a call of it returned: ckptc plans only calls of the model
-    itself, so such a step (a two-tower model trained through its encoders) ran unplanned."""
+def _unplanned_method(model: torch.nn.Module, name: str, method: types.MethodType) -> types.MethodType:
+    """``method`` (the model's own, reached through the wrapper: ``fast.encode_text(...)``), still bound
+    to the model, warning once if a backward runs through what a call of it returned by the model's own
+    eager ops: ckptc plans only calls of the model itself, so such a step (a two-tower model trained
+    through its encoders) ran unplanned."""
 
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(method.__func__)
+    def call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         output = method(*args, **kwargs)
         if not torch.is_grad_enabled() or not _reaches_parameters_eagerly(output, model):
             return output  # a loss computed from planned results (fast.compute_loss(out, y)) is the step's
@@ -239,7 +241,7 @@ def _unplanned_method(model: torch.nn.Module, name: str, method: Callable[..., A
         )
         return _warn_on_backward(model, "unplanned-method", message, output)
 
-    return call
+    return types.MethodType(call, model)
 
 
 def _reaches_parameters_eagerly(output: Any, model: torch.nn.Module) -> bool:

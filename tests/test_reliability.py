@@ -251,6 +251,7 @@ def test_a_backward_through_a_method_called_through_the_wrapper_warns_that_the_s
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     fast = ckptc.optimize(model, budget_gb=1)
     assert inspect.signature(fast.encode_text) == inspect.signature(model.encode_text)
+    assert fast.encode_text.__self__ is model  # still a method of the model (frameworks look)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():
