@@ -285,9 +285,11 @@ def _pareto(rows: list[tuple[int, int, float]]) -> list[int]:
 def _price(problem: Problem, chain: BlockChain, mask: bytearray) -> tuple[list[tuple[int, int, float]], int, float]:
     """(kept bytes, need, recompute cost) of each block under ``mask``, and the plan's peak and cost."""
     nodes, n_fwd, core = evaluate_mask_schedule(problem, mask)
+    n_blocks = len(chain.blocks)
+    if not n_blocks:  # no cut point: the menu is the uniform plans alone
+        return [], core.peak_bytes, core.recompute_cost
     timeline = core.timeline
     block_of = chain.block_of
-    n_blocks = len(chain.blocks)
     nbytes, root, kind = problem._bytes, problem._alias_root, problem._kind
 
     kept_bytes = [0] * n_blocks

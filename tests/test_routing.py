@@ -153,3 +153,55 @@ def test_a_mixture_of_experts_built_on_meta_is_planned_offline() -> None:
     assert group.total == 64
     assert abs(offline.unoptimized_peak_bytes - real.unoptimized_peak_bytes) <= 0.001 * real.unoptimized_peak_bytes
     assert abs(offline.floor_bytes - real.floor_bytes) <= 0.001 * real.floor_bytes
+
+
+class _ExpertsAlone(torch.nn.Module):
+    """One mixture-of-experts layer and nothing around it: its result is a view of the ``index_add``
+    the experts write into, which AOTAutograd's joint graph traces after the backward began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(64, 4)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)) for _ in range(4)
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch, length, width = h.shape
+        h = h.view(-1, width)
+        weights, chosen = torch.topk(torch.softmax(self.router(h), dim=1), 2, dim=-1)
+        out = torch.zeros_like(h)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=4).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            which, tokens = torch.where(mask[e])
+            out.index_add_(0, tokens, expert(h[None, tokens].reshape(-1, width)) * weights[tokens, which, None])
+        return out.view(batch, length, width)
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_layer_whose_result_is_traced_after_backward_began_is_planned_as_a_forward_result(entry: str) -> None:
+    """The result (a view of the experts' ``index_add``) came after backward began in the joint graph, so
+    it was priced as a backward op: the forward had no result, hence no block chain (the hierarchical
+    solver indexed an empty list), and a plan releasing the result read it before it was made; the model
+    was refused ("ran the call without any captured graph").  Now it plans and trains within a halfway
+    budget, measured independently, with eager's gradients."""
+    torch.manual_seed(0)
+    reference, x = _ExpertsAlone(), torch.randn(2, 32, 64)
+    step = ckptc.capture(copy.deepcopy(reference), (x,), loss_fn=lambda out: out.square().mean())
+    budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    torch.compiler.reset()
+    fast = (
+        ckptc.optimize(model, budget_bytes=budget)
+        if entry == "optimize"
+        else torch.compile(model, backend=ckptc.backend(budget_bytes=budget, model=model))
+    )
+    for _ in range(3):
+        for net, params in ((fast, model), (eager, eager)):
+            params.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    model.zero_grad(set_to_none=True)
+    _, measured = measure_peak(lambda: fast(x).square().mean().backward(), baseline_bytes=resident_bytes(model, x))
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)

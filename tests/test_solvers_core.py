@@ -168,6 +168,24 @@ def test_empty_forward_only_problem():
     assert r.timeline == () and r.peak_bytes == 8 and r.peak_step == -1
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_forward_without_a_result_has_no_block_chain_and_every_method_solves_it(method):
+    """A graph whose forward returns nothing (its values reach only the backward) has no forward path,
+    so no block: the hierarchical menu is its uniform plans (it indexed an empty list of blocks)."""
+    p = Problem(
+        nodes=(
+            Node("x", 8, 0.0, "input"),
+            Node("a", 8, 1.0, "forward", ("x",)),
+            Node("b", 8, 1.0, "forward", ("a",)),
+            Node("grad_b", 8, 1.0, "backward", ("b",)),
+            Node("grad_x", 8, 1.0, "backward", ("grad_b", "a"), output=True),
+        )
+    )
+    floor = min_feasible_budget(p)
+    for budget in (floor, 10**6):
+        assert simulate(p, solve(p, budget, method=method)).peak_bytes <= budget
+
+
 def test_training_chain_helper_and_sqrt_beats_keep_all():
     p = Problem.training_chain(16)
     assert p.forward_nodes == tuple(f"f{i}" for i in range(1, 17))

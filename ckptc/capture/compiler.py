@@ -388,7 +388,7 @@ class CheckpointCompiler:
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
             start = time.perf_counter()
             with self._pricing_sizes(at_least):
-                joint = self._price(joint)
+                joint = self._price(joint, num_fwd_outputs)
                 forward, backward = self._plan_priced(
                     joint, num_fwd_outputs, gm, example_inputs, index=index, final=final, start=start
                 )
@@ -573,7 +573,7 @@ class CheckpointCompiler:
         return self.options.compiler == "inductor" and self.generate_kernels
 
     # -- the partitioner: price once, plan per account ------------------
-    def _price(self, joint: fx.GraphModule) -> fx.GraphModule:
+    def _price(self, joint: fx.GraphModule, num_fwd_outputs: int) -> fx.GraphModule:
         """The joint graph as the compiler will run it (random state replayed, Inductor's rewrites),
         every node priced (``node.meta["ckptc"]``): done once per graph, whatever its plans."""
         if self.options.compiler == "eager":
@@ -584,7 +584,7 @@ class CheckpointCompiler:
         joint.recompile()
         if self.options.compiler == "inductor":
             joint = internals.inductor_joint_passes(joint)
-        annotate_costs(joint, self.options.compiler)
+        annotate_costs(joint, self.options.compiler, num_fwd_outputs)
         if self.options.measure_scratch:
             measure_scratch(joint, self._scratch)
         if self.options.measure_time:

@@ -134,14 +134,34 @@ class NodeCost:
         return self.seconds if self.seconds is not None else float(self.flops)
 
 
-def annotate_costs(joint: fx.GraphModule, compiler: str = "eager") -> dict[fx.Node, NodeCost]:
+def _forward_results_and_inputs(joint: fx.GraphModule, num_fwd_outputs: int | None) -> set[fx.Node]:
+    """The joint graph's forward results and the nodes they are computed from (none if not given)."""
+    if not num_fwd_outputs:
+        return set()
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    stack = [a for a in tree_leaves(output.args[0][:num_fwd_outputs]) if isinstance(a, fx.Node)]
+    found: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in found and node.op == "call_function":
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
+
+
+def annotate_costs(
+    joint: fx.GraphModule, compiler: str = "eager", num_fwd_outputs: int | None = None
+) -> dict[fx.Node, NodeCost]:
     """Write a :class:`NodeCost` into ``node.meta["ckptc"]`` for every node.
 
     ``compiler`` is the one that will run the plan (see the module docstring).
-    Requires fake-tensor metadata (``node.meta["val"]``), which AOTAutograd and
-    ``make_fx`` graphs carry.  Returns the same mapping for convenience.
+    ``num_fwd_outputs``: how many leading outputs of the joint graph are the forward's results
+    (AOTAutograd's partitioner gets it); those and what they are computed from are forward ops
+    wherever the trace put them.  Requires fake-tensor metadata (``node.meta["val"]``), which
+    AOTAutograd and ``make_fx`` graphs carry.  Returns the same mapping for convenience.
     """
     fusing = compiler in FUSING_COMPILERS
+    forward_results = _forward_results_and_inputs(joint, num_fwd_outputs)
     tangent_dependent: set[fx.Node] = set()
     backward_started = False
     storage_owner: dict[Hashable, str] = {}
@@ -162,7 +182,9 @@ def annotate_costs(joint: fx.GraphModule, compiler: str = "eager") -> dict[fx.No
             # into them (RMSNorm's backward re-derives x * rsqrt): eager runs them in
             # backward, so keeping them from forward would hold memory eager never holds.
             # Buffer updates (copy_ of BatchNorm statistics) come last in the graph but belong to forward.
-            born_in_backward = backward_started and not is_mutable_op(node.target)
+            # A forward result can come after backward began too (a view of an MoE layer's index_add
+            # output): the forward returns it, so it and what it is made from are forward ops.
+            born_in_backward = backward_started and not is_mutable_op(node.target) and node not in forward_results
             kind = BACKWARD if node in tangent_dependent or born_in_backward else FORWARD
 
         new_bytes, alias_root = _storage_bytes(node, storage_owner)
