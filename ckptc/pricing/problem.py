@@ -174,6 +174,14 @@ def _size_groups(
                 node["bytes"] += memory.rounding_slack(node["bytes"]) - unit * (top - bound)
                 nodes.append((name, unit))
             members.append((bound, tuple(nodes)))
+        for name, units in routed.summed.items():
+            node = fields.get(name)
+            if node is None or node["alias_of"] is not None or node["part_of"] is not None:
+                continue
+            priced = sum(unit * routed.priced_at[symbol] for symbol, unit in units.items())
+            if node["bytes"] >= priced > 0:
+                # Several counts of the group at once (their runs concatenated): at most their worst split.
+                node["bytes"] += memory.rounding_slack(node["bytes"]) - (priced - routed.most_bytes(units))
         if any(nodes for _, nodes in members):
             groups.append(solvers.SizeGroup(total=routed.total, members=tuple(members)))
     if groups:

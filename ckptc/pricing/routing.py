@@ -12,7 +12,10 @@ None] == arange(E)``, ``iota`` under Inductor); where the indices are
 token.  Priced at their ranges the layer's experts count its tokens E times
 over; :func:`routed_sizes` finds such counts and the nodes whose bytes grow
 with each, so that the simulator prices the worst routing instead
-(:class:`solvers.SizeGroup`).  What is not recognised stays at its range.
+(:class:`solvers.SizeGroup`).  Sizes computed from the data that split one
+dimension (``x.split(expert_size.tolist())``: GraniteMoE's experts each take a
+run of the tokens sorted by expert) share that dimension's size as their total
+in the same way.  What is not recognised stays at its range.
 
 Example: OLMoE (top-2 of 4 experts) has four counts ``u0..u3``, each at
 most ``2 * tokens`` by Dynamo's range and ``tokens`` by top-2, together at
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import sympy
@@ -68,12 +71,25 @@ class RoutedSizes:
         growing: by node name, the count symbol its bytes grow with and its bytes per unit.
         priced_at: by count symbol, the bound the graph's sizes were priced at (Dynamo's range of the
             count), above ``bounds`` where the mask says more (top-k indices: one per row).
+        summed: by node name, the bytes per unit of each of several counts its bytes grow with (the
+            experts' outputs concatenated again: ``unit * (u0 + u1 + ...)``); at most what the worst
+            split of the total gives them (:meth:`most_bytes`).
     """
 
     total: int
     bounds: Mapping[Any, int]
     growing: Mapping[str, tuple[Any, int]]
     priced_at: Mapping[Any, int]
+    summed: Mapping[str, Mapping[Any, int]] = field(default_factory=dict)
+
+    def most_bytes(self, units: Mapping[Any, int]) -> int:
+        """The most ``sum(units[c] * c)`` can be over the counts ``c`` of ``units``: the largest units
+        filled first, each count to its bound, until the total is spent (a fractional knapsack)."""
+        left, most = self.total, 0
+        for count, unit in sorted(units.items(), key=lambda item: -item[1]):
+            taken = min(left, self.bounds[count])
+            most, left = most + unit * taken, left - taken
+        return most
 
 
 def routed_sizes(graph: fx.Graph) -> list[RoutedSizes]:
@@ -110,31 +126,71 @@ def routed_sizes(graph: fx.Graph) -> list[RoutedSizes]:
         else:
             if mask.total < sum(bounds.values()):
                 groups.append(RoutedSizes(mask.total, bounds, {}, priced_at))
+    groups += _split_sizes(graph, {symbol for group in groups for symbol in group.bounds})
     if not groups:
         return []
     return _with_growing_nodes(graph, groups)
+
+
+def _split_sizes(graph: fx.Graph, taken: set[Any]) -> list[RoutedSizes]:
+    """Groups of counts that split one dimension: ``x.split(sizes)`` with ``sizes`` computed from the data
+    (``expert_size.tolist()``, as GraniteMoE's experts take their sorted tokens) sum to ``x``'s size there,
+    so together they are at most that size, each at most its own bound.  Counts already in a group
+    (``taken``) are left to it."""
+    groups = []
+    for node in graph.nodes:
+        if _op(node) != "split_with_sizes" or not isinstance(node.args[0], fx.Node):
+            continue
+        source, sizes = node.args[0].meta.get("val"), node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        total = size_expression(source.shape[dim]) if isinstance(source, torch.Tensor) else None
+        if not isinstance(total, int) or not isinstance(sizes, (list, tuple)) or len(sizes) < 2:
+            continue
+        bounds, priced_at = {}, {}
+        for size in sizes:
+            value = size.meta.get("val") if isinstance(size, fx.Node) else size
+            count, top = size_expression(value), upper_bound(value)
+            if not isinstance(count, sympy.Symbol) or top is None or count in taken or count in bounds:
+                break
+            bounds[count], priced_at[count] = min(top, total), top
+        else:
+            if total < sum(bounds.values()):
+                taken.update(bounds)
+                groups.append(RoutedSizes(total, bounds, {}, priced_at))
+    return groups
 
 
 def _with_growing_nodes(graph: fx.Graph, groups: list[RoutedSizes]) -> list[RoutedSizes]:
     """``groups`` with the nodes whose storage bytes are ``unit * count + fixed`` for one of their counts."""
     group_of = {symbol: g for g, group in enumerate(groups) for symbol in group.bounds}
     growing: list[dict[str, tuple[Any, int]]] = [{} for _ in groups]
+    summed: list[dict[str, dict[Any, int]]] = [{} for _ in groups]
     for node in graph.nodes:
         value = node.meta.get("val")
         if node.op == "output" or not isinstance(value, torch.Tensor):
             continue  # multi-output values (their parts take their bytes over) stay at their bounds
         expression = storage_size_expression(value)
-        if not isinstance(expression, sympy.Expr) or len(expression.free_symbols) != 1:
+        if not isinstance(expression, sympy.Expr) or not expression.free_symbols:
             continue
-        (symbol,) = expression.free_symbols
-        if symbol not in group_of:
+        symbols = expression.free_symbols
+        owners = {group_of.get(symbol) for symbol in symbols}
+        if len(owners) != 1 or None in owners:
+            continue  # counts of several groups, or a size the groups do not cover
+        (g,) = owners
+        polynomial = sympy.Poly(sympy.expand(expression), *symbols)
+        if polynomial.total_degree() != 1:
             continue
-        polynomial = sympy.Poly(sympy.expand(expression), symbol)
-        unit = polynomial.coeff_monomial(symbol)
-        if polynomial.degree() != 1 or not unit.is_Integer or int(unit) <= 0:
+        units = {symbol: polynomial.coeff_monomial(symbol) for symbol in symbols}
+        if not all(unit.is_Integer and int(unit) > 0 for unit in units.values()):
             continue
-        growing[group_of[symbol]][node.name] = (symbol, int(unit))
-    return [RoutedSizes(g.total, g.bounds, nodes, g.priced_at) for g, nodes in zip(groups, growing, strict=True)]
+        if len(units) == 1:
+            ((symbol, unit),) = units.items()
+            growing[g][node.name] = (symbol, int(unit))
+        else:
+            summed[g][node.name] = {symbol: int(unit) for symbol, unit in units.items()}
+    return [
+        RoutedSizes(group.total, group.bounds, growing[g], group.priced_at, summed[g]) for g, group in enumerate(groups)
+    ]
 
 
 def _op(node: Any) -> str | None:
