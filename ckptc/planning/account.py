@@ -54,7 +54,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 
 import solvers
-from ckptc._torch_internals import made_by_compiled_graph
+from ckptc._torch_internals import made_by_compiled_graph, storage_key
 from ckptc.meter import allocated_bytes, resident_bytes
 from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.records import GraphInputs, GraphRecord
@@ -337,20 +337,26 @@ class StepAccount:
         tensors = list(dict.fromkeys(t for t in graph_inputs if isinstance(t, torch.Tensor)))
         if model is not None:
             params = {id(p): p for p in model.parameters()}
-            state_ids = set(params) | {id(b) for b in model.buffers()}
+            state_tensors = [*params.values(), *model.buffers()]
         else:  # a torch.compile backend not given the model: its parameters are those the graphs take
             params = {id(t): t for t in tensors if isinstance(t, torch.nn.Parameter) and t.requires_grad}
-            state_ids = set(params)
+            state_tensors = list(params.values())
+        # A view of a parameter taken in eager code between graphs (one expert's slice of a weight that
+        # stacks every expert's) is the model's state too, not data the caller holds (counted as data, each
+        # graph taking one counted the whole weight again): the graph takes that parameter.
+        viewed = {id(t): base for t in tensors for base in _viewed_state(t, state_tensors)}
+        state_ids = {id(t) for t in state_tensors} | set(viewed)
+        taken = [t for t in tensors if id(t) in state_ids and id(t) not in viewed] + list(viewed.values())
         inputs = GraphInputs(
             data={id(t): resident_bytes(t) for t in tensors if id(t) not in state_ids},
-            parameters={id(t): allocated_bytes(t) for t in tensors if id(t) in params and t.requires_grad},
-            state=frozenset(id(t) for t in tensors if id(t) in state_ids),
+            parameters={id(t): allocated_bytes(t) for t in taken if id(t) in params and t.requires_grad},
+            state=frozenset({id(t) for t in tensors if id(t) in state_ids} | {id(t) for t in taken}),
             handed=frozenset(id(t) for t in tensors if id(t) not in state_ids and made_by_compiled_graph(t)),
             data_refs={id(t): weakref.ref(t) for t in tensors if id(t) not in state_ids},
         )
         outside = 0
         if model is not None:
-            state = resident_bytes(*params.values(), *model.buffers())
+            state = resident_bytes(*state_tensors)
             in_graph = resident_bytes(*[t for t in tensors if id(t) in state_ids])
             # The gradients made before this graph's backward are those of the parameters that later
             # graphs of its own call take: earlier calls' backwards run after it.
@@ -414,6 +420,17 @@ class StepAccount:
             ),
             inputs,
         )
+
+
+def _viewed_state(tensor: torch.Tensor, state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``state`` whose storage ``tensor``, a view, shares (none if it is not a view)."""
+    if tensor._base is None:
+        return []
+    try:
+        key = storage_key(tensor)
+        return [t for t in state if storage_key(t) == key]
+    except (NotImplementedError, RuntimeError):  # sparse or nested tensors have no storage
+        return []
 
 
 def _left_alive(earlier: Sequence[GraphRecord], let_go: Collection[int]) -> int:
