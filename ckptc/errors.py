@@ -130,6 +130,12 @@ def _user_frame(error: BaseException) -> str:
     return f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
 
 
+class UnboundedSizeError(UntraceableModelError):
+    """A size in the captured graph depends on the data with no upper bound known (one read with
+    ``.item()``): no plan could promise to fit a budget.  Capture tries again with such values
+    breaking the graph, as plain ``torch.compile`` does, before raising it."""
+
+
 class PlanMismatchError(CkptcError, ValueError):
     """A plan file does not belong to this model, these inputs or this torch version."""
 

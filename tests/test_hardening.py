@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import ckptc
+from ckptc.meter import measure_peak, resident_bytes
 from ckptc.runtime.tracker import StepTracker
 
 
@@ -641,6 +642,51 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+def test_a_size_read_from_a_tensor_with_no_bound_is_captured_again_with_graph_breaks_there() -> None:
+    """transformers' Jamba builds its causal mask ``target_length = cache_position[-1] + 1`` wide, then breaks
+    the graph on its attention mask (``torch.all(mask == 1)``) before using it: with ``.item()`` kept in the
+    graph (ckptc's default, for MoE routing) the width has no bound, so no price (before: refused with
+    ``UntraceableModelError`` "cannot price the bytes of full ... 128*u0").  Captured again with a graph break
+    at the ``.item()``, as plain ``torch.compile`` does, it trains like eager within a halfway budget."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        mamba_d_state=8,
+        mamba_expand=2,
+        use_mamba_kernels=False,
+    )
+    torch.manual_seed(0)
+    reference = JambaForCausalLM(config).train()
+    ids = torch.randint(0, 300, (2, 32))
+    step = ckptc.capture(copy.deepcopy(reference), (), {"input_ids": ids, "labels": ids})
+    budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for _ in range(2):
+        for net, params in ((fast, model), (eager, eager)):
+            params.zero_grad(set_to_none=True)
+            net(input_ids=ids, labels=ids).loss.backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    model.zero_grad(set_to_none=True)
+    _, measured = measure_peak(
+        lambda: fast(input_ids=ids, labels=ids).loss.backward(), baseline_bytes=resident_bytes(model, ids)
+    )
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
 
 
 def test_a_model_dynamo_traces_only_with_graph_breaks_at_item_trains_like_eager() -> None:

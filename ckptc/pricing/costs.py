@@ -55,7 +55,7 @@ from ckptc._torch_internals import (
     tree_map,
     upper_bound,
 )
-from ckptc.errors import UntraceableModelError
+from ckptc.errors import UnboundedSizeError, UntraceableModelError
 from ckptc.meter import quiet_profiler
 from ckptc.pricing.devices import kernel_workspace_bytes, memory_model
 
@@ -334,12 +334,12 @@ def priced_size(value: Any, what: str = "a size") -> int:
     fits at every size the graph can run with.
 
     Raises:
-        UntraceableModelError: the size depends on data without a known upper
+        UnboundedSizeError: the size depends on data without a known upper
             bound (a size read with ``.item()``), so no price is safe.
     """
     top = upper_bound(value)
     if top is None:
-        raise UntraceableModelError(
+        raise UnboundedSizeError(
             f"ckptc cannot price {what} of the captured graph: it is {value}, which depends on the data with no "
             "upper bound known, so no plan could promise to fit the budget.\n"
             "What to do: bound it where it is computed (torch._check(n <= N) after n = t.item()), or compute it "

@@ -49,6 +49,7 @@ from ckptc.errors import (
     BudgetExceededError,
     CkptcError,
     InvalidArgumentError,
+    UnboundedSizeError,
     UntraceableModelError,
     release_frames,
     warn_once,
@@ -259,9 +260,10 @@ class ShapePlan:
                     if _eager_raises_too(model, saved, args, kwargs, error):
                         internals.unskip_forwards(model)
                         raise  # the model's own error, as eager PyTorch raises it
-                if _failed_to_trace(error) and self.scalar_outputs:
+                if (_failed_to_trace(error) or isinstance(error, UnboundedSizeError)) and self.scalar_outputs:
                     # Dynamo fails on some models with .item() kept in the graph where plain
-                    # torch.compile (which breaks the graph there) traces them: once more without.
+                    # torch.compile (which breaks the graph there) traces them, and a size read with
+                    # .item() has no price (Jamba's causal mask, cache_position[-1] + 1 long): once more without.
                     log.info("capture failed with scalar outputs in the graph (%s); again with graph breaks", error)
                     release_frames(error)
                     self.scalar_outputs = False
