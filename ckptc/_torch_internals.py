@@ -161,6 +161,29 @@ def storage_key(tensor: torch.Tensor) -> Hashable:
     return _StorageWeakRef(tensor.untyped_storage())
 
 
+def views_of(tensors: Iterable[torch.Tensor], state: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """By id of each view among ``tensors``, the tensor of ``state`` whose storage it shares (a
+    parameter's slice taken in eager code); views of nothing in ``state`` are left out."""
+    views = [t for t in tensors if t._base is not None]
+    if not views:
+        return {}
+    owners: dict[Hashable, torch.Tensor] = {}
+    for t in state:
+        try:
+            owners.setdefault(storage_key(t), t)
+        except (NotImplementedError, RuntimeError):  # sparse or nested tensors have no storage
+            continue
+    found = {}
+    for view in views:
+        try:
+            owner = owners.get(storage_key(view))
+        except (NotImplementedError, RuntimeError):
+            continue
+        if owner is not None:
+            found[id(view)] = owner
+    return found
+
+
 def profiler_events(prof: Any) -> Iterable[Any]:
     """Every event of a finished ``torch.profiler.profile`` run, memory events included.
 

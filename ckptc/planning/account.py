@@ -54,7 +54,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 
 import solvers
-from ckptc._torch_internals import made_by_compiled_graph, storage_key
+from ckptc._torch_internals import made_by_compiled_graph, views_of
 from ckptc.meter import allocated_bytes, resident_bytes
 from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.records import GraphInputs, GraphRecord
@@ -344,7 +344,7 @@ class StepAccount:
         # A view of a parameter taken in eager code between graphs (one expert's slice of a weight that
         # stacks every expert's) is the model's state too, not data the caller holds (counted as data, each
         # graph taking one counted the whole weight again): the graph takes that parameter.
-        viewed = {id(t): base for t in tensors for base in _viewed_state(t, state_tensors)}
+        viewed = views_of(tensors, state_tensors)
         state_ids = {id(t) for t in state_tensors} | set(viewed)
         taken = [t for t in tensors if id(t) in state_ids and id(t) not in viewed] + list(viewed.values())
         inputs = GraphInputs(
@@ -420,17 +420,6 @@ class StepAccount:
             ),
             inputs,
         )
-
-
-def _viewed_state(tensor: torch.Tensor, state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``state`` whose storage ``tensor``, a view, shares (none if it is not a view)."""
-    if tensor._base is None:
-        return []
-    try:
-        key = storage_key(tensor)
-        return [t for t in state if storage_key(t) == key]
-    except (NotImplementedError, RuntimeError):  # sparse or nested tensors have no storage
-        return []
 
 
 def _left_alive(earlier: Sequence[GraphRecord], let_go: Collection[int]) -> int:
