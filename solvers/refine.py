@@ -59,7 +59,23 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     candidates = [v for v in recomputed if policy[v] != _RECOMPUTE]
     # Best saving per byte first; free values (views) first of all.
     candidates.sort(key=lambda v: (-(cost[v] / nbytes[v]) if nbytes[v] else float("-inf"), v))
-    best_cost = core.recompute_cost
+    mask, best_cost, _ = _fill_rounds(problem, mask, candidates, budget_bytes, core.recompute_cost)
+    if best_cost >= core.recompute_cost:
+        return plan
+    # A value kept now can leave an earlier kept one unread (a kept ReLU output needs its input no
+    # more): the rewritten graphs would not save it, so neither does the plan.
+    refined = drop_unread(problem, dataclasses.replace(plan, kept=names_of(problem, mask)))
+    result = simulate(problem, refined)
+    log.debug("fill_budget: recompute cost %.4g -> %.4g", core.recompute_cost, result.recompute_cost)
+    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost, refined=True)
+    return dataclasses.replace(refined, info=info)
+
+
+def _fill_rounds(
+    problem: Problem, mask: bytearray, candidates: list[int], budget_bytes: int, best_cost: float
+) -> tuple[bytearray, float, list[int]]:
+    """Keep the longest fitting prefix of ``candidates`` on top of ``mask``, then of what is left, for
+    up to ``_ROUNDS`` rounds.  Returns the new mask, its recompute cost and the candidates left."""
     for round_ in range(_ROUNDS):
         if not candidates:
             break
@@ -72,13 +88,7 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
             continue
         mask, best_cost = fitting[lo]  # simulated already
         candidates = candidates[lo:]
-    if best_cost >= core.recompute_cost:
-        return plan
-    refined = dataclasses.replace(plan, kept=names_of(problem, mask))
-    result = simulate(problem, refined)
-    log.debug("fill_budget: recompute cost %.4g -> %.4g", core.recompute_cost, result.recompute_cost)
-    info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost, refined=True)
-    return dataclasses.replace(refined, info=info)
+    return mask, best_cost, candidates
 
 
 def drop_unread(problem: Problem, plan: Plan) -> Plan:
