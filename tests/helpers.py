@@ -92,4 +92,59 @@ def measure(case: ModelCase, model: Any) -> MemoryMeasurement:
     return measurement
 
 
-__all__ = ["step", "assert_same_training", "budget_bounds", "measure", "get_case", "Bounds"]
+def eager_peak(
+    reference: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, loss=lambda out: out.loss
+) -> int:
+    """The peak of an eager step of a copy of ``reference`` after a warm-up step (allocator events plus the
+    resident parameters and inputs)."""
+    kwargs = kwargs or {}
+    eager = copy.deepcopy(reference)
+    loss(eager(*args, **kwargs)).backward()
+    eager.zero_grad(set_to_none=True)
+    baseline = resident_bytes(eager, args, kwargs)
+    return measure_peak(lambda: loss(eager(*args, **kwargs)).backward(), baseline_bytes=baseline)[1].peak_bytes
+
+
+def assert_trains_like_eager_within(
+    reference: torch.nn.Module,
+    budget: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    loss=lambda out: out.loss,
+    *,
+    entry: str = "optimize",
+    steps: int = 2,
+) -> None:
+    """A copy of ``reference`` behind ``ckptc.optimize`` (``entry="backend"``: ``torch.compile`` with ckptc's
+    backend) trains ``steps`` steps with every gradient equal to an eager copy's, then one more step measured
+    independently of ckptc's check (allocator events plus the resident parameters and inputs) is at most
+    ``budget``."""
+    kwargs = kwargs or {}
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    if entry == "optimize":
+        fast = ckptc.optimize(model, budget_bytes=budget)
+    else:
+        torch.compiler.reset()
+        fast = torch.compile(model, backend=ckptc.backend(budget_bytes=budget, model=model))
+    for _ in range(steps):
+        for net, params in ((fast, model), (eager, eager)):
+            params.zero_grad(set_to_none=True)
+            loss(net(*args, **kwargs)).backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    model.zero_grad(set_to_none=True)
+    baseline = resident_bytes(model, args, kwargs)
+    _, measured = measure_peak(lambda: loss(fast(*args, **kwargs)).backward(), baseline_bytes=baseline)
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+
+
+__all__ = [
+    "step",
+    "assert_same_training",
+    "assert_trains_like_eager_within",
+    "budget_bounds",
+    "eager_peak",
+    "measure",
+    "get_case",
+    "Bounds",
+]

@@ -14,6 +14,7 @@ import torch
 import ckptc
 from ckptc.meter import measure_peak, resident_bytes
 from solvers import Node, Plan, Problem, SizeGroup, simulate
+from tests.helpers import assert_trains_like_eager_within, eager_peak
 from tests.zoo import get_case
 
 
@@ -189,22 +190,7 @@ def test_a_layer_whose_result_is_traced_after_backward_began_is_planned_as_a_for
     reference, x = _ExpertsAlone(), torch.randn(2, 32, 64)
     step = ckptc.capture(copy.deepcopy(reference), (x,), loss_fn=lambda out: out.square().mean())
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    torch.compiler.reset()
-    fast = (
-        ckptc.optimize(model, budget_bytes=budget)
-        if entry == "optimize"
-        else torch.compile(model, backend=ckptc.backend(budget_bytes=budget, model=model))
-    )
-    for _ in range(3):
-        for net, params in ((fast, model), (eager, eager)):
-            params.zero_grad(set_to_none=True)
-            net(x).square().mean().backward()
-    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-    model.zero_grad(set_to_none=True)
-    _, measured = measure_peak(lambda: fast(x).square().mean().backward(), baseline_bytes=resident_bytes(model, x))
-    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+    assert_trains_like_eager_within(reference, budget, (x,), loss=lambda out: out.square().mean(), entry=entry, steps=3)
 
 
 def test_counts_that_split_the_sorted_tokens_share_their_total_and_so_do_their_runs_concatenated() -> None:
@@ -235,31 +221,10 @@ def test_counts_that_split_the_sorted_tokens_share_their_total_and_so_do_their_r
     groups = record.joint_problem.problem.size_groups
     assert len(groups) == 2 and all(g.total == 128 and [b for b, _ in g.members] == [128] * 4 for g in groups)
 
-    eager = copy.deepcopy(reference)
-    eager(input_ids=ids, labels=ids).loss.backward()
-    eager.zero_grad(set_to_none=True)
-    _, measured = measure_peak(
-        lambda: eager(input_ids=ids, labels=ids).loss.backward(), baseline_bytes=resident_bytes(eager, ids)
-    )
-    assert abs(step.unoptimized_peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (
-        step.unoptimized_peak_bytes,
-        measured.peak_bytes,
-    )
-
+    peak = eager_peak(reference, (), {"input_ids": ids, "labels": ids})
+    assert abs(step.unoptimized_peak_bytes - peak) <= 0.01 * peak, (step.unoptimized_peak_bytes, peak)
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    model = copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
-    for _ in range(2):
-        for net, params in ((fast, model), (eager, eager)):
-            params.zero_grad(set_to_none=True)
-            net(input_ids=ids, labels=ids).loss.backward()
-    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-    model.zero_grad(set_to_none=True)
-    _, planned = measure_peak(
-        lambda: fast(input_ids=ids, labels=ids).loss.backward(), baseline_bytes=resident_bytes(model, ids)
-    )
-    assert planned.peak_bytes <= budget, (planned.peak_bytes, budget)
+    assert_trains_like_eager_within(reference, budget, (), {"input_ids": ids, "labels": ids})
 
 
 def test_slices_of_a_weight_stacking_every_expert_are_counted_as_the_weight_not_as_data() -> None:
@@ -287,28 +252,7 @@ def test_slices_of_a_weight_stacking_every_expert_are_counted_as_the_weight_not_
     step = ckptc.capture(copy.deepcopy(reference), (), {"input_ids": ids, "labels": ids})
     assert len(step.records) > 2  # the expert loop's graph breaks
 
-    eager = copy.deepcopy(reference)
-    eager(input_ids=ids, labels=ids).loss.backward()
-    eager.zero_grad(set_to_none=True)
-    _, measured = measure_peak(
-        lambda: eager(input_ids=ids, labels=ids).loss.backward(), baseline_bytes=resident_bytes(eager, ids)
-    )
-    assert abs(step.unoptimized_peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (
-        step.unoptimized_peak_bytes,
-        measured.peak_bytes,
-    )
-
+    peak = eager_peak(reference, (), {"input_ids": ids, "labels": ids})
+    assert abs(step.unoptimized_peak_bytes - peak) <= 0.01 * peak, (step.unoptimized_peak_bytes, peak)
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    model = copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
-    for _ in range(2):
-        for net, params in ((fast, model), (eager, eager)):
-            params.zero_grad(set_to_none=True)
-            net(input_ids=ids, labels=ids).loss.backward()
-    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-    model.zero_grad(set_to_none=True)
-    _, planned = measure_peak(
-        lambda: fast(input_ids=ids, labels=ids).loss.backward(), baseline_bytes=resident_bytes(model, ids)
-    )
-    assert planned.peak_bytes <= budget, (planned.peak_bytes, budget)
+    assert_trains_like_eager_within(reference, budget, (), {"input_ids": ids, "labels": ids})
