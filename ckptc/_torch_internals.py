@@ -1064,7 +1064,7 @@ def running_gradient_accumulator(edge: int, edges: int) -> Any:
 
 
 def tensors_held_for_backward(
-    tensors: Iterable[torch.Tensor], walked: set[Hashable] | None = None
+    tensors: Iterable[torch.Tensor], walked: set[Hashable] | None = None, *, saved: bool = True
 ) -> list[torch.Tensor]:
     """The tensors autograd holds in the graph eager code made behind ``tensors`` (their ``grad_fn`` and
     the nodes those lead to): what its nodes saved for backward, and the leaves it accumulates gradients
@@ -1077,8 +1077,8 @@ def tensors_held_for_backward(
     ``autograd.Function``s) and the ``variable`` of ``AccumulateGrad`` nodes; a node whose saved tensors
     were released already (or cannot be unpacked) gives nothing: this runs inside the caller's step and
     must not fail it.  Nothing is read under saved-tensor hooks (``save_on_cpu``, offloading): reading
-    would run their unpack hook."""
-    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+    would run their unpack hook.  ``saved=False``: the leaves only, nothing unpacked."""
+    if saved and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
         return []
     walked = set() if walked is None else walked
     found: list[torch.Tensor] = []
@@ -1096,6 +1096,9 @@ def tensors_held_for_backward(
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
+        if not saved:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+            continue
         names = [name for name in dir(node) if name.startswith("_saved_")]
         if not names and hasattr(node, "saved_tensors"):
             names = ["saved_tensors"]

@@ -230,7 +230,9 @@ def _unplanned_method(model: torch.nn.Module, name: str, method: types.MethodTyp
     @functools.wraps(method.__func__)
     def call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         output = method(*args, **kwargs)
-        if not torch.is_grad_enabled() or not _reaches_parameters_eagerly(output, model):
+        if not torch.is_grad_enabled() or "unplanned-method" in _told.get(model, ()):
+            return output
+        if not _reaches_parameters_eagerly(output, model):
             return output  # a loss computed from planned results (fast.compute_loss(out, y)) is the step's
         cls = type(model).__name__
         message = (
@@ -249,7 +251,7 @@ def _reaches_parameters_eagerly(output: Any, model: torch.nn.Module) -> bool:
     only through compiled graphs (ckptc's planned calls)."""
     params = {id(p) for p in model.parameters() if p.requires_grad}
     tensors = [t for t in internals.tree_leaves(output) if isinstance(t, torch.Tensor)]
-    return any(id(t) in params for t in internals.tensors_held_for_backward(tensors))
+    return any(id(t) in params for t in internals.tensors_held_for_backward(tensors, saved=False))
 
 
 _told: weakref.WeakKeyDictionary[torch.nn.Module, set[str]] = weakref.WeakKeyDictionary()
