@@ -165,21 +165,16 @@ def _size_groups(
             nodes = []
             top = routed.priced_at[symbol]
             for name, unit in growing[symbol]:
-                node = fields.get(name)
-                if node is None or node["alias_of"] is not None or node["part_of"] is not None:
-                    continue
-                if node["bytes"] < unit * top or not node["bytes"]:
-                    continue  # priced otherwise (a gradient summed in place, a value never written)
-                # Priced at the count's range; the mask bounds it lower (top-k: one token per row).
-                node["bytes"] += memory.rounding_slack(node["bytes"]) - unit * (top - bound)
-                nodes.append((name, unit))
+                node = _priced_at_ranges(fields, name, unit * top)
+                if node is not None:
+                    # Priced at the count's range; the mask bounds it lower (top-k: one token per row).
+                    node["bytes"] += memory.rounding_slack(node["bytes"]) - unit * (top - bound)
+                    nodes.append((name, unit))
             members.append((bound, tuple(nodes)))
         for name, units in routed.summed.items():
-            node = fields.get(name)
-            if node is None or node["alias_of"] is not None or node["part_of"] is not None:
-                continue
             priced = sum(unit * routed.priced_at[symbol] for symbol, unit in units.items())
-            if node["bytes"] >= priced > 0:
+            node = _priced_at_ranges(fields, name, priced)
+            if node is not None:
                 # Several counts of the group at once (their runs concatenated): at most their worst split.
                 node["bytes"] += memory.rounding_slack(node["bytes"]) - (priced - routed.most_bytes(units))
         if any(nodes for _, nodes in members):
@@ -187,6 +182,16 @@ def _size_groups(
     if groups:
         log.debug("%d groups of routed counts priced at their worst split", len(groups))
     return tuple(groups)
+
+
+def _priced_at_ranges(fields: dict[str, dict[str, Any]], name: str, priced: int) -> dict[str, Any] | None:
+    """The fields of node ``name`` where its bytes are its own and were priced at its counts' ranges
+    (``priced`` or more); None for a view, a part of a multi-output value, or a node priced otherwise (a
+    gradient summed in place, a value never written)."""
+    node = fields.get(name)
+    if node is None or node["alias_of"] is not None or node["part_of"] is not None:
+        return None
+    return node if node["bytes"] and node["bytes"] >= priced else None
 
 
 def joint_to_problem(
