@@ -104,8 +104,10 @@ class GraphRecord:
 
     @property
     def slack_bytes(self) -> int:
-        """How much less this graph would leave alive for later graphs under its lowest-peak plan."""
-        return max(0, self.step_bytes - self.floor_kept_bytes - self.floor_held_output_bytes)
+        """How much less this graph would leave alive for later graphs under its lowest-peak plan; negative
+        where that plan keeps more (a model that checkpoints its own layers keeps only their inputs when
+        ckptc keeps everything, and its lowest-peak plan may keep more to recompute less at once)."""
+        return self.step_bytes - self.floor_kept_bytes - self.floor_held_output_bytes
 
     @property
     def growth_bytes(self) -> int:

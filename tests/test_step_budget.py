@@ -1067,3 +1067,47 @@ def test_a_plan_whose_filled_values_leave_kept_ones_unread_is_predicted_as_it_ru
         lambda: fast(x, src, dst).square().mean().backward(), baseline_bytes=resident_bytes(model, x, src, dst)
     )
     assert measured.peak_bytes <= budget
+
+
+def _tiny_bart_checkpointing_itself() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=300,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    model = BartForConditionalGeneration(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(1, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_layers_that_checkpoint_themselves_and_share_one_graph_have_a_floor_that_plans() -> None:
+    """A tiny BART with Hugging Face gradient checkpointing: the graph breaks at each layer's layer-drop
+    draw, so one graph runs both encoder layers and one both decoder layers.  Keeping everything keeps each
+    layer's input only (its own checkpoint); the layer's lowest-peak plan keeps 10x more to recompute less
+    at once, which its earlier run then holds beside its later one.  The capture's floor was that plan's
+    peak beside runs keeping the layer input only (1,686,655 B), while every budget below 1,868,340 B, the
+    unoptimized peak of 1,721,776 B included, was refused.  A layer's floor in the step is now the plan that
+    peaks lowest beside its own runs, and the capture's floor and unoptimized peak both plan."""
+    model, kwargs = _tiny_bart_checkpointing_itself()
+    captured = ckptc.capture(model, (), kwargs)
+    assert captured.graphs < len(captured.sequence), captured.sequence  # a graph runs several times
+    assert captured.floor_bytes <= captured.unoptimized_peak_bytes
+    for budget in (captured.floor_bytes, captured.unoptimized_peak_bytes):
+        plan = captured.plan(budget_bytes=budget)
+        assert plan.predicted_peak_bytes <= budget, (plan.predicted_peak_bytes, budget)
+    with pytest.raises(ckptc.InfeasibleBudgetError) as refused:
+        captured.plan(budget_bytes=captured.floor_bytes - 1)
+    named = refused.value.min_feasible_bytes
+    assert named is not None and named >= captured.floor_bytes
+    assert captured.plan(budget_bytes=named).predicted_peak_bytes <= named  # the budget the refusal names plans

@@ -319,19 +319,28 @@ def decide(
     everything's (a plan made there keeps no more, so it fits beside its own runs), then, bisecting
     towards the lowest-peak plan's size, smaller ones while their plans still keep no more than assumed
     (at most :data:`REPEAT_SEARCH_STEPS` more plans); the cheapest plan that fits beside its own runs is
-    chosen.  Where none does, the lowest-peak plan (which fits beside its own runs whenever any plan
-    does), or its refusal."""
+    chosen.  Where none does, the plan with the lowest peak beside its own runs, or its refusal.
+
+    That plan, the graph's floor in the step, is the lowest-peak plan or keeping everything, whichever
+    peaks lower beside its runs: a model that checkpoints its own layers keeps only their inputs when
+    ckptc keeps everything, while its lowest-peak plan may keep more to recompute less at once, which
+    each earlier run then holds again."""
     start = time.perf_counter() if started is None else started
     runs = account.repeat_runs.get(index, {}).get(index, 0)
     first_outside, last_outside = account.outside_baseline_bytes.get(index, (0, 0))
 
-    def at(assumed_kept: int, *, lowest_peak: bool = False, plan: solvers.Plan | None = None) -> GraphRecord:
+    def held_beside(assumed_kept: int) -> int:
         # Its last run's backward runs first, beside its earlier runs; its first run's backward runs
         # last, after the later runs freed what they keep and made their gradients: the larger of the
         # two is held beside it.
-        later = max(repeat_bytes + runs * assumed_kept + last_outside, first_outside)
+        return max(repeat_bytes + runs * assumed_kept + last_outside, first_outside)
+
+    def beside_runs(assumed_kept: int) -> JointProblem:
+        return with_baseline(jp, jp.problem.baseline_bytes - repeat_bytes + held_beside(assumed_kept))
+
+    def at(assumed_kept: int, *, lowest_peak: bool = False, plan: solvers.Plan | None = None) -> GraphRecord:
         return decide_at(
-            with_baseline(jp, jp.problem.baseline_bytes - repeat_bytes + later),
+            beside_runs(assumed_kept),
             options,
             account,
             index=index,
@@ -340,31 +349,52 @@ def decide(
             progress=progress,
             inputs=inputs,
             started=start,
-            repeat_bytes=later,
+            repeat_bytes=held_beside(assumed_kept),
             lowest_peak=lowest_peak,
+            floor=floor,
         )
 
+    floor: tuple[solvers.Plan, solvers.SimResult] | None = None
     if not runs:
         return at(0)
     if plan_source is not None:  # a plan file's plan is applied as it is: its runs keep what it keeps
         return at(_kept_bytes(jp, plan_source(index, jp)))
-    assumed = _kept_bytes(jp, keep_everything(jp))
+    everything = keep_everything(jp)
+    assumed = _kept_bytes(jp, everything)
+    lowest = solvers.lowest_peak_plan(jp.problem)
+    floor_kept = _kept_bytes(jp, lowest)
+    floor = min(
+        (
+            (p, solvers.simulate(beside_runs(kept).problem, p))
+            for p, kept in ((lowest, floor_kept), (everything, assumed))
+        ),
+        key=lambda candidate: candidate[1].peak_bytes,
+    )
     budget = account.graph_budget(index)
     if budget is None:
         return at(assumed)
-    lowest = solvers.lowest_peak_plan(jp.problem)
-    floor_kept = _kept_bytes(jp, lowest)
-    # The assumed size is searched between the lowest-peak plan's own and the largest beside which that
-    # plan still fits (larger: no plan fits); within it a larger assumption leaves less room, so its plan
-    # keeps less.  Bisection for the smallest assumption whose plan keeps no more than assumed: the
-    # cheapest plan that fits beside its own runs.
+    # The assumed size is searched between the smaller of the two plans' own and the largest beside which
+    # the lowest-peak plan still fits (larger: no plan fits); within it a larger assumption leaves less
+    # room, so its plan tends to keep less.  Bisection for the smallest assumption whose plan keeps no more
+    # than assumed: the cheapest plan that fits beside its own runs.
     floor_peak = solvers.simulate(jp.problem, lowest).peak_bytes
     margin = planning_margin(jp.problem, unoptimized_result(jp), jp.memory)
     room = (planning_budget(budget, margin) - floor_peak) // runs
-    low, high = floor_kept, max(floor_kept, min(assumed, room))
-    assumed = high
+    low = min(floor_kept, assumed)
+    high = max(low, min(max(floor_kept, assumed), room))
     best: GraphRecord | None = None
     best_assumed = 0
+    if assumed < high:
+        # Keeping everything is planned beside runs keeping what it keeps, whatever the search finds: a model
+        # that checkpoints its own layers keeps less so than plans that recompute less, so its plan can fit
+        # where larger assumptions' plans do not.
+        try:
+            record = at(assumed)
+            if not record.infeasible and record.step_bytes <= assumed:
+                best, best_assumed = record, assumed
+        except solvers.InfeasibleBudgetError:
+            pass
+    assumed = high
     for _ in range(1 + REPEAT_SEARCH_STEPS):
         try:
             record: GraphRecord | None = at(assumed)
@@ -387,9 +417,9 @@ def decide(
         return at(best.step_bytes, plan=best.plan)
     if best is not None:
         return best
-    # No plan fits beside runs that keep what it keeps: the lowest-peak plan, which fits beside its
-    # own runs whenever any plan does, or its refusal with the step's floor.
-    return at(floor_kept, lowest_peak=True)
+    # No plan fits beside runs that keep what it keeps: the plan with the lowest peak beside its own runs,
+    # or its refusal with the step's floor.
+    return at(_kept_bytes(jp, floor[0]), lowest_peak=True)
 
 
 #: How many more plans :func:`decide` makes for a graph run several times in a step.
@@ -414,10 +444,12 @@ def decide_at(
     started: float | None = None,
     repeat_bytes: int = 0,
     lowest_peak: bool = False,
+    floor: tuple[solvers.Plan, solvers.SimResult] | None = None,
 ) -> GraphRecord:
     """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s
     baseline, and ``repeat_bytes`` of its own earlier runs', :func:`decide`); ``lowest_peak``: its
-    lowest-peak plan where that fits the budget (no other plan fits beside its own runs).
+    lowest-peak plan where that fits the budget (no other plan fits beside its own runs); ``floor``: the
+    plan with the lowest peak beside its own runs and its result there, where :func:`decide` found it.
 
     The floor reported (``min_feasible_bytes``) is the step's: earlier graphs at
     their own lowest-peak plans would leave their ``slack_bytes`` fewer bytes alive.
@@ -429,11 +461,14 @@ def decide_at(
     """
     start = time.perf_counter() if started is None else started
     import_solver_backends()
-    floor_plan = solvers.lowest_peak_plan(jp.problem)
-    floor_result = solvers.simulate(jp.problem, floor_plan)
     keep_all = unoptimized_result(jp)
-    if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
-        floor_plan, floor_result = keep_everything(jp), keep_all
+    if floor is not None:
+        floor_plan, floor_result = floor
+    else:
+        floor_plan = solvers.lowest_peak_plan(jp.problem)
+        floor_result = solvers.simulate(jp.problem, floor_plan)
+        if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
+            floor_plan, floor_result = keep_everything(jp), keep_all
     margin = planning_margin(jp.problem, keep_all, jp.memory)
     # What keeping everything peaks at on the device: on a caching allocator, with its allowance.
     everything = keep_all.peak_bytes + cache_allowance(keep_all, jp.memory)
@@ -658,7 +693,9 @@ class CapturedStep:
 
     @property
     def floor_bytes(self) -> int:
-        return max(r.min_feasible_bytes for r in self._keep_everything)
+        # Each graph's floor has the earlier graphs at their lowest-peak plans; where those keep more than
+        # keeping everything does (a model that checkpoints its own layers), keeping everything is lower.
+        return min(max(r.min_feasible_bytes for r in self._keep_everything), self.unoptimized_peak_bytes)
 
     @property
     def unoptimized_peak_bytes(self) -> int:
