@@ -1076,8 +1076,9 @@ def tensors_held_for_backward(
     nodes' ``_saved_*`` attributes (autograd's generated accessors), ``saved_tensors`` (custom
     ``autograd.Function``s) and the ``variable`` of ``AccumulateGrad`` nodes; a node whose saved tensors
     were released already (or cannot be unpacked) gives nothing: this runs inside the caller's step and
-    must not fail it.  Nothing is read under saved-tensor hooks (``save_on_cpu``, offloading): reading
-    would run their unpack hook.  ``saved=False``: the leaves only, nothing unpacked."""
+    must not fail it.  Nothing is read under saved-tensor hooks (``save_on_cpu``, offloading), nor what
+    they packed (a checkpointed region's: reading would run its forward again, :func:`_saved_under_hooks`).
+    ``saved=False``: the leaves only, nothing unpacked."""
     if saved and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
         return []
     walked = set() if walked is None else walked
@@ -1103,6 +1104,8 @@ def tensors_held_for_backward(
         if not names and hasattr(node, "saved_tensors"):
             names = ["saved_tensors"]
         for name in names:
+            if _saved_under_hooks(node, name):
+                continue
             try:
                 with outside_fake_mode():  # unpacking detaches: real tensors, also inside a compiler pass
                     value = getattr(node, name)
@@ -1112,6 +1115,17 @@ def tensors_held_for_backward(
             found.extend(v for v in values if isinstance(v, torch.Tensor))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def _saved_under_hooks(node: Any, name: str) -> bool:
+    """Whether a tensor of autograd ``node``'s saved attribute ``name`` was packed by saved-tensor hooks:
+    unpacking runs their unpack hook, which for a non-reentrant ``torch.utils.checkpoint`` region runs the
+    region's forward again (outside any backward: every op of it, its memory, and tensors that are not
+    what the step holds), and for ``save_on_cpu`` copies to the device.  Read from the ``SavedTensor``
+    objects behind the attribute (``_raw_saved_*``; ``_raw_saved_tensors`` of a custom function)."""
+    raw = getattr(node, "_raw" + name if name.startswith("_saved_") else "_raw_saved_tensors", None)
+    saved = raw if isinstance(raw, (tuple, list)) else (raw,)
+    return any(getattr(t, "unpack_hook", None) is not None for t in saved)
 
 
 def is_flash_attention_backward(target: Any) -> bool:

@@ -79,6 +79,12 @@ class GraphRecord:
     margin_bytes: int = 0  # planning_margin of this graph
     # What the graph keeps for backward when it keeps every value backward reads (no ckptc).
     unoptimized_kept_bytes: int = 0
+    # What it leaves alive for the rest of the step keeping everything (kept and held results).
+    unoptimized_step_bytes: int = 0
+    # The step's floor up to this graph in each of two ways to run it (``min_feasible_bytes`` is the lower):
+    # every graph so far at its lowest-peak plan, and every graph so far keeping everything.
+    floor_at_lowest_bytes: int = 0
+    floor_keeping_everything_bytes: int = 0
     infeasible: bool = False
     earlier: tuple["GraphRecord", ...] = field(default=(), repr=False)
     break_after: str | None = None  # why Dynamo ended this graph at a graph break, and where

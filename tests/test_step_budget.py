@@ -1111,3 +1111,108 @@ def test_layers_that_checkpoint_themselves_and_share_one_graph_have_a_floor_that
     named = refused.value.min_feasible_bytes
     assert named is not None and named >= captured.floor_bytes
     assert captured.plan(budget_bytes=named).predicted_peak_bytes <= named  # the budget the refusal names plans
+
+
+@torch.compiler.disable
+def _checkpointed_eagerly(fn: Any, h: torch.Tensor) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=False)
+
+
+class _EagerCheckpointBetweenGraphs(nn.Module):
+    """A region checkpointed by eager code between two graphs; ``calls`` counts its forward's runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(64, 256)
+        self.inner = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU())
+        self.last = nn.Linear(256, 1)
+        self.calls = 0
+
+    def _region(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(_checkpointed_eagerly(self._region, self.first(x))).square().mean()
+
+
+def test_counting_what_eager_code_saved_never_runs_a_checkpointed_regions_forward_again() -> None:
+    """Reading what a node of a non-reentrant ``checkpoint()`` region saved runs the region's forward again
+    (its unpack hook recomputes, outside any backward).  Counting eager code's saves did so at every graph
+    that planned after such a region: the region ran three times in a planning step instead of twice, and
+    its recomputed activations were counted as saved (a T5 with Hugging Face gradient checkpointing counted
+    714,240 bytes where its eager code holds 16,384 and was refused budgets above eager's peak).  (The
+    planning step runs the forward once more for the coverage report's reference.)  Tensors
+    packed by saved-tensor hooks are now left unread."""
+    model = _EagerCheckpointBetweenGraphs().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    fast = ckptc.optimize(model, budget_bytes=10**9)
+    runs = []
+    for _ in range(3):
+        before = model.calls
+        for p in model.parameters():
+            p.grad = None
+        loss = fast(x)
+        loss.backward()
+        runs.append(model.calls - before)
+        for p in reference.parameters():
+            p.grad = None
+        ref_loss = reference(x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    # Its forward and its recompute in backward; the planning step also runs the forward eagerly once more
+    # for the coverage report's reference (a graph break).
+    assert runs == [3, 2, 2], runs
+    (shape,) = fast.step_runtime.plans.values()
+    region_activations = 3 * 512 * 256 * 4
+    assert sum(shape.replans.account.eager_saved_before.values()) < region_activations
+
+
+def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_trains_within_eagers_peak() -> None:
+    """The tiny BART checkpointing its own layers, trained holding the output object through backward
+    (``out = model(...); out.loss.backward()``), at a budget between its floor and eager's peak: the step
+    holds the logits beyond the plan, so it is measured over the budget, planned again and refused.  The
+    budget the refusal named had every graph at its lowest-peak plan, which keeps 10x more of each layer
+    than keeping everything does (2,032,828 B, 1.10x eager's peak); it is now the lower of that and every
+    graph keeping everything, and training at it holds the budget with eager's gradients."""
+    reference, kwargs = _tiny_bart_checkpointing_itself()
+
+    def train(model: nn.Module, params: nn.Module) -> torch.Tensor:
+        for p in params.parameters():
+            p.grad = None
+        torch.manual_seed(0)  # dropout
+        out = model(**kwargs)
+        out.loss.backward()
+        return out.loss.detach()
+
+    eager = copy.deepcopy(reference)
+    train(eager, eager)
+    for p in eager.parameters():
+        p.grad = None
+    eager_bytes = measure_peak(lambda: train(eager, eager), baseline_bytes=resident_bytes(eager, kwargs))[1].peak_bytes
+    captured = ckptc.capture(copy.deepcopy(reference), (), kwargs)
+    budget = (captured.floor_bytes + eager_bytes) // 2
+    model = copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    with pytest.raises(ckptc.BudgetExceededError) as refused, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the measured step's warning before the refusal
+        for _ in range(4):
+            train(fast, model)
+    named = refused.value.min_feasible_bytes
+    assert named <= eager_bytes, (named, eager_bytes)
+    model = copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=named)
+    for _ in range(4):
+        loss = train(fast, model)
+        torch.testing.assert_close(loss, train(eager, eager))
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= named
+    for p in model.parameters():
+        p.grad = None
+    _, independent = measure_peak(lambda: train(fast, model), baseline_bytes=resident_bytes(model, kwargs))
+    assert independent.peak_bytes <= named, (independent.peak_bytes, named)

@@ -352,9 +352,11 @@ def decide(
             repeat_bytes=held_beside(assumed_kept),
             lowest_peak=lowest_peak,
             floor=floor,
+            everything_beside_runs=everything_beside_runs,
         )
 
     floor: tuple[solvers.Plan, solvers.SimResult] | None = None
+    everything_beside_runs: solvers.SimResult | None = None
     if not runs:
         return at(0)
     if plan_source is not None:  # a plan file's plan is applied as it is: its runs keep what it keeps
@@ -363,11 +365,9 @@ def decide(
     assumed = _kept_bytes(jp, everything)
     lowest = solvers.lowest_peak_plan(jp.problem)
     floor_kept = _kept_bytes(jp, lowest)
+    everything_beside_runs = solvers.simulate(beside_runs(assumed).problem, everything)
     floor = min(
-        (
-            (p, solvers.simulate(beside_runs(kept).problem, p))
-            for p, kept in ((lowest, floor_kept), (everything, assumed))
-        ),
+        ((lowest, solvers.simulate(beside_runs(floor_kept).problem, lowest)), (everything, everything_beside_runs)),
         key=lambda candidate: candidate[1].peak_bytes,
     )
     budget = account.graph_budget(index)
@@ -445,14 +445,18 @@ def decide_at(
     repeat_bytes: int = 0,
     lowest_peak: bool = False,
     floor: tuple[solvers.Plan, solvers.SimResult] | None = None,
+    everything_beside_runs: solvers.SimResult | None = None,
 ) -> GraphRecord:
     """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s
     baseline, and ``repeat_bytes`` of its own earlier runs', :func:`decide`); ``lowest_peak``: its
     lowest-peak plan where that fits the budget (no other plan fits beside its own runs); ``floor``: the
-    plan with the lowest peak beside its own runs and its result there, where :func:`decide` found it.
+    plan with the lowest peak beside its own runs and its result there, and ``everything_beside_runs``
+    keeping everything's, where :func:`decide` found them.
 
-    The floor reported (``min_feasible_bytes``) is the step's: earlier graphs at
-    their own lowest-peak plans would leave their ``slack_bytes`` fewer bytes alive.
+    The floor reported (``min_feasible_bytes``) is the step's, the lower of two ways to run the step
+    so far: every graph at its lowest-peak plan (earlier graphs would leave their ``slack_bytes`` fewer
+    bytes alive), or every graph keeping everything (a model that checkpoints its own layers keeps only
+    their inputs so, while a lowest-peak plan may keep more, which later graphs then hold beside them).
     A graph that cannot fit is planned at its lowest peak when it has a graph
     budget of its own and fits the step's budget alone (earlier graphs asked it
     to keep less), or when ``account.defer_infeasible`` asks to see the whole
@@ -477,7 +481,12 @@ def decide_at(
     # Keeping everything fits a budget of its own peak, the uncertainty margin or not (nothing left to drop):
     # the floor is never above the unoptimized peak (both with earlier graphs at their floors).
     own_floor = min(budget_for_planning_floor(lowest, margin), max(lowest, everything - slack))
-    step_floor = max([own_floor] + [r.min_feasible_bytes for r in earlier])
+    at_lowest = max([own_floor] + [r.floor_at_lowest_bytes for r in earlier])
+    all_kept = keep_all if everything_beside_runs is None else everything_beside_runs
+    growth = sum(r.unoptimized_step_bytes - r.step_bytes for r in earlier)
+    own_everything = all_kept.peak_bytes + cache_allowance(all_kept, jp.memory) + growth
+    keeping_everything = max([own_everything] + [r.floor_keeping_everything_bytes for r in earlier])
+    step_floor = min(at_lowest, keeping_everything)
     infeasible = False
     try:
         if lowest_peak and floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin):
@@ -521,6 +530,9 @@ def decide_at(
         floor_held_output_bytes=jp.held_beside(floor_plan.kept),
         margin_bytes=margin,
         unoptimized_kept_bytes=keep_all.kept_bytes,
+        unoptimized_step_bytes=keep_all.kept_bytes + jp.held_beside(keep_everything(jp).kept),
+        floor_at_lowest_bytes=at_lowest,
+        floor_keeping_everything_bytes=keeping_everything,
         infeasible=infeasible,
         earlier=tuple(earlier),
         repeat_bytes=repeat_bytes,
@@ -693,9 +705,7 @@ class CapturedStep:
 
     @property
     def floor_bytes(self) -> int:
-        # Each graph's floor has the earlier graphs at their lowest-peak plans; where those keep more than
-        # keeping everything does (a model that checkpoints its own layers), keeping everything is lower.
-        return min(max(r.min_feasible_bytes for r in self._keep_everything), self.unoptimized_peak_bytes)
+        return max(r.min_feasible_bytes for r in self._keep_everything)
 
     @property
     def unoptimized_peak_bytes(self) -> int:
