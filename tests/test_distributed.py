@@ -240,8 +240,11 @@ def _worker(rank: int, port: int, workdir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     results: dict[str, Any] = {"seconds": {}}
     scenarios = {
-        "ddp": lambda: _scenario(rank, "ddp", graph_break=True, fraction=0.5, workdir=Path(workdir)),
-        "fsdp2": lambda: _scenario(rank, "fsdp2", graph_break=False, fraction=0.5, workdir=Path(workdir)),
+        # The loop keeps the output object (_run), so the logits are alive through the backward of every graph
+        # before the last (a graph break; FSDP2's hooks break the graph too), counted there: at 0.5 the step
+        # accumulating into resident gradients has its floor 1.2% (DDP) and 1.5% (FSDP2) above the budget.
+        "ddp": lambda: _scenario(rank, "ddp", graph_break=True, fraction=0.55, workdir=Path(workdir)),
+        "fsdp2": lambda: _scenario(rank, "fsdp2", graph_break=False, fraction=0.55, workdir=Path(workdir)),
         "plans": lambda: _plan_file_and_mismatch(rank, Path(workdir)),
         "wrong_orders": lambda: _wrong_orders(rank),
     }

@@ -1175,10 +1175,11 @@ def test_counting_what_eager_code_saved_never_runs_a_checkpointed_regions_forwar
 def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_trains_within_eagers_peak() -> None:
     """The tiny BART checkpointing its own layers, trained holding the output object through backward
     (``out = model(...); out.loss.backward()``), at a budget between its floor and eager's peak: the step
-    holds the logits beyond the plan, so it is measured over the budget, planned again and refused.  The
-    budget the refusal named had every graph at its lowest-peak plan, which keeps 10x more of each layer
-    than keeping everything does (2,032,828 B, 1.10x eager's peak); it is now the lower of that and every
-    graph keeping everything, and training at it holds the budget with eager's gradients."""
+    holds the logits and the encoder's last state beyond what the first plan counted, so it is planned again
+    and refused.  The budget a refusal named had every graph at its lowest-peak plan, which keeps 10x more of
+    each layer than keeping everything does (2,032,828 B, 1.10x eager's peak); it is now the lower of that and
+    every graph keeping everything.  Each budget named is retried, as a user would: each is above the last
+    and within eager's peak, and one trains, holding the budget with eager's gradients."""
     reference, kwargs = _tiny_bart_checkpointing_itself()
 
     def train(model: nn.Module, params: nn.Module) -> torch.Tensor:
@@ -1196,23 +1197,85 @@ def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_tr
     eager_bytes = measure_peak(lambda: train(eager, eager), baseline_bytes=resident_bytes(eager, kwargs))[1].peak_bytes
     captured = ckptc.capture(copy.deepcopy(reference), (), kwargs)
     budget = (captured.floor_bytes + eager_bytes) // 2
-    model = copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=budget)
-    with pytest.raises(ckptc.BudgetExceededError) as refused, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the measured step's warning before the refusal
-        for _ in range(4):
-            train(fast, model)
-    named = refused.value.min_feasible_bytes
-    assert named <= eager_bytes, (named, eager_bytes)
-    model = copy.deepcopy(reference)
-    fast = ckptc.optimize(model, budget_bytes=named)
-    for _ in range(4):
-        loss = train(fast, model)
-        torch.testing.assert_close(loss, train(eager, eager))
-        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= named
+    named = []
+    for _ in range(3):
+        model = copy.deepcopy(reference)
+        fast = ckptc.optimize(model, budget_bytes=budget)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a measured step's warning before a refusal
+                for _ in range(4):
+                    loss = train(fast, model)
+                    torch.testing.assert_close(loss, train(eager, eager))
+                    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            break
+        except (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError) as refused:
+            assert refused.min_feasible_bytes is not None
+            named.append(refused.min_feasible_bytes)
+            assert budget < refused.min_feasible_bytes <= eager_bytes, (named, eager_bytes)
+            budget = refused.min_feasible_bytes
+    else:
+        raise AssertionError(f"no budget named trained: {named}")
+    assert named, "the first budget was not refused: the loop this test checks did not run"
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
     for p in model.parameters():
         p.grad = None
     _, independent = measure_peak(lambda: train(fast, model), baseline_bytes=resident_bytes(model, kwargs))
-    assert independent.peak_bytes <= named, (independent.peak_bytes, named)
+    assert independent.peak_bytes <= budget, (independent.peak_bytes, budget)
+
+
+class _BodyThenHeadAfterABreak(nn.Module):
+    """Four wide MLP blocks, a graph break, and a head whose 2 MiB logits the caller may hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            *[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)]
+        )
+        self.head = nn.Linear(256, 2048)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.body(x)
+        torch._dynamo.graph_break()
+        logits = self.head(h)
+        return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+
+def test_the_last_graphs_results_held_through_backward_are_counted_beside_earlier_graphs() -> None:
+    """A loop that keeps the output object (``out = model(x, y); out["loss"].backward()``) holds the last
+    graph's logits while the earlier graph's backward runs.  Only the last graph counted them: the body's
+    plan predicted 24,411,140 B and its first verified step measured 25,483,272 B (4.4% more).  Earlier
+    graphs of the call now count the last graph's held results in their baselines, and no measured step
+    exceeds the prediction."""
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 2048, (256,), generator=torch.Generator().manual_seed(1))
+    reference = _BodyThenHeadAfterABreak()
+
+    def train(model: nn.Module, params: nn.Module) -> torch.Tensor:
+        for p in params.parameters():
+            p.grad = None
+        out = model(x, y)
+        out["loss"].backward()
+        return out["loss"].detach()
+
+    eager = copy.deepcopy(reference)
+    train(eager, eager)
+    for p in eager.parameters():
+        p.grad = None
+    eager_bytes = measure_peak(lambda: train(eager, eager), baseline_bytes=resident_bytes(eager, x, y))[1].peak_bytes
+    budget = int(0.93 * eager_bytes)
+    model = copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for _ in range(3):
+        torch.testing.assert_close(train(fast, model), train(eager, eager))
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        measured = fast.plan.measured_peak_bytes
+        assert measured is None or measured <= min(budget, fast.plan.predicted_peak_bytes), (
+            measured,
+            fast.plan.predicted_peak_bytes,
+            budget,
+        )
+    assert fast.plan.measured_peak_bytes is not None

@@ -44,7 +44,7 @@ from ckptc.planning.policies import policies_from_patterns
 from ckptc.planning.replan import Replans
 from ckptc.plans import ModelPlan
 from ckptc.pricing.costs import OpMemory, annotate_costs, measure_runtimes, measure_scratch
-from ckptc.pricing.problem import joint_to_problem
+from ckptc.pricing.problem import joint_to_problem, with_later_results
 from ckptc.records import GraphRecord, PlanSource, RecordLink
 from ckptc.rewrite.lean_backward import (
     GradientSink,
@@ -636,6 +636,7 @@ class CheckpointCompiler:
             if self.account.gradients_summed_by_autograd
             else 0,
         )
+        jp = with_later_results(jp, self.account.later_results_held.get(index, 0))
         account = self.account.replace(defer_infeasible=False) if final else self.account
         record = decide(
             jp,

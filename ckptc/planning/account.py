@@ -147,6 +147,10 @@ class StepAccount:
             (a dropout mask, a norm's input: :meth:`ckptc.runtime.tracker.ResultLifetimes.saved_by_eager_code`):
             alive until that code's backward, after this graph's and every later graph's, so counted in
             their baselines (not compared: graphs planned before it need no new plan).
+        later_results_held: by graph index, the results of the call's last graph that a step showed the
+            caller holding until backward ends (a loop keeping the output object: its logits), alive while
+            this earlier graph's backward runs after the last one's (:meth:`counting_later_results`): from
+            the end of its forward through its backward (:func:`ckptc.pricing.problem.with_later_results`).
     """
 
     budget_bytes: int | None = None
@@ -168,6 +172,7 @@ class StepAccount:
     eager_bytes_after: Mapping[int, int] = field(default_factory=dict)
     results_let_go: Mapping[tuple[int, int], int] = field(default_factory=dict, compare=False)
     eager_saved_before: Mapping[int, int] = field(default_factory=dict, compare=False)
+    later_results_held: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def results_dropped_by_caller(self) -> bool:
@@ -281,6 +286,17 @@ class StepAccount:
             repeat_bytes={**self.repeat_bytes, **{i: correction[i] for i in worse}},
             repeat_runs={**self.repeat_runs, **{i: runs[i] for i in worse}},
         )
+
+    def counting_later_results(self, ran: Sequence[GraphRecord], held: bool) -> "StepAccount":
+        """This account with :attr:`later_results_held` as a step of the call whose graphs ``ran`` (in run
+        order) showed it: where the caller ``held`` the results through backward, the last graph's results
+        for every graph before it; none where it did not.  ``self`` when that is what it counts already."""
+        last = ran[-1] if ran else None
+        nbytes = sum(last.joint_problem.results.values()) if held and last is not None else 0
+        later = {r.index: nbytes for r in ran[:-1] if nbytes and last is not None and r.index != last.index}
+        if later == dict(self.later_results_held):
+            return self
+        return self.replace(later_results_held=later)
 
     def repeated_runs_bytes(self, index: int, current: Mapping[int, GraphRecord]) -> int:
         """What the runs of other graphs counted for graph ``index``'s last run (:attr:`repeat_runs`)

@@ -51,7 +51,7 @@ from ckptc.planning.account import (
 from ckptc.planning.replan import Replans, settle
 from ckptc.plans import ModelPlan, fingerprint, graph_plan
 from ckptc.pricing.costs import BACKWARD, FORWARD, FUSING_COMPILERS
-from ckptc.pricing.problem import GRADIENT_SUM_NODE, JointProblem
+from ckptc.pricing.problem import GRADIENT_SUM_NODE, JointProblem, with_later_results
 from ckptc.records import GraphInputs, GraphRecord, PlanSource, Progress
 from solvers.simulator import honour_policies
 
@@ -804,7 +804,9 @@ class CapturedStep:
             earlier = [decided[id(e)] for e in captured.earlier if id(e) in decided]
             repeated = account.repeated_runs_bytes(position, current)
             baseline = max(0, captured.own_baseline_bytes + account.earlier_bytes(earlier, position) + repeated)
-            jp = with_baseline(captured.joint_problem, baseline)
+            jp = with_later_results(
+                with_baseline(captured.joint_problem, baseline), account.later_results_held.get(position, 0)
+            )
             record = decide(
                 jp,
                 options,

@@ -371,8 +371,22 @@ class Replans:
         there; :attr:`StepAccount.results_dropped_by_caller`).  Results counted dropped that outlived
         the backward (a loop that keeps the output object) are counted held from now on: the step's
         excess is theirs, and a budget without room for them is refused saying so.  A caller's
-        ``hold_outputs=True``/``False`` is never changed.
+        ``hold_outputs=True``/``False`` is never changed.  Results of the last graph of a call split by graph
+        breaks that the caller held are counted beside the graphs before it, whose backward runs while they
+        are alive (:meth:`StepAccount.counting_later_results`).
         """
+        if held is not None:
+            counted = self.account.counting_later_results(ran, held)
+            if counted is not self.account:
+                log.info("results of the last graph held through backward, counted beside earlier graphs")
+                self.account = counted
+                self._measured = None
+                self._observed_holding(held, ran, loss_bytes)
+                return True
+        return self._observed_holding(held, ran, loss_bytes)
+
+    def _observed_holding(self, held: bool | None, ran: Sequence[GraphRecord], loss_bytes: int | None) -> bool:
+        """:meth:`observed_results` for the graphs' own results."""
         account = self.account
         if held and account.results_dropped_by_caller:
             log.info("the caller holds the forward's results through backward: planning again counting them")
@@ -400,7 +414,9 @@ class Replans:
         if not account.outputs_assumed_held:
             return False
         if held or not releases:
-            self.account = account.replace(outputs_assumed_held=False)  # prices the same: no new plan
+            # Prices the same, but for graphs before the last one of a call split by graph breaks: those count
+            # the last one's results held through their backward once a step showed them held.
+            self.account = account.replace(outputs_assumed_held=False)
             return False
         log.info("the caller drops the forward's results before backward: planning again without them")
         self._measured = None

@@ -35,6 +35,8 @@ RETURN_PREFIX = "return:"
 LOSS_NODE = "loss:outside"
 #: The node that prices autograd's sum of two calls' gradients after backward (``gradient_sum_bytes``).
 GRADIENT_SUM_NODE = "gradients:summed"
+#: The node that prices the results of later graphs held through this graph's backward (:func:`with_later_results`).
+LATER_RESULTS_NODE = "results:later"
 # Nodes inside the model's own torch.utils.checkpoint regions carry these tags.
 _RECOMPUTED_BY_THE_MODEL = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -562,3 +564,24 @@ def _inputs_mutated_in_graph(joint: fx.GraphModule) -> frozenset[str]:
 
 def _is_mutating(node: fx.Node) -> bool:
     return is_mutable_op(node.target)
+
+
+def with_later_results(jp: JointProblem, nbytes: int) -> JointProblem:
+    """``jp`` with ``nbytes`` of results that later graphs of its call return and the caller holds until
+    backward ends (:attr:`ckptc.planning.account.StepAccount.later_results_held`): made after this graph's
+    forward and alive through its backward, which runs after theirs.  A forward node at the end of forward
+    that no backward node reads and that never dies (an ``output``), so the forward's own peak is not
+    raised by them.  Replaces what ``jp`` counted so before; ``jp`` itself where that is the same."""
+    nodes = [n for n in jp.problem.nodes if n.name != LATER_RESULTS_NODE]
+    if nbytes == sum(n.bytes for n in jp.problem.nodes if n.name == LATER_RESULTS_NODE):
+        return jp
+    if nbytes <= 0:
+        return dataclasses.replace(jp, problem=dataclasses.replace(jp.problem, nodes=tuple(nodes)))
+    end = max((i for i, n in enumerate(nodes) if n.kind == FORWARD), default=-1) + 1
+    held = solvers.Node(name=LATER_RESULTS_NODE, bytes=nbytes, cost=0.0, kind=FORWARD, output=True, policy="recompute")
+    nodes.insert(end, held)
+    return dataclasses.replace(
+        jp,
+        problem=dataclasses.replace(jp.problem, nodes=tuple(nodes)),
+        stable_names={**jp.stable_names, LATER_RESULTS_NODE: LATER_RESULTS_NODE},
+    )
