@@ -1069,6 +1069,28 @@ def test_a_plan_whose_filled_values_leave_kept_ones_unread_is_predicted_as_it_ru
     assert measured.peak_bytes <= budget
 
 
+def _step_holding_the_output(model: Any, params: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """One step of a loop that keeps the output object through backward (``out = model(...);
+    out["loss"].backward()``), from zeroed gradients and a fixed seed (dropout); returns the loss."""
+    for p in params.parameters():
+        p.grad = None
+    torch.manual_seed(0)
+    out = model(*args, **kwargs)
+    out["loss"].backward()
+    return out["loss"].detach()
+
+
+def _eager_peak_holding_the_output(reference: nn.Module, *args: Any, **kwargs: Any) -> tuple[nn.Module, int]:
+    """An eager copy of ``reference`` after a warm-up step, and the peak of a step of it holding its output."""
+    eager = copy.deepcopy(reference)
+    _step_holding_the_output(eager, eager, *args, **kwargs)
+    for p in eager.parameters():
+        p.grad = None
+    baseline = resident_bytes(eager, args, kwargs)
+    _, measured = measure_peak(lambda: _step_holding_the_output(eager, eager, *args, **kwargs), baseline_bytes=baseline)
+    return eager, measured.peak_bytes
+
+
 def _tiny_bart_checkpointing_itself() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import BartConfig, BartForConditionalGeneration
 
@@ -1183,18 +1205,9 @@ def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_tr
     reference, kwargs = _tiny_bart_checkpointing_itself()
 
     def train(model: nn.Module, params: nn.Module) -> torch.Tensor:
-        for p in params.parameters():
-            p.grad = None
-        torch.manual_seed(0)  # dropout
-        out = model(**kwargs)
-        out.loss.backward()
-        return out.loss.detach()
+        return _step_holding_the_output(model, params, **kwargs)
 
-    eager = copy.deepcopy(reference)
-    train(eager, eager)
-    for p in eager.parameters():
-        p.grad = None
-    eager_bytes = measure_peak(lambda: train(eager, eager), baseline_bytes=resident_bytes(eager, kwargs))[1].peak_bytes
+    eager, eager_bytes = _eager_peak_holding_the_output(reference, **kwargs)
     captured = ckptc.capture(copy.deepcopy(reference), (), kwargs)
     budget = (captured.floor_bytes + eager_bytes) // 2
     named = []
@@ -1254,17 +1267,9 @@ def test_the_last_graphs_results_held_through_backward_are_counted_beside_earlie
     reference = _BodyThenHeadAfterABreak()
 
     def train(model: nn.Module, params: nn.Module) -> torch.Tensor:
-        for p in params.parameters():
-            p.grad = None
-        out = model(x, y)
-        out["loss"].backward()
-        return out["loss"].detach()
+        return _step_holding_the_output(model, params, x, y)
 
-    eager = copy.deepcopy(reference)
-    train(eager, eager)
-    for p in eager.parameters():
-        p.grad = None
-    eager_bytes = measure_peak(lambda: train(eager, eager), baseline_bytes=resident_bytes(eager, x, y))[1].peak_bytes
+    eager, eager_bytes = _eager_peak_holding_the_output(reference, x, y)
     budget = int(0.93 * eager_bytes)
     model = copy.deepcopy(reference)
     fast = ckptc.optimize(model, budget_bytes=budget)

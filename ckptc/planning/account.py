@@ -291,9 +291,8 @@ class StepAccount:
         """This account with :attr:`later_results_held` as a step of the call whose graphs ``ran`` (in run
         order) showed it: where the caller ``held`` the results through backward, the last graph's results
         for every graph before it; none where it did not.  ``self`` when that is what it counts already."""
-        last = ran[-1] if ran else None
-        nbytes = sum(last.joint_problem.results.values()) if held and last is not None else 0
-        later = {r.index: nbytes for r in ran[:-1] if nbytes and last is not None and r.index != last.index}
+        nbytes = sum(ran[-1].joint_problem.results.values()) if held and ran else 0
+        later = {r.index: nbytes for r in ran[:-1] if nbytes and r.index != ran[-1].index}
         if later == dict(self.later_results_held):
             return self
         return self.replace(later_results_held=later)

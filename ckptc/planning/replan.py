@@ -414,9 +414,7 @@ class Replans:
         if not account.outputs_assumed_held:
             return False
         if held or not releases:
-            # Prices the same, but for graphs before the last one of a call split by graph breaks: those count
-            # the last one's results held through their backward once a step showed them held.
-            self.account = account.replace(outputs_assumed_held=False)
+            self.account = account.replace(outputs_assumed_held=False)  # prices the same: no new plan
             return False
         log.info("the caller drops the forward's results before backward: planning again without them")
         self._measured = None
