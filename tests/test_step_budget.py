@@ -1284,3 +1284,47 @@ def test_the_last_graphs_results_held_through_backward_are_counted_beside_earlie
             budget,
         )
     assert fast.plan.measured_peak_bytes is not None
+
+
+class _BodyMiddleHead(nn.Module):
+    """Wide MLP blocks, a break, a middle layer whose 1 MiB output the model returns, a break, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            *[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)]
+        )
+        self.middle = nn.Linear(256, 1024)
+        self.head = nn.Linear(1024, 2048)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.body(x)
+        torch._dynamo.graph_break()
+        hidden = torch.tanh(self.middle(h))
+        torch._dynamo.graph_break()
+        logits = self.head(hidden)
+        return {"loss": F.cross_entropy(logits, y), "logits": logits, "hidden": hidden}
+
+
+def test_results_of_a_middle_graph_held_through_backward_are_counted_beside_the_graphs_before_it() -> None:
+    """The output object also holds a middle graph's result (as a model returns its encoder's last state):
+    it is alive through the first graph's backward too, and counted there with the head's logits (before,
+    only the last graph's results were)."""
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 2048, (256,), generator=torch.Generator().manual_seed(1))
+    reference = _BodyMiddleHead()
+    eager, eager_bytes = _eager_peak_holding_the_output(reference, x, y)
+    budget = eager_bytes  # what it holds leaves little to plan: the step's floor is 0.98x eager's peak
+    model = copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for _ in range(3):
+        loss = _step_holding_the_output(fast, model, x, y)
+        torch.testing.assert_close(loss, _step_holding_the_output(eager, eager, x, y))
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    (shape,) = fast.step_runtime.plans.values()
+    hidden, logits = 256 * 1024 * 4, 256 * 2048 * 4
+    assert shape.replans.account.later_results_held[0] == hidden + logits, shape.replans.account.later_results_held
+    measured = fast.plan.measured_peak_bytes
+    assert measured is not None and measured <= min(budget, fast.plan.predicted_peak_bytes)

@@ -147,10 +147,11 @@ class StepAccount:
             (a dropout mask, a norm's input: :meth:`ckptc.runtime.tracker.ResultLifetimes.saved_by_eager_code`):
             alive until that code's backward, after this graph's and every later graph's, so counted in
             their baselines (not compared: graphs planned before it need no new plan).
-        later_results_held: by graph index, the results of the call's last graph that a step showed the
-            caller holding until backward ends (a loop keeping the output object: its logits), alive while
-            this earlier graph's backward runs after the last one's (:meth:`counting_later_results`): from
-            the end of its forward through its backward (:func:`ckptc.pricing.problem.with_later_results`).
+        later_results_held: by graph index, the results of later graphs of the call that a step showed the
+            caller holding until backward ends (a loop keeping the output object: its logits, an encoder's
+            last state), alive while this earlier graph's backward runs after theirs
+            (:meth:`counting_later_results`): from the end of its forward through its backward
+            (:func:`ckptc.pricing.problem.with_later_results`).
     """
 
     budget_bytes: int | None = None
@@ -287,12 +288,17 @@ class StepAccount:
             repeat_runs={**self.repeat_runs, **{i: runs[i] for i in worse}},
         )
 
-    def counting_later_results(self, ran: Sequence[GraphRecord], held: bool) -> "StepAccount":
+    def counting_later_results(self, ran: Sequence[GraphRecord], held: Mapping[int, int]) -> "StepAccount":
         """This account with :attr:`later_results_held` as a step of the call whose graphs ``ran`` (in run
-        order) showed it: where the caller ``held`` the results through backward, the last graph's results
-        for every graph before it; none where it did not.  ``self`` when that is what it counts already."""
-        nbytes = sum(ran[-1].joint_problem.results.values()) if held and ran else 0
-        later = {r.index: nbytes for r in ran[:-1] if nbytes and r.index != ran[-1].index}
+        order) showed it: ``held``, by position in ``ran``, the bytes of each run's results the caller held
+        through backward (:meth:`ckptc.runtime.tracker.ResultLifetimes.held_through_backward`), counted for
+        every run before it (by graph index, the most over its runs).  ``self`` when that is what it counts
+        already."""
+        later: dict[int, int] = {}
+        for k, record in enumerate(ran):
+            after = sum(nbytes for m, nbytes in held.items() if m > k)
+            if after > later.get(record.index, 0):
+                later[record.index] = after
         if later == dict(self.later_results_held):
             return self
         return self.replace(later_results_held=later)

@@ -359,7 +359,13 @@ class Replans:
         self.account = account.replace(hold_outputs=True, result_gradients=True, outputs_assumed_held=False)
         return True
 
-    def observed_results(self, held: bool | None, ran: Sequence[GraphRecord], loss_bytes: int | None = None) -> bool:
+    def observed_results(
+        self,
+        held: bool | None,
+        ran: Sequence[GraphRecord],
+        loss_bytes: int | None = None,
+        held_bytes: Mapping[int, int] | None = None,
+    ) -> bool:
         """A step of the graphs ``ran`` showed whether its caller held the forward's results until its
         backward ended (``held``; None: no backward showed it); whether the plans must be made again.
 
@@ -371,12 +377,13 @@ class Replans:
         there; :attr:`StepAccount.results_dropped_by_caller`).  Results counted dropped that outlived
         the backward (a loop that keeps the output object) are counted held from now on: the step's
         excess is theirs, and a budget without room for them is refused saying so.  A caller's
-        ``hold_outputs=True``/``False`` is never changed.  Results of the last graph of a call split by graph
-        breaks that the caller held are counted beside the graphs before it, whose backward runs while they
-        are alive (:meth:`StepAccount.counting_later_results`).
+        ``hold_outputs=True``/``False`` is never changed.  Results of a call split by graph breaks that the
+        caller held (``held_bytes``: by position in ``ran``, their bytes) are counted beside the graphs before
+        the one that made them, whose backward runs while they are alive
+        (:meth:`StepAccount.counting_later_results`).
         """
-        if held is not None:
-            counted = self.account.counting_later_results(ran, held)
+        if held is not None and held_bytes is not None:
+            counted = self.account.counting_later_results(ran, held_bytes if held else {})
             if counted is not self.account:
                 log.info("results of the last graph held through backward, counted beside earlier graphs")
                 self.account = counted

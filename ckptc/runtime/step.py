@@ -770,6 +770,7 @@ class StepRuntime:
                 self._tracker.results_held,
                 shape.last_records,
                 loss_bytes=None if measurement is None else measurement.loss_bytes,
+                held_bytes=self._lifetimes.held_through_backward(shape.last_records),
             )
         if measurement is None:
             return

@@ -93,6 +93,7 @@ class ResultLifetimes:
     def __init__(self, *, watch_results: bool = False) -> None:
         self._watch_results = watch_results  # keep references to the results for results_alive
         self._returned: list[tuple[GraphRecord, list[Any]]] = []  # the open step's graph runs so far
+        self._returned_bytes: list[list[int]] = []  # the bytes of each of their results' storages
         # Storages by ``cdata`` with their weak references: a freed storage's address is soon another's,
         # so an entry whose storage was freed is dropped before any storage is looked up.
         self._inputs: dict[int, Any] = {}  # storages of the open step's graphs' tensor inputs
@@ -102,7 +103,7 @@ class ResultLifetimes:
 
     def begin(self) -> None:
         """A new step: nothing of the last one is judged in it."""
-        self._returned, self._results = [], []
+        self._returned, self._returned_bytes, self._results = [], [], []
         self._inputs, self._walked, self._saved = {}, set(), {}
 
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
@@ -151,13 +152,11 @@ class ResultLifetimes:
         pass
 
     def graph_returned(self, record: GraphRecord, outputs: Any) -> None:
-        refs = [
-            internals.storage_ref(t)
-            for t in internals.tree_leaves(outputs)
-            if isinstance(t, torch.Tensor) and t.numel() > 1
-        ]
-        if refs:
-            self._returned.append((record, refs))  # a None (no storage to watch) counts as alive
+        results = [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.numel() > 1]
+        if results:
+            # A None (no storage to watch) counts as alive.
+            self._returned.append((record, [internals.storage_ref(t) for t in results]))
+            self._returned_bytes.append([resident_bytes(t) for t in results])
         if self._watch_results:
             self._results.extend(
                 _non_scalar_refs(t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor))
@@ -173,6 +172,24 @@ class ResultLifetimes:
             return False
         gc.collect()
         return any(ref() is not None for ref in self._results)
+
+    def held_through_backward(self, ran: Sequence[GraphRecord]) -> dict[int, int]:
+        """By position in ``ran`` (the runs of one call's graphs, in run order): the bytes of that run's results
+        still alive as the open step's backward ends, which the caller (or the model) held through it.  A
+        storage two results share is counted once."""
+        held: dict[int, int] = {}
+        seen: set[int] = set()
+        position = 0
+        for (record, refs), sizes in zip(self._returned, self._returned_bytes, strict=True):
+            later = next((k for k in range(position, len(ran)) if ran[k] is record), None)
+            if later is None:
+                continue  # another compiler's graph
+            position = later + 1
+            for ref, nbytes in zip(refs, sizes, strict=True):
+                if ref is not None and not ref.expired() and ref.cdata not in seen:
+                    seen.add(ref.cdata)
+                    held[later] = held.get(later, 0) + nbytes
+        return held
 
     def results_beside(
         self, index: int, inputs: Sequence[Any], records: Sequence[GraphRecord]

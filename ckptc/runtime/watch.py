@@ -245,7 +245,8 @@ class BackendStepCheck:
                 "were priced as absent, so the graphs plan again counting them"
             )
             changed = True
-        if self.replans.observed_results(self._tracker.results_held, self._ran):
+        held = self._lifetimes.held_through_backward(self._ran)
+        if self.replans.observed_results(self._tracker.results_held, self._ran, held_bytes=held):
             changed = True
         if changed:
             self._replanned()
