@@ -69,7 +69,6 @@ class GraphRecord:
     result: solvers.SimResult = field(repr=False)
     baseline_bytes: int
     unoptimized_peak_bytes: int
-    min_feasible_bytes: int
     solve_seconds: float
     inputs: GraphInputs = field(default_factory=GraphInputs, repr=False)
     held_output_bytes: int = 0
@@ -101,6 +100,12 @@ class GraphRecord:
     # id (:func:`ckptc.planning.planner.floor_counting_later_calls`); set by the planner, which alone
     # simulates plans.
     later_calls_floor: Callable[[Mapping[int, int]], int] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def min_feasible_bytes(self) -> int:
+        """The step's floor up to this graph: the lower of its two ways to run it (the budget below which
+        the step cannot be planned, as far as the graphs so far show)."""
+        return min(self.floor_at_lowest_bytes, self.floor_keeping_everything_bytes)
 
     @property
     def step_bytes(self) -> int:

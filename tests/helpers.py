@@ -12,6 +12,22 @@ import ckptc
 from ckptc.meter import MemoryMeasurement, measure_peak, resident_bytes
 from tests.zoo import ModelCase, get_case
 
+#: The sizes of the tiny decoder-only transformers models tests build from a config (Llama-style names).
+TINY_DECODER = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def tiny_lm_batch(vocab_size: int = 300) -> dict[str, torch.Tensor]:
+    """A causal LM's training batch for those models: two sequences of 32 tokens, their own labels."""
+    ids = torch.randint(0, vocab_size, (2, 32))
+    return {"input_ids": ids, "labels": ids}
+
 
 def step(case: ModelCase, model: Any, seed: int = 1234) -> torch.Tensor:
     """One forward+backward from zeroed gradients, with a fixed RNG seed (dropout)."""

@@ -18,7 +18,7 @@ from torch import nn
 
 import ckptc
 from ckptc.runtime.tracker import StepTracker
-from tests.helpers import assert_trains_like_eager_within
+from tests.helpers import TINY_DECODER, assert_trains_like_eager_within, tiny_lm_batch
 
 
 # -- inputs updated in place -------------------------------------------------------------------
@@ -653,12 +653,7 @@ def test_a_size_read_from_a_tensor_with_no_bound_is_captured_again_with_graph_br
     from transformers import JambaConfig, JambaForCausalLM
 
     config = JambaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         num_experts=4,
         num_experts_per_tok=2,
         expert_layer_period=2,
@@ -671,10 +666,10 @@ def test_a_size_read_from_a_tensor_with_no_bound_is_captured_again_with_graph_br
     )
     torch.manual_seed(0)
     reference = JambaForCausalLM(config).train()
-    ids = torch.randint(0, 300, (2, 32))
-    step = ckptc.capture(copy.deepcopy(reference), (), {"input_ids": ids, "labels": ids})
+    batch = tiny_lm_batch()
+    step = ckptc.capture(copy.deepcopy(reference), (), batch)
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    assert_trains_like_eager_within(reference, budget, (), {"input_ids": ids, "labels": ids})
+    assert_trains_like_eager_within(reference, budget, (), batch)
 
 
 def test_a_model_dynamo_traces_only_with_graph_breaks_at_item_trains_like_eager() -> None:

@@ -14,7 +14,7 @@ import torch
 import ckptc
 from ckptc.meter import measure_peak, resident_bytes
 from solvers import Node, Plan, Problem, SizeGroup, simulate
-from tests.helpers import assert_trains_like_eager_within, eager_peak
+from tests.helpers import TINY_DECODER, assert_trains_like_eager_within, eager_peak, tiny_lm_batch
 from tests.zoo import get_case
 
 
@@ -203,28 +203,23 @@ def test_counts_that_split_the_sorted_tokens_share_their_total_and_so_do_their_r
     from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
     config = GraniteMoeConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         max_position_embeddings=64,
         num_local_experts=4,
         num_experts_per_tok=2,
     )
     torch.manual_seed(0)
     reference = GraniteMoeForCausalLM(config).train()
-    ids = torch.randint(0, 300, (2, 32))
-    step = ckptc.capture(copy.deepcopy(reference), (), {"input_ids": ids, "labels": ids})
+    batch = tiny_lm_batch()
+    step = ckptc.capture(copy.deepcopy(reference), (), batch)
     (record,) = step.records
     groups = record.joint_problem.problem.size_groups
     assert len(groups) == 2 and all(g.total == 128 and [b for b, _ in g.members] == [128] * 4 for g in groups)
 
-    peak = eager_peak(reference, (), {"input_ids": ids, "labels": ids})
+    peak = eager_peak(reference, (), batch)
     assert abs(step.unoptimized_peak_bytes - peak) <= 0.01 * peak, (step.unoptimized_peak_bytes, peak)
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    assert_trains_like_eager_within(reference, budget, (), {"input_ids": ids, "labels": ids})
+    assert_trains_like_eager_within(reference, budget, (), batch)
 
 
 def test_slices_of_a_weight_stacking_every_expert_are_counted_as_the_weight_not_as_data() -> None:
@@ -248,11 +243,11 @@ def test_slices_of_a_weight_stacking_every_expert_are_counted_as_the_weight_not_
     )
     torch.manual_seed(0)
     reference = DbrxForCausalLM(config).train()
-    ids = torch.randint(0, 300, (2, 32))
-    step = ckptc.capture(copy.deepcopy(reference), (), {"input_ids": ids, "labels": ids})
+    batch = tiny_lm_batch()
+    step = ckptc.capture(copy.deepcopy(reference), (), batch)
     assert len(step.records) > 2  # the expert loop's graph breaks
 
-    peak = eager_peak(reference, (), {"input_ids": ids, "labels": ids})
+    peak = eager_peak(reference, (), batch)
     assert abs(step.unoptimized_peak_bytes - peak) <= 0.01 * peak, (step.unoptimized_peak_bytes, peak)
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    assert_trains_like_eager_within(reference, budget, (), {"input_ids": ids, "labels": ids})
+    assert_trains_like_eager_within(reference, budget, (), batch)

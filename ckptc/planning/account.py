@@ -295,10 +295,11 @@ class StepAccount:
         every run before it (by graph index, the most over its runs).  ``self`` when that is what it counts
         already."""
         later: dict[int, int] = {}
-        for k, record in enumerate(ran):
-            after = sum(nbytes for m, nbytes in held.items() if m > k)
-            if after > later.get(record.index, 0):
-                later[record.index] = after
+        after = 0  # held by the runs after position k
+        for k in reversed(range(len(ran))):
+            if after > later.get(ran[k].index, 0):
+                later[ran[k].index] = after
+            after += held.get(k, 0)
         if later == dict(self.later_results_held):
             return self
         return self.replace(later_results_held=later)

@@ -361,10 +361,13 @@ def decide(
         return at(0)
     if plan_source is not None:  # a plan file's plan is applied as it is: its runs keep what it keeps
         return at(_kept_bytes(jp, plan_source(index, jp)))
-    everything = keep_everything(jp)
-    assumed = _kept_bytes(jp, everything)
+    # Each simulated once beside no runs of its own (what it keeps does not depend on the baseline), then
+    # beside runs keeping what it keeps.
+    everything = unoptimized_plan(jp)
+    assumed = unoptimized_result(jp).kept_bytes + jp.held_beside(everything.kept)
     lowest = solvers.lowest_peak_plan(jp.problem)
-    floor_kept = _kept_bytes(jp, lowest)
+    lowest_alone = solvers.simulate(jp.problem, lowest)
+    floor_kept = lowest_alone.kept_bytes + jp.held_beside(lowest.kept)
     everything_beside_runs = solvers.simulate(beside_runs(assumed).problem, everything)
     floor = min(
         ((lowest, solvers.simulate(beside_runs(floor_kept).problem, lowest)), (everything, everything_beside_runs)),
@@ -377,9 +380,8 @@ def decide(
     # the lowest-peak plan still fits (larger: no plan fits); within it a larger assumption leaves less
     # room, so its plan tends to keep less.  Bisection for the smallest assumption whose plan keeps no more
     # than assumed: the cheapest plan that fits beside its own runs.
-    floor_peak = solvers.simulate(jp.problem, lowest).peak_bytes
     margin = planning_margin(jp.problem, unoptimized_result(jp), jp.memory)
-    room = (planning_budget(budget, margin) - floor_peak) // runs
+    room = (planning_budget(budget, margin) - lowest_alone.peak_bytes) // runs
     low = min(floor_kept, assumed)
     high = max(low, min(max(floor_kept, assumed), room))
     best: GraphRecord | None = None
@@ -472,7 +474,7 @@ def decide_at(
         floor_plan = solvers.lowest_peak_plan(jp.problem)
         floor_result = solvers.simulate(jp.problem, floor_plan)
         if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
-            floor_plan, floor_result = keep_everything(jp), keep_all
+            floor_plan, floor_result = unoptimized_plan(jp), keep_all
     margin = planning_margin(jp.problem, keep_all, jp.memory)
     # What keeping everything peaks at on the device: on a caching allocator, with its allowance.
     everything = keep_all.peak_bytes + cache_allowance(keep_all, jp.memory)
@@ -502,7 +504,7 @@ def decide_at(
         fits_alone = floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin)
         graph_budget = account.graph_budget(index)
         if plan_source is None and graph_budget is not None and everything <= graph_budget:
-            plan = keep_everything(jp)  # within the budget, only not within the planning margin
+            plan = unoptimized_plan(jp)  # within the budget, only not within the planning margin
         elif index in account.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
         elif account.defer_infeasible and plan_source is None and earlier:
@@ -521,7 +523,6 @@ def decide_at(
         result=result,
         baseline_bytes=jp.problem.baseline_bytes,
         unoptimized_peak_bytes=unoptimized,
-        min_feasible_bytes=step_floor,
         solve_seconds=time.perf_counter() - start,
         inputs=inputs or GraphInputs(),
         held_output_bytes=jp.held_beside(plan.kept),
@@ -530,7 +531,7 @@ def decide_at(
         floor_held_output_bytes=jp.held_beside(floor_plan.kept),
         margin_bytes=margin,
         unoptimized_kept_bytes=keep_all.kept_bytes,
-        unoptimized_step_bytes=keep_all.kept_bytes + jp.held_beside(keep_everything(jp).kept),
+        unoptimized_step_bytes=keep_all.kept_bytes + jp.held_beside(unoptimized_plan(jp).kept),
         floor_at_lowest_bytes=at_lowest,
         floor_keeping_everything_bytes=keeping_everything,
         infeasible=infeasible,
@@ -624,10 +625,17 @@ def floor_counting_later_calls(record: GraphRecord, parameters: Mapping[int, int
     return max(record.min_feasible_bytes, budget_for_planning_floor(lowest, record.margin_bytes))
 
 
+def unoptimized_plan(jp: JointProblem) -> solvers.Plan:
+    """The plan keeping every value backward reads (no ckptc), made once per graph."""
+    if "_unoptimized_plan" not in jp.__dict__:
+        jp.__dict__["_unoptimized_plan"] = keep_everything(jp)
+    return jp.__dict__["_unoptimized_plan"]
+
+
 def unoptimized_result(jp: JointProblem) -> solvers.SimResult:
     """The graph keeping every value backward reads (no ckptc), simulated (once per graph)."""
     if "_unoptimized" not in jp.__dict__:
-        jp.__dict__["_unoptimized"] = solvers.simulate(jp.problem, keep_everything(jp))
+        jp.__dict__["_unoptimized"] = solvers.simulate(jp.problem, unoptimized_plan(jp))
     return jp.__dict__["_unoptimized"]
 
 

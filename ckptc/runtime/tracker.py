@@ -92,8 +92,8 @@ class ResultLifetimes:
 
     def __init__(self, *, watch_results: bool = False) -> None:
         self._watch_results = watch_results  # keep references to the results for results_alive
-        self._returned: list[tuple[GraphRecord, list[Any]]] = []  # the open step's graph runs so far
-        self._returned_bytes: list[list[int]] = []  # the bytes of each of their results' storages
+        # The open step's graph runs so far, each with its results' storages (weak references) and their bytes.
+        self._returned: list[tuple[GraphRecord, list[tuple[Any, int]]]] = []
         # Storages by ``cdata`` with their weak references: a freed storage's address is soon another's,
         # so an entry whose storage was freed is dropped before any storage is looked up.
         self._inputs: dict[int, Any] = {}  # storages of the open step's graphs' tensor inputs
@@ -103,7 +103,7 @@ class ResultLifetimes:
 
     def begin(self) -> None:
         """A new step: nothing of the last one is judged in it."""
-        self._returned, self._returned_bytes, self._results = [], [], []
+        self._returned, self._results = [], []
         self._inputs, self._walked, self._saved = {}, set(), {}
 
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
@@ -123,7 +123,7 @@ class ResultLifetimes:
         taken = self._note_inputs(inputs)
         handed_over = sum(self._saved.pop(storage)[1] for storage in taken & self._saved.keys())
         known = self._inputs.keys() | {
-            ref.cdata for _, refs in self._returned for ref in refs if ref is not None and not ref.expired()
+            ref.cdata for _, refs in self._returned for ref, _ in refs if ref is not None and not ref.expired()
         }
         if model is not None:
             known |= _storages(itertools.chain(model.parameters(), model.buffers()))
@@ -155,8 +155,7 @@ class ResultLifetimes:
         results = [t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.numel() > 1]
         if results:
             # A None (no storage to watch) counts as alive.
-            self._returned.append((record, [internals.storage_ref(t) for t in results]))
-            self._returned_bytes.append([resident_bytes(t) for t in results])
+            self._returned.append((record, [(internals.storage_ref(t), resident_bytes(t)) for t in results]))
         if self._watch_results:
             self._results.extend(
                 _non_scalar_refs(t for t in internals.tree_leaves(outputs) if isinstance(t, torch.Tensor))
@@ -180,12 +179,12 @@ class ResultLifetimes:
         held: dict[int, int] = {}
         seen: set[int] = set()
         position = 0
-        for (record, refs), sizes in zip(self._returned, self._returned_bytes, strict=True):
+        for record, refs in self._returned:
             later = next((k for k in range(position, len(ran)) if ran[k] is record), None)
             if later is None:
                 continue  # another compiler's graph
             position = later + 1
-            for ref, nbytes in zip(refs, sizes, strict=True):
+            for ref, nbytes in refs:
                 if ref is not None and not ref.expired() and ref.cdata not in seen:
                     seen.add(ref.cdata)
                     held[later] = held.get(later, 0) + nbytes
@@ -209,7 +208,7 @@ class ResultLifetimes:
         for earlier, refs in self._returned:
             if id(earlier) not in mine or earlier.index == index:
                 continue  # another compiler's graph, or another run of its own (StepAccount.repeat_runs)
-            alive_run = any(alive(ref) for ref in refs)
+            alive_run = any(alive(ref) for ref, _ in refs)
             dead = verdicts[id(earlier)][2] if id(earlier) in verdicts else 0
             verdicts[id(earlier)] = (earlier, index, dead + (not alive_run))
         return list(verdicts.values())
