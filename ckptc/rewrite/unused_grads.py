@@ -12,7 +12,7 @@ of backward.
 This module keeps the mechanism apart from the decision:
 
 * :func:`fold_zeros` is the analysis.  Given placeholders known to be zero, it
-  says which nodes are then zero (views, ``mul``, ``sum`` of a zero) or equal to
+  says which nodes are then zero (views, ``mul``, ``sum``, an activation's backward of a zero) or equal to
   another node (``add(zero, g)`` is ``g``).  It also says whether the zeros
   vanish completely, that is, whether no other op needs them as real tensors.
 * :func:`foldable_tangents` names the tangents that vanish completely.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
@@ -45,9 +46,11 @@ log = logging.getLogger("ckptc.rewrite.unused_grads")
 
 aten = torch.ops.aten
 
-# Ops whose result is zero when their first argument is zero.  View ops count too.
+# Ops whose result is zero when their first argument is zero: linear in it (the backward of an
+# activation, softmax or dropout is linear in the gradient it is given).  View ops count too.
 _ZERO_IF_FIRST = {
     aten.clone.default,
+    aten._unsafe_view.default,
     aten._to_copy.default,
     aten.neg.default,
     aten.div.Tensor,
@@ -55,9 +58,51 @@ _ZERO_IF_FIRST = {
     aten.mul.Scalar,
     aten.sum.default,
     aten.sum.dim_IntList,
+    aten.mean.default,
+    aten.mean.dim,
+    aten.cumsum.default,
+    aten.index_select.default,
+    aten.gather.default,
+    aten.flip.default,
+    aten.roll.default,
+    aten.repeat.default,
+    aten.tanh_backward.default,
+    aten.sigmoid_backward.default,
+    aten.gelu_backward.default,
+    aten.silu_backward.default,
+    aten.threshold_backward.default,
+    aten.hardtanh_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.elu_backward.default,
+    aten.softplus_backward.default,
+    aten.mish_backward.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+    aten.native_dropout_backward.default,
+    aten.select_backward.default,
+    aten.slice_backward.default,
+    aten.embedding_dense_backward.default,
+}
+# Ops with several results, each zero when their first argument (the gradient of their forward's
+# output) is zero: a normalization's, convolution's or attention kernel's backward.  Their
+# ``getitem``s are then zero too.
+_ZEROS_IF_FIRST = {
+    aten.native_layer_norm_backward.default,
+    aten.native_group_norm_backward.default,
+    aten.native_batch_norm_backward.default,
+    aten.convolution_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
 }
 # Ops whose result is zero when any argument is zero (a linear layer's backward: mm, bmm).
 _ZERO_IF_ANY = {aten.mul.Tensor, aten.mm.default, aten.bmm.default}
+# Ops joining a list of tensors: zero when every tensor of the list is zero (the gradient of a
+# fused projection split into query, key and value).
+_JOINS = {aten.cat.default, aten.stack.default}
 
 ZERO = None
 """The value :func:`fold_zeros` gives a node that is all zeros."""
@@ -83,7 +128,9 @@ def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
     """Which nodes of ``graph`` are zero, or equal to another node, when ``zeros`` are zero.
 
     Walks the nodes once, in order.  A node is zero when it is a view of a zero,
-    one of the zero-preserving ops applied to a zero, or a ``mul`` with a zero.
+    one of the zero-preserving ops applied to a zero (an activation's backward
+    given a zero gradient), a ``mul`` with a zero, or a result of a multi-result
+    backward op (layer norm, convolution, attention) given a zero gradient.
     ``add(a, zero)``, ``add(zero, b)`` (``alpha=1``) and ``sub(a, zero)`` equal their
     other argument when it has the result's shape, strides and dtype.  A zero
     returned is returned as ``None`` (an input's gradient that is all zeros: no
@@ -111,8 +158,14 @@ def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
         target = node.target
         first = node.args[0] if node.args else None
         if node.op == "call_function" and (
-            ((is_view_op(target) or target in _ZERO_IF_FIRST) and is_zero(first) and len(zero_inputs) == 1)
+            (
+                (is_view_op(target) or target in _ZERO_IF_FIRST or target in _ZEROS_IF_FIRST)
+                and is_zero(first)
+                and len(zero_inputs) == 1
+            )
             or target in _ZERO_IF_ANY
+            or target is operator.getitem  # of a zero's results: ``first`` is the only node
+            or (target in _JOINS and all(is_zero(a) for a in first))
         ):
             replaced[node] = ZERO
             continue
