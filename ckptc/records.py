@@ -75,7 +75,7 @@ class GraphRecord:
     floor_peak_bytes: int = 0
     floor_kept_bytes: int = 0
     floor_held_output_bytes: int = 0  # held results beside what the lowest-peak plan keeps
-    margin_bytes: int = 0  # planning_margin of this graph
+    margin_bytes: int = 0  # planning_margin of the lowest-peak plan: the floor's (the solvers plan at a larger one)
     # What the graph keeps for backward when it keeps every value backward reads (no ckptc).
     unoptimized_kept_bytes: int = 0
     # What it leaves alive for the rest of the step keeping everything (kept and held results).

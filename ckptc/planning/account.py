@@ -506,24 +506,28 @@ def unnamed_gradient_bytes(model: torch.nn.Module, ran: Sequence[GraphRecord]) -
     return sum(allocated_bytes(p) for p in model.parameters() if p.requires_grad and id(p) not in named)
 
 
-def planning_margin(problem: solvers.Problem, unoptimized: solvers.SimResult, memory: MemoryModel = NO_CACHE) -> int:
-    """How far below the user's budget the solvers plan for this graph.
+def planning_margin(problem: solvers.Problem, result: solvers.SimResult, memory: MemoryModel = NO_CACHE) -> int:
+    """How far below the user's budget a plan of this graph whose simulation is ``result`` must peak.
 
     What can differ between the prediction and a run is what the plan moves
     (activations kept for backward, whose kernels' scratch memory is measured
     once per op on random data and varies a little between runs), not the
     weights and gradients, which are exact.  So the margin is a share of the
-    unoptimized plan's kept bytes plus a share of the largest scratch: a
+    plan's kept bytes plus a share of the largest scratch: a
     billion-parameter model whose weights dwarf its activations keeps its
     whole useful range (floor to unoptimized peak) plannable, which a share
     of the whole budget would swallow.  On a device whose allocator serves
     blocks from a cache (``memory``, :data:`ckptc.pricing.devices.CACHE_REUSE_DIVISOR`),
     a further share of the kept bytes allows for cached blocks counted above
     their priced size.
+
+    The solvers plan at the unoptimized plan's margin (the largest: no plan keeps more); the floor is
+    the lowest-peak plan's peak with that plan's own margin, and a budget between the two gets a plan
+    that fits within its own (:func:`ckptc.planning.planner.decide_at`).
     """
     scratch = max((n.scratch for n in problem.nodes), default=0)
-    uncertainty = unoptimized.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
-    return uncertainty + cache_allowance(unoptimized, memory)
+    uncertainty = result.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
+    return uncertainty + cache_allowance(result, memory)
 
 
 def cache_allowance(unoptimized: solvers.SimResult, memory: MemoryModel = NO_CACHE) -> int:

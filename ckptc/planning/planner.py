@@ -208,6 +208,35 @@ def _choose(
     return plan
 
 
+def _within_own_margin(
+    jp: JointProblem,
+    options: CheckpointOptions,
+    budget: int,
+    floor: tuple[solvers.Plan, solvers.SimResult],
+    progress: Progress | None,
+) -> solvers.Plan | None:
+    """A plan for a budget too close to the floor for the solvers' planning margin (the unoptimized plan's)
+    but within the lowest-peak plan's own (``floor``: that plan and its simulation).
+
+    The solvers' plan at the budget less the lowest-peak plan's margin, if it peaks within the margin
+    that plan's own kept values need, else the lowest-peak plan (under ``solver="auto"``; a solver the
+    caller chose that finds no such plan gives None: refused as at any budget it cannot meet).  Plans
+    keep less here than keeping everything does, so their peaks are less uncertain
+    (:func:`ckptc.planning.account.planning_margin`).
+    """
+    floor_plan, floor_result = floor
+    margin = planning_margin(jp.problem, floor_result, jp.memory)
+    try:
+        found = candidate(jp, options, planning_budget(budget, margin), progress)
+        plan = for_target_compiler(jp, found, options.compiler)
+        result = solvers.simulate(jp.problem, plan)
+        if result.peak_bytes <= planning_budget(budget, planning_margin(jp.problem, result, jp.memory)):
+            return plan
+    except solvers.InfeasibleBudgetError:
+        pass
+    return floor_plan if options.solver == "auto" else None
+
+
 class _FixedPlanOverBudget(solvers.InfeasibleBudgetError):
     """A preset's or a plan file's plan peaks above the budget: nothing to plan again, refused as is."""
 
@@ -476,13 +505,15 @@ def decide_at(
         if keep_all.peak_bytes < floor_result.peak_bytes:  # policies can leave keeping everything lowest
             floor_plan, floor_result = unoptimized_plan(jp), keep_all
     margin = planning_margin(jp.problem, keep_all, jp.memory)
+    # The lowest-peak plan keeps less than keeping everything, so less of its peak is uncertain.
+    floor_margin = min(margin, planning_margin(jp.problem, floor_result, jp.memory))
     # What keeping everything peaks at on the device: on a caching allocator, with its allowance.
     everything = keep_all.peak_bytes + cache_allowance(keep_all, jp.memory)
     slack = sum(r.slack_bytes for r in earlier)
     lowest = floor_result.peak_bytes - slack
     # Keeping everything fits a budget of its own peak, the uncertainty margin or not (nothing left to drop):
     # the floor is never above the unoptimized peak (both with earlier graphs at their floors).
-    own_floor = min(budget_for_planning_floor(lowest, margin), max(lowest, everything - slack))
+    own_floor = min(budget_for_planning_floor(lowest, floor_margin), max(lowest, everything - slack))
     at_lowest = max([own_floor] + [r.floor_at_lowest_bytes for r in earlier])
     all_kept = keep_all if everything_beside_runs is None else everything_beside_runs
     growth = sum(r.unoptimized_step_bytes - r.step_bytes for r in earlier)
@@ -491,7 +522,7 @@ def decide_at(
     step_floor = min(at_lowest, keeping_everything)
     infeasible = False
     try:
-        if lowest_peak and floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin):
+        if lowest_peak and floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, floor_margin):
             plan = floor_plan
         else:
             plan = _choose(jp, options, index, plan_source, progress, everything, margin, account)
@@ -501,10 +532,18 @@ def decide_at(
             fixed = solvers.InfeasibleBudgetError(error.budget_bytes, error.min_feasible_bytes, str(error))
             fixed.held_result_bytes = jp.droppable_output_bytes  # type: ignore[attr-defined]
             raise fixed from None
-        fits_alone = floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, margin)
+        fits_alone = floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, floor_margin)
         graph_budget = account.graph_budget(index)
         if plan_source is None and graph_budget is not None and everything <= graph_budget:
             plan = unoptimized_plan(jp)  # within the budget, only not within the planning margin
+        elif (
+            options.strategy == "auto"
+            and graph_budget is not None
+            and floor_result.peak_bytes <= planning_budget(graph_budget, floor_margin)
+            and (near := _within_own_margin(jp, options, graph_budget, (floor_plan, floor_result), progress))
+            is not None
+        ):
+            plan = near
         elif index in account.graph_budgets and fits_alone:
             plan = floor_plan  # asked to keep less than its budget allows: as little as it can
         elif account.defer_infeasible and plan_source is None and earlier:
@@ -529,7 +568,7 @@ def decide_at(
         floor_peak_bytes=floor_result.peak_bytes,
         floor_kept_bytes=floor_result.kept_bytes,
         floor_held_output_bytes=jp.held_beside(floor_plan.kept),
-        margin_bytes=margin,
+        margin_bytes=floor_margin,
         unoptimized_kept_bytes=keep_all.kept_bytes,
         unoptimized_step_bytes=keep_all.kept_bytes + jp.held_beside(unoptimized_plan(jp).kept),
         floor_at_lowest_bytes=at_lowest,
