@@ -530,11 +530,12 @@ def planning_margin(problem: solvers.Problem, result: solvers.SimResult, memory:
     return uncertainty + cache_allowance(result, memory)
 
 
-def cache_allowance(unoptimized: solvers.SimResult, memory: MemoryModel = NO_CACHE) -> int:
+def cache_allowance(result: solvers.SimResult, memory: MemoryModel = NO_CACHE) -> int:
     """Bytes a caching allocator (``memory``) may count above the priced blocks of a plan keeping at most what
-    ``unoptimized`` keeps: blocks served from its cache (:data:`ckptc.pricing.devices.CACHE_REUSE_DIVISOR`).
-    Part of the planning margin, and of what keeping everything peaks at there; 0 without a cache."""
-    return unoptimized.kept_bytes // memory.cache_reuse_divisor if memory.cache_reuse_divisor else 0
+    the plan simulated as ``result`` keeps: blocks served from its cache
+    (:data:`ckptc.pricing.devices.CACHE_REUSE_DIVISOR`).  Part of the planning margin, and of what keeping
+    everything peaks at there; 0 without a cache."""
+    return result.kept_bytes // memory.cache_reuse_divisor if memory.cache_reuse_divisor else 0
 
 
 def planning_budget(budget_bytes: int, margin: int) -> int:
