@@ -212,11 +212,12 @@ def _within_own_margin(
     jp: JointProblem,
     options: CheckpointOptions,
     budget: int,
-    floor: tuple[solvers.Plan, solvers.SimResult],
+    floor_plan: solvers.Plan,
+    floor_margin: int,
     progress: Progress | None,
 ) -> solvers.Plan | None:
     """A plan for a budget too close to the floor for the solvers' planning margin (the unoptimized plan's)
-    but within the lowest-peak plan's own (``floor``: that plan and its simulation).
+    but within the lowest-peak plan's own (``floor_margin``).
 
     The solvers' plan at the budget less the lowest-peak plan's margin, if it peaks within the margin
     that plan's own kept values need, else the lowest-peak plan (under ``solver="auto"``; a solver the
@@ -224,10 +225,8 @@ def _within_own_margin(
     keep less here than keeping everything does, so their peaks are less uncertain
     (:func:`ckptc.planning.account.planning_margin`).
     """
-    floor_plan, floor_result = floor
-    margin = planning_margin(jp.problem, floor_result, jp.memory)
     try:
-        found = candidate(jp, options, planning_budget(budget, margin), progress)
+        found = candidate(jp, options, planning_budget(budget, floor_margin), progress)
         plan = for_target_compiler(jp, found, options.compiler)
         result = solvers.simulate(jp.problem, plan)
         if result.peak_bytes <= planning_budget(budget, planning_margin(jp.problem, result, jp.memory)):
@@ -540,8 +539,7 @@ def decide_at(
             options.strategy == "auto"
             and graph_budget is not None
             and floor_result.peak_bytes <= planning_budget(graph_budget, floor_margin)
-            and (near := _within_own_margin(jp, options, graph_budget, (floor_plan, floor_result), progress))
-            is not None
+            and (near := _within_own_margin(jp, options, graph_budget, floor_plan, floor_margin, progress)) is not None
         ):
             plan = near
         elif index in account.graph_budgets and fits_alone:
