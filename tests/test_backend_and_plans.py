@@ -49,6 +49,7 @@ def test_the_backends_errors_reach_the_caller_as_ckptc_errors() -> None:
         compiled(torch.randn(32, 64)).sum().backward()
     assert isinstance(info.value, ckptc.CkptcError) and type(info.value).__name__ == "InfeasibleBudgetError"
     assert "TORCHDYNAMO_VERBOSE" not in str(info.value)  # not Dynamo's advice to report a PyTorch bug
+    assert f"What to do: give a budget of at least {info.value.min_feasible_bytes} bytes" in str(info.value)
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -301,7 +301,8 @@ def test_a_refusal_says_what_the_step_holds_beyond_its_activations() -> None:
     plain = _refusal(
         solvers.InfeasibleBudgetError(1000, 1500), 1500, CheckpointOptions(), StepAccount(budget_bytes=1000)
     )
-    assert "What to do" not in str(plain)
+    # A plain step holds nothing more, and its refusal still says what to do (it gave only the floor).
+    assert "What to do: give a budget of at least 1500 bytes" in str(plain) and "DDP" not in str(plain)
 
 
 def test_graphs_that_cannot_fit_together_after_the_retries_name_the_budget_the_last_one_needs():

@@ -243,8 +243,10 @@ class StepAccount:
         what to do, after ``lead``; ``error`` itself when it counts nothing more or was explained already."""
         held = self.beyond_a_plain_step()
         floor = error.min_feasible_bytes
-        if not held or floor is None or getattr(error, "_explained", False):
+        if floor is None or getattr(error, "_explained", False):
             return error
+        if not held:
+            return below_the_floor(error)
         explained = solvers.InfeasibleBudgetError(
             error.budget_bytes,
             floor,
@@ -536,6 +538,22 @@ def cache_allowance(result: solvers.SimResult, memory: MemoryModel = NO_CACHE) -
     (:data:`ckptc.pricing.devices.CACHE_REUSE_DIVISOR`).  Part of the planning margin, and of what keeping
     everything peaks at there; 0 without a cache."""
     return result.kept_bytes // memory.cache_reuse_divisor if memory.cache_reuse_divisor else 0
+
+
+def below_the_floor(error: solvers.InfeasibleBudgetError) -> solvers.InfeasibleBudgetError:
+    """``error`` (a budget below a plain step's floor, :attr:`~solvers.InfeasibleBudgetError.min_feasible_bytes`)
+    saying what to do; ``error`` itself where it says so already or names no floor."""
+    floor = error.min_feasible_bytes
+    if floor is None or "What to do" in str(error):
+        return error
+    return solvers.InfeasibleBudgetError(
+        error.budget_bytes,
+        floor,
+        f"{error}: no plan of this training step (its weights, gradients and inputs included) peaks lower. "
+        f"What to do: give a budget of at least {floor} bytes ({solvers.format_bytes(floor)}), or make the step "
+        "smaller (a smaller batch, shorter sequences); ckptc.capture(model, *inputs).floor_bytes gives a "
+        "shape's floor before training.",
+    )
 
 
 def planning_budget(budget_bytes: int, margin: int) -> int:

@@ -43,6 +43,7 @@ from ckptc.options import CheckpointOptions, budget_to_bytes, refuse_unknown
 from ckptc.planning import policies
 from ckptc.planning.account import (
     StepAccount,
+    below_the_floor,
     budget_for_planning_floor,
     cache_allowance,
     planning_budget,
@@ -609,7 +610,7 @@ def _refusal(
     if step_floor > budget:
         plain = solvers.InfeasibleBudgetError(budget, step_floor)
         if account is None:
-            return plain
+            return below_the_floor(plain)
         return account.explained_refusal(plain, "; its floor counts what the step holds beyond its graphs' activations")
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
     if own is not None:

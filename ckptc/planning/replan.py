@@ -44,7 +44,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 import solvers
 from ckptc.errors import BudgetExceededError, release_frames
 from ckptc.meter import MemoryMeasurement
-from ckptc.planning.account import StepAccount, budget_for_planning_floor
+from ckptc.planning.account import StepAccount, below_the_floor, budget_for_planning_floor
 from ckptc.records import GraphRecord
 
 log = logging.getLogger("ckptc.planning.replan")
@@ -567,7 +567,7 @@ def tighter_graph_budgets(
         mine = {id(r) for r in ran}
         earlier_calls = {id(e): e for r in short for e in r.earlier if id(e) not in mine}
         if not earlier_calls:
-            raise solvers.InfeasibleBudgetError(budget_bytes, floor)
+            raise below_the_floor(solvers.InfeasibleBudgetError(budget_bytes, floor))
         parameters: dict[int, int] = {}
         for record in [*ran, *earlier_calls.values()]:
             parameters.update(record.inputs.parameters)
