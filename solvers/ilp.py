@@ -407,7 +407,10 @@ def ilp(
                 # solver could not use, or a re-solve without it): never return worse than that plan.
                 started_from = simulate(problem, start_plan)
                 if started_from.peak_bytes <= budget_bytes and started_from.recompute_cost < result.recompute_cost:
-                    log.warning(
+                    # A work limit cuts the solve on purpose (auto's deterministic limit; a user training under
+                    # auto saw this warning on every replan): said at INFO; the clock, at WARNING.
+                    log.log(
+                        logging.INFO if info.status == WORK_LIMIT_STATUS else logging.WARNING,
                         "ilp: the solve was cut (%s) at recompute cost %g, above the plan it started from (%g); "
                         "returning that plan",
                         info.status,
@@ -540,8 +543,13 @@ def _without_a_solution(
             f"budget {format_bytes(lowest)} ({lowest} bytes) of any stage schedule for this graph",
         )
     if start_plan is not None:
-        log.warning(
-            "ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan", time_limit, outcome.status
+        # A work limit cuts the solve on purpose (auto's deterministic limit): said at INFO; the clock, at WARNING.
+        level = logging.INFO if outcome.status.startswith(WORK_LIMIT_STATUS) else logging.WARNING
+        log.log(
+            level,
+            "ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan",
+            time_limit,
+            outcome.status,
         )
         return (
             Plan(kept=start_plan.kept, schedule=start_plan.schedule, method="ilp"),
