@@ -271,11 +271,12 @@ class Replans:
         missed = missed_bytes(peak_bytes, self.budget_bytes, ran)
         if self.replans >= MAX_REPLANS or not plans_again:
             floor = max((r.min_feasible_bytes for r in ran), default=self.budget_bytes)
+            # Never below the measured peak: a larger budget's plans keep at least as much, and a budget
+            # retried is planned without the excess counted (a new account), so any budget under what this
+            # step measured fails again (an eager backward's temporary between graphs, corrected flat,
+            # named a budget below the one refused: 11,103,077 B refused naming 10,129,571 B).
+            suggested = max(floor + missed, peak_bytes)
             if not plans_again:
-                # Never below the measured peak: a larger budget's plans keep at least as much, and a
-                # budget retried is planned without the excess counted (a new compile, a new account), so
-                # any budget under what this step measured fails again.
-                suggested = max(floor + missed, peak_bytes)
                 advice = f"give a budget of at least {suggested} bytes, "
                 what_to_do = (
                     "and torch.compile(backend='ckptc') cannot plan again a graph with symbolic sizes "
@@ -290,7 +291,7 @@ class Replans:
                     "ckptc.optimize."
                 )
                 raise BudgetExceededError(peak_bytes, self.budget_bytes, suggested, self.replans, what_to_do)
-            raise BudgetExceededError(peak_bytes, self.budget_bytes, floor + missed, self.replans)
+            raise BudgetExceededError(peak_bytes, self.budget_bytes, suggested, self.replans)
         self._measured = None
         self.replans += 1
         self.account = self.account.replace(correction_bytes=self.account.correction_bytes + missed)
@@ -497,17 +498,18 @@ class Replans:
                 "step (so its floor is above ckptc.capture's floor_bytes)",
             )
         peak = self.over_budget_peak_bytes
+        # Never below what the step measured (see count_measured): a budget retried starts uncorrected.
+        suggested = max(error.min_feasible_bytes, peak)
         held = [line for line in self.account.beyond_a_plain_step() if "measured step showed" not in line]
         what_to_do = None
         if held:  # say what else the step holds: the caller may change that rather than the budget
             what_to_do = (
                 f"after replanning {self.replans} time(s) with the measured excess counted. The smallest budget "
-                f"expected to work is {error.min_feasible_bytes} bytes. Besides the excess, the step holds:\n- "
+                f"expected to work is {suggested} bytes. Besides the excess, the step holds:\n- "
                 + "\n- ".join(held)
-                + f"\nWhat to do: pass budget_bytes=... at least {error.min_feasible_bytes}, or change the loop as "
-                "said above."
+                + f"\nWhat to do: pass budget_bytes=... at least {suggested}, or change the loop as said above."
             )
-        return BudgetExceededError(peak, error.budget_bytes, error.min_feasible_bytes, self.replans, what_to_do)
+        return BudgetExceededError(peak, error.budget_bytes, suggested, self.replans, what_to_do)
 
 
 def settle(
