@@ -8,7 +8,8 @@ turns each kind of evidence into the next account, within fixed limits:
 
 * a graph that could not fit after earlier graphs' plans (``infeasible``):
   earlier graphs get tighter budgets of their own (:func:`tighter_graph_budgets`,
-  at most :data:`MAX_STEP_RETRIES` times per planning run);
+  at most :data:`MAX_STEP_RETRIES` times per planning run), searched back up while the
+  step fits with room left (:meth:`Replans._loosened`);
 * a graph run several times in the step (identical layers compiled once, a
   model called twice): count what earlier runs leave alive at its last run
   (:meth:`~ckptc.planning.account.StepAccount.counting_repeats`, at most
@@ -37,6 +38,7 @@ next call plans under the new account.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
@@ -53,6 +55,25 @@ log = logging.getLogger("ckptc.planning.replan")
 MAX_STEP_RETRIES = 2
 #: How many times a plan is made again with a measured excess counted before the budget is refused.
 MAX_REPLANS = 3
+#: How many planning runs search tightened graph budgets back up (:meth:`Replans._loosened`).
+LOOSENING_TRIALS = 3
+
+
+@dataclasses.dataclass
+class _Loosening:
+    """A bisection over graph budgets from ``tight`` (0: the step fits) towards ``loose`` (1: the peaks
+    the graphs had before they were tightened, where a later graph did not fit)."""
+
+    tight: dict[int, int]
+    loose: dict[int, int]
+    fits: float = 0.0
+    fails: float = 1.0
+    at: float = 0.0
+    trials: int = 0
+
+    def budgets(self, at: float) -> dict[int, int]:
+        return {j: b + int(at * max(0, self.loose[j] - b)) for j, b in self.tight.items()}
+
 
 T = TypeVar("T")
 
@@ -83,6 +104,11 @@ class Replans:
         self._measured: tuple[int, tuple[GraphRecord, ...], bool] | None = None
         self._tightened = 0
         self._repeats = 0
+        # Graphs' peaks before this planning run first tightened their budgets, and the search back up.
+        self._before_tightening: dict[int, int] = {}
+        self._loosening: _Loosening | None = None
+        # Only a planning run (settle) plans again at once; under the backend each trial would be a step.
+        self._may_loosen = False
         self._room_made = 0  # times later calls of the step asked these graphs to keep less
         self._fewest_dead: dict[tuple[int, int], int] = {}  # see observed_results_let_go
 
@@ -121,6 +147,8 @@ class Replans:
     def new_planning_run(self) -> None:
         """A new planning run begins (a call that plans, a plan under a new budget): its retries start at 0."""
         self._tightened = self._repeats = 0
+        self._before_tightening, self._loosening = {}, None
+        self._may_loosen = True
 
     def after_run(
         self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int = 0, *, later_gradients_counted: bool = True
@@ -138,27 +166,91 @@ class Replans:
         """
         if any(r.infeasible for r in ran):
             assert self.budget_bytes is not None  # only a budget makes graphs infeasible
+            if self._loosening is not None and self._loosening_failed():
+                return True
             if any(r.joint_problem.droppable_output_bytes for r in ran):
                 if self._let_results_go_for_room():
                     return True  # planned again before earlier graphs are asked to keep less
             if self._left_to_earlier_calls(ran):
                 return False  # run at its floor; the step runtime asks earlier calls to keep less
             budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
+            if not self._tightened:
+                self._before_tightening = {r.index: r.result.peak_bytes for r in ran}
             self._tightened += 1
             self.account = self.account.replace(graph_budgets=budgets)
             log.info("a later graph did not fit after earlier graphs' plans; earlier graphs keep less: %s", budgets)
             return True
-        if self._repeats >= MAX_STEP_RETRIES:
+        if self._repeats < MAX_STEP_RETRIES:
+            counted = self.account.counting_repeats(
+                ran, unnamed_gradient_bytes, later_gradients_counted=later_gradients_counted
+            )
+            if counted is not self.account:
+                self._repeats += 1
+                self.account = counted
+                log.info(
+                    "graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_runs)
+                )
+                return True
+        return self._loosened(ran)
+
+    def _loosened(self, ran: Sequence[GraphRecord]) -> bool:
+        """After a step whose graphs all fit: whether to plan again with graph budgets tightened in this
+        planning run loosened, where the step leaves room.
+
+        Tightening lowers each earlier graph's peak by its share of what a later graph lacked, and a
+        graph's kept bytes fall faster than its peak: a tiny XGLM (a graph per layer, its head's graph
+        short of room) kept 6 of 27 values per layer and recomputed 18.4% of the step at 80% of its
+        budget.  So the budgets are searched back up by bisection towards the peaks the graphs had before
+        (:data:`LOOSENING_TRIALS` trials, each a planning run; a trial that does not fit goes back to the
+        last that did).  Only within :func:`settle`, which plans again at once: the backend's plans change
+        one step at a time, and each trial would be a step run unmeasured."""
+        assert all(not r.infeasible for r in ran)
+        search = self._loosening
+        if search is None:
+            if not self._tightened or not self._may_loosen or self.budget_bytes is None:
+                return False
+            tight = dict(self.account.graph_budgets)
+            loose = {j: self._before_tightening.get(j, b) for j, b in tight.items()}
+            if all(loose[j] <= b for j, b in tight.items()):
+                return False
+            search = self._loosening = _Loosening(tight, loose)
+        else:
+            search.fits = search.at
+        room = self.budget_bytes - max(r.result.peak_bytes for r in ran)
+        if search.trials >= LOOSENING_TRIALS or room <= self.budget_bytes // 100:
             return False
-        counted = self.account.counting_repeats(
-            ran, unnamed_gradient_bytes, later_gradients_counted=later_gradients_counted
+        return self._loosening_trial((search.fits + search.fails) / 2)
+
+    def _loosening_failed(self) -> bool:
+        """A loosening trial did not fit: whether the step plans again (a narrower trial, or the budgets
+        that fit); False where the budgets that fit no longer do (the search ends)."""
+        search = self._loosening
+        assert search is not None
+        if search.at == search.fits:
+            self._loosening = None
+            return False
+        search.fails = search.at
+        if search.trials >= LOOSENING_TRIALS:
+            self._set_loosened(search.fits)
+            return True
+        return self._loosening_trial((search.fits + search.fails) / 2)
+
+    def _loosening_trial(self, at: float) -> bool:
+        search = self._loosening
+        assert search is not None
+        search.trials += 1
+        self._repeats = 0  # the trial's plans keep more: what earlier runs of a graph keep is counted again
+        self._set_loosened(at)
+        log.info(
+            "graphs keep less than the step's budget allows: their budgets loosened to %s", self.account.graph_budgets
         )
-        if counted is self.account:
-            return False
-        self._repeats += 1
-        self.account = counted
-        log.info("graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_runs))
         return True
+
+    def _set_loosened(self, at: float) -> None:
+        search = self._loosening
+        assert search is not None
+        search.at = at
+        self.account = self.account.replace(graph_budgets={**self.account.graph_budgets, **search.budgets(at)})
 
     def _left_to_earlier_calls(self, ran: Sequence[GraphRecord]) -> bool:
         """Whether only graphs of earlier calls of the step (a model called twice before one backward)
