@@ -61,8 +61,8 @@ LOOSENING_TRIALS = 3
 
 @dataclasses.dataclass
 class _Loosening:
-    """A bisection over graph budgets from ``tight`` (0: the step fits) towards ``loose`` (1: the peaks
-    the graphs had before they were tightened, where a later graph did not fit)."""
+    """A bisection over graph budgets from ``tight`` (0: where the step fits) towards ``loose`` (1: the
+    graphs' budgets, or peaks, in the last run where a later graph did not fit)."""
 
     tight: dict[int, int]
     loose: dict[int, int]
@@ -104,8 +104,9 @@ class Replans:
         self._measured: tuple[int, tuple[GraphRecord, ...], bool] | None = None
         self._tightened = 0
         self._repeats = 0
-        # Graphs' peaks before this planning run first tightened their budgets, and the search back up.
-        self._before_tightening: dict[int, int] = {}
+        # Graphs' budgets (or peaks) in the last run of this planning run that did not fit, and the search
+        # back up from the budgets that fit (_loosened).
+        self._did_not_fit: dict[int, int] = {}
         self._loosening: _Loosening | None = None
         # Only a planning run (settle) plans again at once; under the backend each trial would be a step.
         self._may_loosen = False
@@ -147,7 +148,7 @@ class Replans:
     def new_planning_run(self) -> None:
         """A new planning run begins (a call that plans, a plan under a new budget): its retries start at 0."""
         self._tightened = self._repeats = 0
-        self._before_tightening, self._loosening = {}, None
+        self._did_not_fit, self._loosening = {}, None
         self._may_loosen = True
 
     def after_run(
@@ -174,8 +175,10 @@ class Replans:
             if self._left_to_earlier_calls(ran):
                 return False  # run at its floor; the step runtime asks earlier calls to keep less
             budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
-            if not self._tightened:
-                self._before_tightening = {r.index: r.result.peak_bytes for r in ran}
+            # Where the graphs stood in this run, which did not fit: their budgets, or their peaks where
+            # they had none (the upper end of the search back up, _loosened).
+            peaks = {r.index: r.result.peak_bytes for r in ran}
+            self._did_not_fit = {j: self.account.graph_budgets.get(j, peaks.get(j, b)) for j, b in budgets.items()}
             self._tightened += 1
             self.account = self.account.replace(graph_budgets=budgets)
             log.info("a later graph did not fit after earlier graphs' plans; earlier graphs keep less: %s", budgets)
@@ -200,17 +203,21 @@ class Replans:
         Tightening lowers each earlier graph's peak by its share of what a later graph lacked, and a
         graph's kept bytes fall faster than its peak: a tiny XGLM (a graph per layer, its head's graph
         short of room) kept 6 of 27 values per layer and recomputed 18.4% of the step at 80% of its
-        budget.  So the budgets are searched back up by bisection towards the peaks the graphs had before
-        (:data:`LOOSENING_TRIALS` trials, each a planning run; a trial that does not fit goes back to the
-        last that did).  Only within :func:`settle`, which plans again at once: the backend's plans change
-        one step at a time, and each trial would be a step run unmeasured."""
+        budget.  So the budgets are searched back up by bisection, from each graph's peak under the plan
+        that fits towards its budget (or peak) in the last run that did not (:data:`LOOSENING_TRIALS`
+        trials, each a planning run; a trial that does not fit goes back to the last that did).  Only
+        within :func:`settle`, which plans again at once: the backend's plans change one step at a time,
+        and each trial would be a step run unmeasured."""
         assert all(not r.infeasible for r in ran)
         search = self._loosening
         if search is None:
             if not self._tightened or not self._may_loosen or self.budget_bytes is None:
                 return False
-            tight = dict(self.account.graph_budgets)
-            loose = {j: self._before_tightening.get(j, b) for j, b in tight.items()}
+            # From where each graph's plan stands (a budget below its floor plans the same as its floor's
+            # peak) up to where the step did not fit.
+            peaks = {r.index: r.result.peak_bytes for r in ran}
+            tight = {j: max(b, peaks.get(j, b)) for j, b in self.account.graph_budgets.items()}
+            loose = {j: self._did_not_fit.get(j, b) for j, b in tight.items()}
             if all(loose[j] <= b for j, b in tight.items()):
                 return False
             search = self._loosening = _Loosening(tight, loose)
