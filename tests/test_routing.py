@@ -250,4 +250,8 @@ def test_slices_of_a_weight_stacking_every_expert_are_counted_as_the_weight_not_
     peak = eager_peak(reference, (), batch)
     assert abs(step.unoptimized_peak_bytes - peak) <= 0.01 * peak, (step.unoptimized_peak_bytes, peak)
     budget = (step.floor_bytes + step.unoptimized_peak_bytes) // 2
-    assert_trains_like_eager_within(reference, budget, (), batch)
+    # Three steps before the one measured independently: the plan's first measured step, and one more where
+    # that step showed an excess (the promise holds from the first verified step).  One CI run, its pricing
+    # changed by what earlier tests left in the process (a budget of 2,303,699 B where it is 2,305,877 B
+    # alone), measured 2,307,592 B on the step after two.
+    assert_trains_like_eager_within(reference, budget, (), batch, steps=3)
