@@ -407,10 +407,8 @@ def ilp(
                 # solver could not use, or a re-solve without it): never return worse than that plan.
                 started_from = simulate(problem, start_plan)
                 if started_from.peak_bytes <= budget_bytes and started_from.recompute_cost < result.recompute_cost:
-                    # A work limit cuts the solve on purpose (auto's deterministic limit; a user training under
-                    # auto saw this warning on every replan): said at INFO; the clock, at WARNING.
                     log.log(
-                        logging.INFO if info.status == WORK_LIMIT_STATUS else logging.WARNING,
+                        _cut_level(info.status),
                         "ilp: the solve was cut (%s) at recompute cost %g, above the plan it started from (%g); "
                         "returning that plan",
                         info.status,
@@ -543,10 +541,8 @@ def _without_a_solution(
             f"budget {format_bytes(lowest)} ({lowest} bytes) of any stage schedule for this graph",
         )
     if start_plan is not None:
-        # A work limit cuts the solve on purpose (auto's deterministic limit): said at INFO; the clock, at WARNING.
-        level = logging.INFO if outcome.status.startswith(WORK_LIMIT_STATUS) else logging.WARNING
         log.log(
-            level,
+            _cut_level(outcome.status),
             "ilp: no MILP solution within %.1f s (%s); returning the hierarchical plan",
             time_limit,
             outcome.status,
@@ -580,6 +576,12 @@ def _min_feasible(
     except SolverError:
         pass
     return fallback
+
+
+def _cut_level(status: str) -> int:
+    """The log level of a solve cut at ``status``: a work limit cuts it on purpose (auto's deterministic
+    limit; a user training under auto saw a warning on every replan), so INFO; the clock, WARNING."""
+    return logging.INFO if status.startswith(WORK_LIMIT_STATUS) else logging.WARNING
 
 
 def _finish(problem: Problem, plan: Plan, budget_bytes: int, started: float, outcome: SolveInfo) -> Plan:
