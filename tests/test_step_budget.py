@@ -1194,6 +1194,38 @@ def test_counting_what_eager_code_saved_never_runs_a_checkpointed_regions_forwar
     assert sum(shape.replans.account.eager_saved_before.values()) < region_activations
 
 
+def _retrying_budgets_named(
+    reference: nn.Module,
+    budget: int,
+    train: Any,
+    *,
+    attempts: int,
+    steps: int,
+    check: Any = lambda refused: None,
+) -> tuple[nn.Module, Any, int, list[int]]:
+    """Train a copy of ``reference`` through ``ckptc.optimize`` at ``budget`` for ``steps`` calls of
+    ``train(optimized, model)``; on a refusal, retry a fresh copy at the budget it names, as a user would, at
+    most ``attempts`` times.  Each budget named is above the one refused and passes ``check(refused)``.
+    Returns the model, its optimized wrapper, the budget that trained and the budgets named."""
+    named: list[int] = []
+    for _ in range(attempts):
+        model = copy.deepcopy(reference)
+        fast = ckptc.optimize(model, budget_bytes=budget)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a measured step's warning before a refusal
+                for _ in range(steps):
+                    train(fast, model)
+            return model, fast, budget, named
+        except (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError) as refused:
+            assert refused.min_feasible_bytes is not None, str(refused)
+            assert refused.min_feasible_bytes > budget, (named, str(refused))
+            check(refused)
+            budget = refused.min_feasible_bytes
+            named.append(budget)
+    raise AssertionError(f"no budget named trained: {named}")
+
+
 def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_trains_within_eagers_peak() -> None:
     """The tiny BART checkpointing its own layers, trained holding the output object through backward
     (``out = model(...); out.loss.backward()``), at a budget between its floor and eager's peak: the step
@@ -1209,27 +1241,24 @@ def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_tr
 
     eager, eager_bytes = _eager_peak_holding_the_output(reference, **kwargs)
     captured = ckptc.capture(copy.deepcopy(reference), (), kwargs)
-    budget = (captured.floor_bytes + eager_bytes) // 2
-    named = []
-    for _ in range(3):
-        model = copy.deepcopy(reference)
-        fast = ckptc.optimize(model, budget_bytes=budget)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a measured step's warning before a refusal
-                for _ in range(4):
-                    loss = train(fast, model)
-                    torch.testing.assert_close(loss, train(eager, eager))
-                    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-            break
-        except (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError) as refused:
-            assert refused.min_feasible_bytes is not None
-            named.append(refused.min_feasible_bytes)
-            assert budget < refused.min_feasible_bytes <= eager_bytes, (named, eager_bytes)
-            budget = refused.min_feasible_bytes
-    else:
-        raise AssertionError(f"no budget named trained: {named}")
+
+    def train_like_eager(fast: Any, model: nn.Module) -> None:
+        loss = train(fast, model)
+        torch.testing.assert_close(loss, train(eager, eager))
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+    def within_eagers_peak(refused: Exception) -> None:
+        assert refused.min_feasible_bytes <= eager_bytes, (refused.min_feasible_bytes, eager_bytes)
+
+    model, fast, budget, named = _retrying_budgets_named(
+        reference,
+        (captured.floor_bytes + eager_bytes) // 2,
+        train_like_eager,
+        attempts=3,
+        steps=4,
+        check=within_eagers_peak,
+    )
     assert named, "the first budget was not refused: the loop this test checks did not run"
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
     for p in model.parameters():
@@ -1369,31 +1398,21 @@ def test_budgets_named_for_an_eager_backward_temporary_rise_above_what_was_measu
     reference = _TwoGraphsAroundAnEagerBackwardTemporary()
     x = torch.randn(256, 64)
 
-    def train(model: nn.Module) -> None:
-        for p in model.parameters():
+    def train(model: nn.Module, params: nn.Module | None = None) -> None:
+        for p in (params or model).parameters():
             p.grad = None
         model(x).square().mean().backward()
 
+    def above_what_was_measured(refused: Exception) -> None:
+        if isinstance(refused, ckptc.BudgetExceededError):
+            assert refused.min_feasible_bytes >= refused.measured_peak_bytes, str(refused)
+
     eager = copy.deepcopy(reference)
-    budget = ckptc.capture(copy.deepcopy(reference), (x,), loss_fn=lambda out: out.square().mean()).floor_bytes
-    named = []
-    for _ in range(4):
-        model = copy.deepcopy(reference)
-        fast = ckptc.optimize(model, budget_bytes=budget)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a measured step's warning before a refusal
-                for _ in range(10):  # the plan's first step, up to 3 corrected plans, and steps after them
-                    train(fast)
-            break
-        except (ckptc.BudgetExceededError, ckptc.InfeasibleBudgetError) as refused:
-            assert refused.min_feasible_bytes > budget, (named, str(refused))
-            if isinstance(refused, ckptc.BudgetExceededError):
-                assert refused.min_feasible_bytes >= refused.measured_peak_bytes, (named, str(refused))
-            budget = refused.min_feasible_bytes
-            named.append(budget)
-    else:
-        raise AssertionError(f"no budget named trained: {named}")
+    floor = ckptc.capture(copy.deepcopy(reference), (x,), loss_fn=lambda out: out.square().mean()).floor_bytes
+    # Ten steps: the plan's first step, up to 3 corrected plans, and steps after them.
+    model, fast, budget, named = _retrying_budgets_named(
+        reference, floor, train, attempts=4, steps=10, check=above_what_was_measured
+    )
     assert named, "the floor was not refused: the loop this test checks did not run"
     train(eager)
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
