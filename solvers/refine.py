@@ -43,10 +43,13 @@ _RECOMPUTE = 2
 _ROUNDS = 4
 
 
-def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
+def fill_budget(problem: Problem, plan: Plan, budget_bytes: int, *, kept_weight: int = 0) -> Plan:
     """A plan at most as costly as ``plan`` (derived schedule) that still fits the budget.
 
-    Plans with an explicit schedule are returned unchanged.
+    ``kept_weight``: every byte a trial keeps beyond what ``plan`` keeps also raises the peak by this
+    many bytes.  A graph run several times in a step (layers compiled once) is planned with its
+    earlier runs in the baseline, each keeping what ``plan`` keeps: a trial that keeps more keeps it
+    in each of them too.  Plans with an explicit schedule are returned unchanged.
     """
     if plan.schedule is not None:
         return plan
@@ -59,7 +62,8 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     candidates = [v for v in recomputed if policy[v] != _RECOMPUTE]
     # Best saving per byte first; free values (views) first of all.
     candidates.sort(key=lambda v: (-(cost[v] / nbytes[v]) if nbytes[v] else float("-inf"), v))
-    mask, best_cost, _ = _fill_rounds(problem, mask, candidates, budget_bytes, core.recompute_cost)
+    weighed = _Weighed(kept_weight, core.kept_bytes)
+    mask, best_cost, _ = _fill_rounds(problem, mask, candidates, budget_bytes, core.recompute_cost, weighed)
     if best_cost >= core.recompute_cost:
         return plan
     # A value kept now can leave an earlier kept one unread (a kept ReLU output needs its input no
@@ -71,8 +75,25 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int) -> Plan:
     return dataclasses.replace(refined, info=info)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Weighed:
+    """A trial's peak as :func:`fill_budget` judges it: its simulated peak plus ``weight`` bytes per
+    byte it keeps beyond ``kept_bytes``."""
+
+    weight: int = 0
+    kept_bytes: int = 0
+
+    def peak(self, result) -> int:
+        return result.peak_bytes + self.weight * max(0, result.kept_bytes - self.kept_bytes)
+
+
 def _fill_rounds(
-    problem: Problem, mask: bytearray, candidates: list[int], budget_bytes: int, best_cost: float
+    problem: Problem,
+    mask: bytearray,
+    candidates: list[int],
+    budget_bytes: int,
+    best_cost: float,
+    weighed: _Weighed = _Weighed(),
 ) -> tuple[bytearray, float, list[int]]:
     """Keep the longest fitting prefix of ``candidates`` on top of ``mask``, then of what is left, for
     up to ``_ROUNDS`` rounds.  Returns the new mask, its recompute cost and the candidates left."""
@@ -81,7 +102,9 @@ def _fill_rounds(
             break
         held = _held_after(problem, mask, candidates)
         fitting: dict[int, tuple[bytearray, float]] = {}  # prefix length -> (mask, cost), to reuse
-        fits = functools.partial(_prefix_fits, problem, mask, candidates, held, budget_bytes, best_cost, fitting)
+        fits = functools.partial(
+            _prefix_fits, problem, mask, candidates, held, budget_bytes, best_cost, fitting, weighed
+        )
         lo = _longest_prefix(fits, len(candidates), gallop=round_ > 0)
         if lo == 0:
             candidates = candidates[1:]  # the best single candidate does not fit: skip it
@@ -145,6 +168,7 @@ def _prefix_fits(
     budget_bytes: int,
     best_cost: float,
     fitting: dict[int, tuple[bytearray, float]],
+    weighed: _Weighed,
     k: int,
 ) -> bool:
     """Whether ``mask`` plus the first ``k`` candidates fits; a fitting trial is recorded in ``fitting``."""
@@ -156,7 +180,7 @@ def _prefix_fits(
     for v in candidates[:k]:
         trial[v] = 1
     result = evaluate_mask(problem, trial, check=False)
-    if result.peak_bytes <= budget_bytes and result.recompute_cost <= best_cost:
+    if weighed.peak(result) <= budget_bytes and result.recompute_cost <= best_cost:
         fitting[k] = (trial, result.recompute_cost)
         return True
     return False

@@ -846,6 +846,28 @@ def test_a_value_fill_budget_keeps_drops_a_kept_value_backward_no_longer_reads()
     assert filled.info.predicted_peak_bytes == simulate(problem, drop_unread(problem, filled)).peak_bytes
 
 
+@pytest.mark.parametrize("weight", [0, 1, 3, 8])
+def test_fill_budget_counts_each_byte_a_trial_keeps_once_more_per_kept_weight(weight):
+    """``kept_weight``: every byte kept beyond the plan's also raises the peak by ``weight`` bytes (the
+    graph's earlier runs in the step keep the same).  The filled plan fits under that count and is never
+    costlier; the weight only ever makes a fill keep less (a chain whose peak keeping more does not raise
+    keeps everything unweighted, and under a weight only what the budget's room pays for)."""
+    problem = Problem.training_chain(12)
+    sparse = Plan(kept=set())
+    base = simulate(problem, sparse)
+    for room in (0, 4, 12, 40):
+        budget = base.peak_bytes + room
+        filled = fill_budget(problem, sparse, budget, kept_weight=weight)
+        result = simulate(problem, filled)
+        assert result.peak_bytes + weight * (result.kept_bytes - base.kept_bytes) <= budget, (room, filled.kept)
+        assert result.recompute_cost <= base.recompute_cost
+        unweighted = fill_budget(problem, sparse, budget)
+        if weight == 0:
+            assert filled.kept == unweighted.kept
+        elif room < weight * len(unweighted.kept):
+            assert len(filled.kept) < len(unweighted.kept), (room, filled.kept)
+
+
 # -------------------------------------------------------- fusing compilers (Node.fusion)
 def _fusion_problem(*, fusion: str, readers: int) -> Problem:
     """x -> m (a matmul, kept) -> f (pointwise, recomputed) -> backward readers of f."""
