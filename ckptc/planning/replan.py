@@ -196,9 +196,9 @@ class Replans:
                 log.info(
                     "graphs %s run several times in a step: planned for their last run", sorted(counted.repeat_runs)
                 )
-                if newly and self._tightened and self._plans_at_once:
+                if newly and self._tightened and self._plans_at_once and self._loosening is None:
                     self._tightened_before_repeats()
-                elif newly:
+                elif newly and self._tightened and not self._plans_at_once:
                     self._budgets_counting_repeats(newly, ran)
                 return True
         return self._loosened(ran)
