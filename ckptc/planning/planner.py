@@ -461,7 +461,7 @@ def _cheapest_beside_runs(
 
     A plan made for an assumed size tends to keep far more or far less than assumed, so the plans that
     fit often leave room: a GPT-2 block compiled once for six layers (a break in the layer loop) kept as
-    little as it could at 0.6 of its range, recomputing 21% of the step with 55% of the budget unused.
+    little as it could at 0.6 of its range, recomputing 21% of the step with over half the budget unused.
     Each keeps its recomputed values, best saving per byte first, while its peak beside its runs, every
     byte kept counted once more per run, fits (:func:`solvers.refine.fill_budget`); the plan that fits
     at the least recompute is then judged beside runs keeping what it keeps.  The cheapest plan before
