@@ -442,20 +442,21 @@ def decide(
             break
         assumed = (low + high) // 2
     if fitting:
-        return _cheapest_beside_runs(fitting, runs, planning_budget(budget, margin), beside_runs, at)
+        return _cheapest_beside_runs(jp, fitting, runs, planning_budget(budget, margin), beside_runs, at)
     # No plan fits beside runs that keep what it keeps: the plan with the lowest peak beside its own runs,
     # or its refusal with the step's floor.
     return at(_kept_bytes(jp, floor[0]), lowest_peak=True)
 
 
 def _cheapest_beside_runs(
+    jp: JointProblem,
     fitting: Sequence[tuple[GraphRecord, int]],
     runs: int,
     budget: int,
     beside_runs: Callable[[int], JointProblem],
     at: Callable[..., GraphRecord],
 ) -> GraphRecord:
-    """The cheapest plan of a graph beside ``runs`` earlier runs of it, each keeping what it keeps, from
+    """The cheapest plan of ``jp``'s graph beside ``runs`` earlier runs of it, each keeping what it keeps, from
     the plans :func:`decide` found ``fitting`` (each with the kept size it was made for, at least what
     it keeps), each also kept fuller where the planning ``budget`` leaves room.
 
@@ -468,12 +469,14 @@ def _cheapest_beside_runs(
     filling is not always the cheapest after (Wav2Vec2's layer graph at 0.9 of its range: 5.1% of the
     step against 3.0%), so every one is filled."""
     chosen: GraphRecord | None = None
-    for record, _ in fitting:
+    # Several assumptions often give the same plan: each distinct one is filled once.
+    distinct = {frozenset(record.plan.kept): record for record, _ in fitting}
+    for record in distinct.values():
         filled = fill_budget(beside_runs(record.step_bytes).problem, record.plan, budget, kept_weight=runs)
         if filled is record.plan:
             continue
         try:
-            candidate = at(_kept_bytes(beside_runs(0), filled), plan=filled)
+            candidate = at(_kept_bytes(jp, filled), plan=filled)
         except solvers.InfeasibleBudgetError:
             continue
         if candidate.infeasible or candidate.result.peak_bytes > budget:
@@ -565,8 +568,9 @@ def decide_at(
     at_lowest = max([own_floor] + [r.floor_at_lowest_bytes for r in earlier])
     all_kept = keep_all if everything_beside_runs is None else everything_beside_runs
     growth = sum(r.unoptimized_step_bytes - r.step_bytes for r in earlier)
-    own_everything = all_kept.peak_bytes + cache_allowance(all_kept, jp.memory) + growth
-    keeping_everything = max([own_everything] + [r.floor_keeping_everything_bytes for r in earlier])
+    # Keeping everything, in each of its runs for a graph run several times (with a caching allocator's allowance).
+    unoptimized = all_kept.peak_bytes + cache_allowance(all_kept, jp.memory)
+    keeping_everything = max([unoptimized + growth] + [r.floor_keeping_everything_bytes for r in earlier])
     step_floor = min(at_lowest, keeping_everything)
     infeasible = False
     try:
@@ -601,8 +605,6 @@ def decide_at(
             refusal.held_result_bytes = jp.droppable_output_bytes  # type: ignore[attr-defined]
             raise refusal from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
-    # A graph run several times keeps everything in each of its runs when nothing is recomputed.
-    unoptimized = everything if everything_beside_runs is None else own_everything - growth
     record = GraphRecord(
         index=index,
         joint_problem=jp,
