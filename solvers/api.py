@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from solvers.chen import Progress, chen_greedy, chen_sqrt
 from solvers.errors import InfeasibleBudgetError, InvalidPlanError, SolverError, format_bytes
@@ -333,6 +333,57 @@ def solve(
     if function is None:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
     started = time.perf_counter()
+    memo_key = _memo_key(method, budget_bytes, time_limit, options)
+    memo = problem._cache.get(memo_key) if memo_key is not None else None
+    if isinstance(memo, _Refused):
+        raise InfeasibleBudgetError(*memo)
+    if memo is not None:
+        log.debug("solve(%s): the plan found earlier for this graph and budget", method)
+        return memo
+    try:
+        plan = _solve(problem, budget_bytes, method, function, time_limit, progress, options, started)
+    except InfeasibleBudgetError as e:
+        if memo_key is not None:
+            # Its fields, not the error: a traceback would keep the frames of the caller's step alive.
+            problem._cache[memo_key] = _Refused(e.budget_bytes, e.min_feasible_bytes, str(e))
+        raise
+    if memo_key is not None:
+        problem._cache[memo_key] = plan
+    return plan
+
+
+class _Refused(NamedTuple):
+    """A refusal :func:`solve` remembers (:class:`InfeasibleBudgetError`'s arguments)."""
+
+    budget_bytes: int
+    min_feasible_bytes: int | None
+    message: str
+
+
+def _memo_key(method: str, budget_bytes: int, time_limit: float, options: dict[str, Any]) -> tuple | None:
+    """Where :func:`solve` keeps its answer on the problem: methods are deterministic in the problem,
+    the budget and their options (auto's MILP stops at a work limit, not the clock), so a graph planned
+    again at a budget it was planned at gets the same plan without solving.  None where an option
+    cannot be a key.  A wall-clock ``time_limit`` is part of the key: a longer one is solved again."""
+    try:
+        # The registry is part of the key: a method replaced there (a wrapper, a test's) solves anew.
+        key = ("api.solve", method, tuple(METHODS.items()), budget_bytes, time_limit, tuple(sorted(options.items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _solve(
+    problem: Problem,
+    budget_bytes: int,
+    method: str,
+    function: Method,
+    time_limit: float,
+    progress: Progress | None,
+    options: dict[str, Any],
+    started: float,
+) -> Plan:
     plan = function(problem, budget_bytes, time_limit=time_limit, progress=progress, **options)
     if function is not auto:  # auto's candidates are trimmed already
         plan = drop_unread(problem, plan)

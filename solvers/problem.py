@@ -14,6 +14,8 @@ integer index arrays that the rest of the package uses for fast passes.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -41,6 +43,58 @@ _KIND_CODE = {INPUT: INPUT_CODE, FORWARD: FORWARD_CODE, BACKWARD: BACKWARD_CODE}
 _POLICY_CODE = {None: 0, SAVE: SAVE_CODE, RECOMPUTE: RECOMPUTE_CODE}
 POINTWISE_CODE, REDUCTION_CODE, ABSORBED_CODE = 1, 2, 3
 _FUSION_CODE = {"": 0, "pointwise": POINTWISE_CODE, "reduction": REDUCTION_CODE, "absorbed": ABSORBED_CODE}
+
+
+#: How many distinct problems keep their memo dict shared with later problems of the same content.
+SHARED_CACHES = 32
+_shared_caches: OrderedDict["_Content", dict[str, Any]] = OrderedDict()
+_shared_caches_lock = threading.Lock()
+
+
+class _Content:
+    """A problem's fields as a dictionary key, hashed once (a tuple of thousands of nodes is not)."""
+
+    __slots__ = ("fields", "hash")
+
+    def __init__(self, problem: "Problem") -> None:
+        self.fields = (problem.nodes, problem.baseline_bytes, problem.size_groups)
+        self.hash = hash(self.fields)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Content) and self.hash == other.hash and self.fields == other.fields
+
+
+def _shared_cache(problem: "Problem") -> dict[str, Any]:
+    """The memo dict of every problem with ``problem``'s nodes, baseline and size groups.
+
+    Everything solvers memoise on a problem is a function of those fields, so a problem built
+    again from the same graph (a step planned again, a layer compiled as its own graph six times,
+    a budget sweep) starts with the floor, the option menus and the plans already found for it.
+    The :data:`SHARED_CACHES` most recently built contents are kept.
+    """
+    try:
+        key = _Content(problem)
+    except TypeError:  # a field built from a list (``preds=[...]``): this problem memoises alone
+        return {}
+    with _shared_caches_lock:
+        cache = _shared_caches.get(key)
+        if cache is None:
+            cache = _shared_caches[key] = {}
+            if len(_shared_caches) > SHARED_CACHES:
+                _shared_caches.popitem(last=False)
+        else:
+            _shared_caches.move_to_end(key)
+        return cache
+
+
+def clear_shared_caches() -> None:
+    """Forget every problem's memoised results (the floor, menus, plans): what a solver's module
+    constant changes (a test's monkeypatch) is not part of their keys."""
+    with _shared_caches_lock:
+        _shared_caches.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +272,8 @@ class Problem:
     size_groups: tuple[SizeGroup, ...] = ()
     # name -> position in `nodes`, for O(1) lookups.
     index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
-    # Solvers may memoise expensive derived results here (keyed by a string).
+    # Solvers memoise results derived from the fields here (keyed by a string); shared by every
+    # problem of the same content (:func:`_shared_cache`).
     _cache: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -317,6 +372,7 @@ class Problem:
         object.__setattr__(self, "_part_of", part_of)
         object.__setattr__(self, "_fusion", bytes(_FUSION_CODE[n.fusion] for n in nodes))
         self._check_size_groups(index, nodes)
+        object.__setattr__(self, "_cache", _shared_cache(self))
 
     def _check_size_groups(self, index: Mapping[str, int], nodes: tuple[Node, ...]) -> None:
         object.__setattr__(self, "size_groups", tuple(self.size_groups))

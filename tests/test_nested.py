@@ -25,6 +25,7 @@ import solvers
 import solvers.nested as nested
 from solvers.hierarchical import lowest_peak_plan
 from solvers.nested import ChainModel, decisions, nested_cost, nested_dp
+from solvers.problem import clear_shared_caches
 from tests.graphs import random_training_graph
 from tests.helpers import assert_same_training, get_case, measure, step
 
@@ -106,6 +107,7 @@ def test_nested_plans_recompute_twice_are_valid_and_lower_the_floor(monkeypatch)
     forward = {n.name for n in problem.nodes if n.kind == "forward"}
     assert max(c for name, c in recomputed.items() if name in forward) >= 2, "no value recomputed twice"
     monkeypatch.setattr(nested, "MAX_NESTED_BLOCKS", 0)
+    clear_shared_caches()  # the constant is not part of the memoised floor's key
     without = lowest_peak_plan(random_training_graph(300, shape="skip", seed=2))
     assert without.schedule is None
     assert with_nested.info.predicted_peak_bytes < without.info.predicted_peak_bytes
@@ -143,9 +145,11 @@ def test_a_layer_cut_inside_frees_its_attention_during_its_mlp_backward_and_lowe
     budget = captured.floor_bytes
 
     monkeypatch.setattr(hierarchical, "nested_menus", lambda problem: (hierarchical.build_menu(problem),))
+    clear_shared_caches()  # what the patch changes is not part of the memoised floor's key
     blocks_only = ckptc.capture(copy.deepcopy(case.model), case.example_inputs, case.example_kwargs, loss_fn=case.loss)
     assert budget < blocks_only.floor_bytes
     monkeypatch.undo()
+    clear_shared_caches()
 
     optimized = ckptc.optimize(case.model, budget_bytes=budget)
     loss = step(case, optimized)

@@ -917,3 +917,48 @@ def test_fusion_survives_the_problem_round_trip_and_is_checked():
     assert Problem.from_dict(json.loads(json.dumps(p.to_dict()))) == p
     with pytest.raises(ValueError, match="fusion"):
         Problem([Node("x", 0, 0.0, "input"), fwd("f", 1, ["x"], fusion="fused")])
+
+
+def test_solve_answers_a_problem_of_the_same_content_at_the_same_budget_from_memory(monkeypatch) -> None:
+    """A graph planned again (a replan, a layer compiled as its own graph once per layer, a budget sweep) is
+    built as a new problem of the same content: solve answers it without solving, refusals included, and
+    keeps no frame of the refused caller alive (a remembered error's traceback kept a training step's
+    tensors, and so changed what ckptc measured)."""
+    import gc
+    import weakref
+
+    import solvers.api
+
+    calls: list[int] = []
+    hierarchical = solvers.api.METHODS["hierarchical"]
+
+    def counted(problem: Problem, budget_bytes: int, **options):
+        calls.append(budget_bytes)
+        return hierarchical(problem, budget_bytes, **options)
+
+    monkeypatch.setitem(solvers.api.METHODS, "hierarchical", counted)
+    first = solve(Problem.training_chain(12), 9, method="hierarchical")
+    assert solve(Problem.training_chain(12), 9, method="hierarchical") == first
+    assert calls == [9]
+    solve(Problem.training_chain(12), 10, method="hierarchical")
+    solve(Problem.training_chain(13), 9, method="hierarchical")
+    assert calls == [9, 10, 9]
+
+    class Held:
+        pass
+
+    def refused() -> tuple[weakref.ref, InfeasibleBudgetError]:
+        held = Held()
+        try:
+            solve(Problem.training_chain(12), 1, method="hierarchical")
+        except InfeasibleBudgetError as error:
+            return weakref.ref(held), error
+        raise AssertionError("budget 1 was not refused")
+
+    held, error = refused()
+    del error
+    gc.collect()
+    assert held() is None, "the remembered refusal keeps its caller's frame alive"
+    _, again = refused()
+    assert calls == [9, 10, 9, 1]
+    assert again.min_feasible_bytes == min_feasible_budget(Problem.training_chain(12))
