@@ -174,7 +174,13 @@ def auto(
         # for every count at its bound is a candidate too (it fits here), so no plan costs more than that.
         runs.insert(1, (AT_BOUNDS, {}))
     if _ilp_is_small(problem, ilp_max_forward_nodes):
-        ilp_options = {"time_limit": AUTO_ILP_SAFETY_SECONDS, "work_limit": ilp_work_limit, "threads": 1}
+        # A refusal's floor is auto's own (the lowest-peak plan): the MILP's least peak is not solved for.
+        ilp_options = {
+            "time_limit": AUTO_ILP_SAFETY_SECONDS,
+            "work_limit": ilp_work_limit,
+            "threads": 1,
+            "least_feasible": False,
+        }
         runs.append(("ilp", ilp_options))
 
     fitting: list[tuple[float, int, int, Plan]] = []

@@ -270,6 +270,7 @@ def ilp(
     mip_gap: float = 1e-6,
     warm_start: bool = True,
     work_limit: int | None = None,
+    least_feasible: bool = True,
 ) -> Plan:
     """Least-recomputation stage schedule within ``budget_bytes``, by MILP (Checkmate).
 
@@ -297,6 +298,10 @@ def ilp(
         Stop the MILP after this much deterministic work (see :func:`solvers.milp.make_milp_solver`);
         with ``threads=1`` the plan is then the same at any machine load (``info.status``
         "work_limit" when it cut), while ``time_limit`` stays a wall-clock safety.
+    least_feasible : bool
+        When no stage schedule fits, solve a second MILP for the least peak one reaches (the error's
+        ``min_feasible_bytes``).  False: the error gives None (``auto``, which names its own floor,
+        spent about half of a refused call on it).
 
     Returns
     -------
@@ -310,7 +315,8 @@ def ilp(
     ------
     InfeasibleBudgetError
         If no stage schedule fits; min_feasible_bytes is the least peak the
-        MILP can reach (solved as a second MILP within the time left).
+        MILP can reach (solved as a second MILP within the time left), or None
+        without ``least_feasible``.
     SolverError
         If the model is too large, or the solver found no integer solution in time.
 
@@ -385,6 +391,7 @@ def ilp(
                 remaining,
                 max_variables,
                 threads,
+                least_feasible,
             )
             return _finish(problem, plan, budget_bytes, started, info)
         kept, _, rec = model.schedule()
@@ -519,12 +526,13 @@ def _without_a_solution(
     remaining: float,
     max_variables: int,
     threads: int | None,
+    least_feasible: bool = True,
 ) -> tuple[Plan, SolveInfo]:
     """The plan to return when the MILP gave no solution: keep-all if it fits, else the warm start.
 
     Raises:
         InfeasibleBudgetError: the MILP is infeasible and keep-all does not fit (with the least peak
-            the MILP can reach, solved within ``remaining`` seconds).
+            the MILP can reach, solved within ``remaining`` seconds, where ``least_feasible``).
         SolverError: the solver found no integer solution in time and there is no warm start.
     """
     if outcome.status == "infeasible":
@@ -533,6 +541,12 @@ def _without_a_solution(
             # fit where the MILP sees no room. Never fail where keep-all fits.
             log.info("ilp: the MILP found no schedule within the budget; keep-all fits, returning it")
             return _explicit(problem, keep_all), SolveInfo(status="fallback", candidate="keep_all")
+        if not least_feasible:
+            raise InfeasibleBudgetError(
+                budget_bytes,
+                None,
+                f"ilp: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) fits no stage schedule of this graph",
+            )
         lowest = _min_feasible(problem, graph, max_variables, remaining, threads, keep_all_peak)
         raise InfeasibleBudgetError(
             budget_bytes,

@@ -31,6 +31,7 @@ from solvers import (
     Step,
     min_feasible_budget,
     simulate,
+    solve,
 )
 from solvers.chen import keep_all_plan
 from solvers.hierarchical import hierarchical
@@ -495,3 +496,35 @@ def test_ilp_without_highs_falls_back_to_cbc(monkeypatch):
     without = ilp(problem, budget, time_limit=30)
     assert simulate(problem, without).peak_bytes <= budget
     assert simulate(problem, without).recompute_cost == with_highs
+
+
+def test_auto_refuses_with_its_own_floor_without_solving_for_the_milps_least_peak(monkeypatch) -> None:
+    """Refused, ``ilp`` solves a second MILP for the least peak a stage schedule reaches (its error's
+    ``min_feasible_bytes``); auto names its own floor and threw that MILP away, half the time of a refused
+    call (a 4-block MLP planned at its floor: 16 s of a test's 4 s after)."""
+    import solvers.ilp as ilp_module
+    from tests.graphs import random_training_graph
+
+    problem = random_training_graph(40, seed=3)
+    with pytest.raises(InfeasibleBudgetError) as direct:
+        ilp(problem, 1)
+    assert direct.value.min_feasible_bytes is not None
+
+    def never(*args, **kwargs):
+        raise AssertionError("auto solved the MILP's least feasible peak")
+
+    refusals = []
+
+    def counted(*args, **kwargs):
+        try:
+            return ilp(*args, **kwargs)
+        except InfeasibleBudgetError as error:
+            refusals.append(error.min_feasible_bytes)
+            raise
+
+    monkeypatch.setattr(ilp_module, "_min_feasible", never)
+    monkeypatch.setitem(METHODS, "ilp", counted)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        solve(problem, 1)
+    assert refused.value.min_feasible_bytes == min_feasible_budget(problem)
+    assert refusals == [None]  # auto's MILP ran and was refused, without its least peak
