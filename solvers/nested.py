@@ -76,6 +76,11 @@ class NestedTables:
     model: ChainModel
     capacity: int
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays (what a problem's memo holds for it: :data:`solvers.problem.SHARED_CACHES_BYTES`)."""
+        return sum(a.nbytes for a in self.opt.values()) + sum(a.nbytes for a in self.how.values())
+
     def start(self, budget_bytes: int | None) -> int:
         """The held units that leave ``budget_bytes`` (rounded down) of the table's capacity free.
 

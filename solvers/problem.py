@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -45,10 +46,22 @@ POINTWISE_CODE, REDUCTION_CODE, ABSORBED_CODE = 1, 2, 3
 _FUSION_CODE = {"": 0, "pointwise": POINTWISE_CODE, "reduction": REDUCTION_CODE, "absorbed": ABSORBED_CODE}
 
 
-#: How many distinct problems keep their memo dict shared with later problems of the same content.
-SHARED_CACHES = 32
-_shared_caches: OrderedDict["_Content", dict[str, Any]] = OrderedDict()
+#: How many memo dicts of the most recently built problem contents are kept after their problems die,
+#: and the most bytes of arrays they may hold together (the floor's nested-DP tables of a 64-block chain
+#: take about 50 MB; a 4-layer model's, under 1 MB).
+SHARED_CACHES_KEPT = 32
+SHARED_CACHES_BYTES = 256 * 2**20
+# Every live problem's memo by content (an entry dies with the last problem holding its memo), and the
+# memos of the most recently built contents, held strongly.
+_shared_caches: "weakref.WeakValueDictionary[_Content, _Memo]" = weakref.WeakValueDictionary()
+_recent_caches: "OrderedDict[_Content, _Memo]" = OrderedDict()
 _shared_caches_lock = threading.Lock()
+
+
+class _Memo(dict):
+    """A problem's memo dict (a ``dict`` subclass, so that it can be weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
 
 
 class _Content:
@@ -72,29 +85,55 @@ def _shared_cache(problem: "Problem") -> dict[str, Any]:
 
     Everything solvers memoise on a problem is a function of those fields, so a problem built
     again from the same graph (a step planned again, a layer compiled as its own graph six times,
-    a budget sweep) starts with the floor, the option menus and the plans already found for it.
-    The :data:`SHARED_CACHES` most recently built contents are kept.
+    a budget sweep) starts with the floor, the option menus and the plans already found for it:
+    while any problem of that content is alive, and for the :data:`SHARED_CACHES_KEPT` most
+    recently built contents after (the oldest of them without their arrays beyond
+    :data:`SHARED_CACHES_BYTES`).
     """
     try:
         key = _Content(problem)
     except TypeError:  # a field built from a list (``preds=[...]``): this problem memoises alone
-        return {}
+        return _Memo()
     with _shared_caches_lock:
         cache = _shared_caches.get(key)
         if cache is None:
-            cache = _shared_caches[key] = {}
-            if len(_shared_caches) > SHARED_CACHES:
-                _shared_caches.popitem(last=False)
-        else:
-            _shared_caches.move_to_end(key)
+            cache = _shared_caches[key] = _Memo()
+        _recent_caches[key] = cache
+        _recent_caches.move_to_end(key)
+        while len(_recent_caches) > SHARED_CACHES_KEPT:
+            _recent_caches.popitem(last=False)
+        # Over the byte cap, the oldest memos let their arrays go (rebuilt if asked for again) and keep
+        # the rest: plans, floors and menus are small.
+        total = sum(_array_bytes(memo) for memo in _recent_caches.values())
+        for memo in list(_recent_caches.values())[:-1]:
+            if total <= SHARED_CACHES_BYTES:
+                break
+            for name in [name for name, value in memo.items() if _value_bytes(value)]:
+                total -= _value_bytes(memo.pop(name))
         return cache
 
 
+def _value_bytes(value: Any) -> int:
+    """The bytes of the arrays in a memo's entry (anything with ``nbytes``, or a list of such)."""
+    total = 0
+    for item in value if isinstance(value, list) else (value,):
+        nbytes = getattr(item, "nbytes", None)
+        if isinstance(nbytes, int):
+            total += nbytes
+    return total
+
+
+def _array_bytes(memo: dict[str, Any]) -> int:
+    """The bytes of the arrays a memo holds, which dominate it."""
+    return sum(_value_bytes(value) for value in memo.values())
+
+
 def clear_shared_caches() -> None:
-    """Forget every problem's memoised results (the floor, menus, plans): what a solver's module
-    constant changes (a test's monkeypatch) is not part of their keys."""
+    """Forget every problem's memoised results (the floor, menus, plans) for the problems built from
+    now on: what a solver's module constant changes (a test's monkeypatch) is not part of their keys."""
     with _shared_caches_lock:
         _shared_caches.clear()
+        _recent_caches.clear()
 
 
 @dataclass(frozen=True, slots=True)

@@ -962,3 +962,29 @@ def test_solve_answers_a_problem_of_the_same_content_at_the_same_budget_from_mem
     _, again = refused()
     assert calls == [9, 10, 9, 1]
     assert again.min_feasible_bytes == min_feasible_budget(Problem.training_chain(12))
+
+
+def test_memos_of_problems_no_longer_alive_keep_their_arrays_within_a_byte_cap(monkeypatch) -> None:
+    """Problems of the same content share their memo while any is alive, and the most recently built
+    contents keep theirs after; the floor's nested-DP tables (about 50 MB for a 64-block chain) are let go
+    from the oldest beyond a byte cap, their plans and floors kept."""
+    import gc
+
+    import solvers.problem as problem_module
+    from tests.graphs import random_training_graph
+
+    monkeypatch.setattr(problem_module, "SHARED_CACHES_BYTES", 2**20)
+    floors = []
+    for seed in range(6):
+        problem = random_training_graph(120, seed=seed)
+        floors.append(min_feasible_budget(problem))
+        assert random_training_graph(120, seed=seed)._cache is problem._cache  # shared while alive
+    del problem
+    gc.collect()
+    memos = list(problem_module._recent_caches.values())
+    assert len(memos) == 6
+    assert sum(problem_module._array_bytes(memo) for memo in memos[:-1]) <= 2**20
+    assert sum(problem_module._array_bytes(memo) for memo in memos) > 2**20, "the test builds no tables"
+    # The oldest memo kept its floor: a problem built again from that graph reads it without solving.
+    assert random_training_graph(120, seed=0)._cache.get("api.lowest_peak_plan") is not None
+    assert [min_feasible_budget(random_training_graph(120, seed=s)) for s in range(6)] == floors
