@@ -526,7 +526,7 @@ def _without_a_solution(
     remaining: float,
     max_variables: int,
     threads: int | None,
-    least_feasible: bool = True,
+    least_feasible: bool,
 ) -> tuple[Plan, SolveInfo]:
     """The plan to return when the MILP gave no solution: keep-all if it fits, else the warm start.
 

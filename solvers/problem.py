@@ -96,14 +96,15 @@ def _shared_cache(problem: "Problem") -> dict[str, Any]:
         return _Memo()
     with _shared_caches_lock:
         cache = _shared_caches.get(key)
-        if cache is None:
-            cache = _shared_caches[key] = _Memo()
-        _recent_caches[key] = cache
-        _recent_caches.move_to_end(key)
+        if cache is not None:
+            _recent_caches[key] = cache
+            _recent_caches.move_to_end(key)
+            return cache
+        cache = _shared_caches[key] = _recent_caches[key] = _Memo()
+        # A new content: the oldest beyond the count are let go, and over the byte cap the oldest memos let
+        # their arrays go (rebuilt if asked for again) and keep the rest: plans, floors and menus are small.
         while len(_recent_caches) > SHARED_CACHES_KEPT:
             _recent_caches.popitem(last=False)
-        # Over the byte cap, the oldest memos let their arrays go (rebuilt if asked for again) and keep
-        # the rest: plans, floors and menus are small.
         total = sum(_array_bytes(memo) for memo in _recent_caches.values())
         for memo in list(_recent_caches.values())[:-1]:
             if total <= SHARED_CACHES_BYTES:
@@ -313,7 +314,7 @@ class Problem:
     index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
     # Solvers memoise results derived from the fields here (keyed by a string); shared by every
     # problem of the same content (:func:`_shared_cache`).
-    _cache: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
+    _cache: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)
