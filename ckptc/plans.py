@@ -744,7 +744,11 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     problem = jp.problem
     stable = jp.stable_names
     plan = record.plan
-    recomputed = {s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"}
+    forward = jp.__dict__.get("_forward_set")  # the graph's, whatever the plan
+    if forward is None:
+        forward = jp.__dict__["_forward_set"] = frozenset(problem.forward_nodes)
+    recomputed_steps = [s.node for s in record.result.steps if s.phase == "backward" and s.node in forward]
+    recomputed = set(recomputed_steps)
     # A value whose storage stays alive through a kept view (a detach of it) is kept too.
     kept_storages = {problem.alias_root(k) for k in plan.kept}
     values = []
@@ -774,9 +778,6 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
             for names in (problem.forward_nodes, problem.backward_nodes)
         )
     forward_flops, backward_flops = phase_flops
-    recomputed_steps = [
-        s.node for s in record.result.steps if s.phase == "backward" and problem[s.node].kind == "forward"
-    ]
     recompute_flops = sum(jp.node_cost(n).flops for n in jp.graph_nodes(recomputed_steps))
     return GraphPlan(
         fingerprint=fingerprint(jp),

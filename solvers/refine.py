@@ -1,18 +1,26 @@
 """Spend leftover budget: keep more of what a derived-schedule plan recomputes.
 
-Heuristic plans (Chen's segments, the budgeted greedy) often peak well below
-the budget: they cut at coarse points.  :func:`fill_budget` keeps additional
-recomputed values, best ratio of recompute cost saved to bytes first, as long
-as the simulated peak stays within the budget.  Keeping a value never adds a
-recomputation, so the cost can only fall; the simulator decides the peak.
+Heuristic plans (Chen's segments, the budgeted greedy) and the chain DP's
+block options often peak well below the budget: they cut at coarse points.
+:func:`fill_budget` keeps additional recomputed values, best ratio of
+recompute cost saved to bytes first, as long as the simulated peak stays
+within the budget.  Keeping a value never adds a recomputation, so the cost
+can only fall; the simulator decides the peak.
 
-Candidates are ranked once; a binary search finds the longest prefix of the
-ranking that still fits, then the rest are retried in smaller prefixes, by an
-exponential search from the short end (after the first round most of them no
-longer fit, and finding that out costs one simulation instead of log2(n)).
-A prefix whose kept storages alone (all alive at the end of the forward phase)
-exceed the budget is refused without simulating it.
-Time: O(log(n) * rounds) simulations, each O((nodes + edges) log nodes).
+Each round reads the current plan's memory timeline (one simulation) and
+walks the ranking once: keeping value ``v`` holds its storage from its forward
+step to its recomputation in backward, so ``v`` is estimated to fit when the
+timeline's maximum over that span plus its bytes fits, and a value taken adds
+its bytes to the span for those after it.  A value that does not fit is passed
+over, not the end of the walk: the values ranked after a large one that cannot
+fit are still tried.  The values taken are then simulated together; where the
+estimate was wrong (a kept view pins its base's storage, recomputations of
+other values change), a binary search finds their longest prefix that fits.
+Rounds repeat on what was left, from the new plan's timeline, while one keeps
+something.  A prefix whose kept storages alone (all alive at the end of the
+forward phase) exceed the budget is refused without simulating it.
+Time: O(rounds * (log(n) simulations + n * steps)); in practice one to three
+simulations per round (the estimate is right most of the time).
 
 Example:
     >>> from solvers import Problem, Plan, simulate
@@ -25,21 +33,27 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from solvers.plan import BACKWARD_PHASE, Plan
-from solvers.problem import SAVE_CODE, Problem
-from solvers.simulator import derived_schedule, evaluate_mask, honour_policies_mask, mask_of, names_of, simulate
+from solvers.problem import FORWARD_CODE, RECOMPUTE_CODE, SAVE_CODE, Problem
+from solvers.simulator import (
+    derived_schedule,
+    evaluate_mask_schedule,
+    honour_policies_mask,
+    mask_of,
+    names_of,
+    simulate,
+)
 
 __all__ = ["fill_budget", "drop_unread"]
 
 log = logging.getLogger("solvers.refine")
 
-_FORWARD = 1
-_RECOMPUTE = 2
 _ROUNDS = 4
 
 
@@ -54,21 +68,22 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int, *, kept_weight:
     if plan.schedule is not None:
         return plan
     mask = honour_policies_mask(problem, mask_of(problem, plan.kept))
-    core = evaluate_mask(problem, mask)
+    start = _Trial(mask, *evaluate_mask_schedule(problem, mask))
+    core = start.result
     if core.peak_bytes > budget_bytes or core.recompute_steps == 0:
         return plan
-    recomputed = _recomputed(problem, mask)
-    nbytes, cost, policy = problem._bytes, problem._cost, problem._policy
-    candidates = [v for v in recomputed if policy[v] != _RECOMPUTE]
+    nbytes, cost, policy, kind = problem._bytes, problem._cost, problem._policy, problem._kind
+    recomputed = dict.fromkeys(v for v in start.nodes[start.n_fwd :] if kind[v] == FORWARD_CODE)
+    candidates = [v for v in recomputed if policy[v] != RECOMPUTE_CODE]
     # Best saving per byte first; free values (views) first of all.
     candidates.sort(key=lambda v: (-(cost[v] / nbytes[v]) if nbytes[v] else float("-inf"), v))
     weighed = _Weighed(kept_weight, core.kept_bytes)
-    mask, best_cost, _ = _fill_rounds(problem, mask, candidates, budget_bytes, core.recompute_cost, weighed)
-    if best_cost >= core.recompute_cost:
+    best = _fill_rounds(problem, start, candidates, budget_bytes, weighed)
+    if best.result.recompute_cost >= core.recompute_cost:
         return plan
     # A value kept now can leave an earlier kept one unread (a kept ReLU output needs its input no
     # more): the rewritten graphs would not save it, so neither does the plan.
-    refined = drop_unread(problem, dataclasses.replace(plan, kept=names_of(problem, mask)))
+    refined = drop_unread(problem, dataclasses.replace(plan, kept=names_of(problem, best.mask)))
     result = simulate(problem, refined)
     log.debug("fill_budget: recompute cost %.4g -> %.4g", core.recompute_cost, result.recompute_cost)
     info = plan.info.replace(predicted_peak_bytes=result.peak_bytes, recompute_cost=result.recompute_cost, refined=True)
@@ -87,31 +102,76 @@ class _Weighed:
         return result.peak_bytes + self.weight * max(0, result.kept_bytes - self.kept_bytes)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+    """A kept mask with its derived schedule and simulated result (what the next round reads)."""
+
+    mask: bytearray
+    nodes: list[int]
+    n_fwd: int
+    result: Any
+
+
 def _fill_rounds(
-    problem: Problem,
-    mask: bytearray,
-    candidates: list[int],
-    budget_bytes: int,
-    best_cost: float,
-    weighed: _Weighed = _Weighed(),
-) -> tuple[bytearray, float, list[int]]:
-    """Keep the longest fitting prefix of ``candidates`` on top of ``mask``, then of what is left, for
-    up to ``_ROUNDS`` rounds.  Returns the new mask, its recompute cost and the candidates left."""
-    for round_ in range(_ROUNDS):
+    problem: Problem, start: _Trial, candidates: list[int], budget_bytes: int, weighed: _Weighed
+) -> _Trial:
+    """Up to ``_ROUNDS`` rounds: keep the candidates the current timeline says fit (in ranking
+    order), or their longest prefix that does.  Returns the last trial that fit (``start`` if none)."""
+    best = start
+    for _ in range(_ROUNDS):
         if not candidates:
             break
-        held = _held_after(problem, mask, candidates)
-        fitting: dict[int, tuple[bytearray, float]] = {}  # prefix length -> (mask, cost), to reuse
-        fits = functools.partial(
-            _prefix_fits, problem, mask, candidates, held, budget_bytes, best_cost, fitting, weighed
-        )
-        lo = _longest_prefix(fits, len(candidates), gallop=round_ > 0)
-        if lo == 0:
-            candidates = candidates[1:]  # the best single candidate does not fit: skip it
+        taken = _taken_by_timeline(problem, best, candidates, budget_bytes, weighed)
+        if not taken:
+            break
+        held = _held_after(problem, best.mask, taken)
+        fitting: dict[int, _Trial] = {}  # prefix length -> its trial, to reuse
+        fits = functools.partial(_prefix_fits, problem, best, taken, held, budget_bytes, weighed, fitting)
+        lo = len(taken) if fits(len(taken)) else _longest_prefix(fits, len(taken) - 1)
+        settled = set(taken[: max(lo, 1)])  # kept now, or a first value that does not fit even alone
+        candidates = [v for v in candidates if v not in settled]
+        if lo:
+            best = fitting[lo]
+    return best
+
+
+def _taken_by_timeline(
+    problem: Problem, trial: _Trial, candidates: list[int], budget_bytes: int, weighed: _Weighed
+) -> list[int]:
+    """The candidates, in ranking order, that ``trial``'s timeline says fit one after another.
+
+    Kept, a recomputed value's storage lives from its forward step (or, for a value the forward
+    phase does not compute, where it would enter it) to its recomputation in backward, on top of
+    the timeline: it is taken if the timeline's maximum over that span plus its bytes (and
+    ``weighed``'s count of them) fits, and then adds them there.  Values the plan no longer
+    recomputes (those taken made them unnecessary) are skipped.  Storages the lower bound of
+    :func:`_held_after` leaves out (inputs' views, multi-output values) count no bytes here either.
+    """
+    import numpy as np
+
+    nodes, n_fwd = trial.nodes, trial.n_fwd
+    timeline = np.asarray(trial.result.timeline, dtype=np.int64)
+    forward_step = {v: i for i, v in enumerate(nodes[:n_fwd])}
+    recomputed_at = {v: i for i, v in enumerate(nodes[n_fwd:], n_fwd)}
+    forward_order = nodes[:n_fwd]  # by node index, as the derived schedule orders it
+    new_bytes = _new_bytes(problem, trial.mask)
+    extra = weighed.peak(trial.result) - trial.result.peak_bytes
+    taken = []
+    for v in candidates:
+        end = recomputed_at.get(v)
+        if end is None:
             continue
-        mask, best_cost = fitting[lo]  # simulated already
-        candidates = candidates[lo:]
-    return mask, best_cost, candidates
+        begin = forward_step.get(v)
+        if begin is None:
+            begin = max(0, min(bisect.bisect_left(forward_order, v), n_fwd - 1))
+        size = new_bytes(v, peek=True)
+        if int(timeline[begin:end].max()) + size + extra + weighed.weight * size <= budget_bytes:
+            taken.append(v)
+            if size:
+                new_bytes(v)
+                timeline[begin:end] += size
+                extra += weighed.weight * size
+    return taken
 
 
 def drop_unread(problem: Problem, plan: Plan) -> Plan:
@@ -162,44 +222,34 @@ def drop_unread(problem: Problem, plan: Plan) -> Plan:
 
 def _prefix_fits(
     problem: Problem,
-    mask: bytearray,
+    base: _Trial,
     candidates: list[int],
     held: list[int],
     budget_bytes: int,
-    best_cost: float,
-    fitting: dict[int, tuple[bytearray, float]],
     weighed: _Weighed,
+    fitting: dict[int, _Trial],
     k: int,
 ) -> bool:
-    """Whether ``mask`` plus the first ``k`` candidates fits; a fitting trial is recorded in ``fitting``."""
+    """Whether ``base`` plus the first ``k`` candidates fits at no more cost; a fitting trial is
+    recorded in ``fitting``."""
     if held[k] > budget_bytes:
         return False  # its kept storages alone exceed the budget
-    # No policy to honour again: ``mask`` honours them, no candidate must be recomputed, and
+    # No policy to honour again: ``base`` honours them, no candidate must be recomputed, and
     # keeping more only shrinks the set of recomputed values (so no "save" value joins it).
-    trial = bytearray(mask)
+    mask = bytearray(base.mask)
     for v in candidates[:k]:
-        trial[v] = 1
-    result = evaluate_mask(problem, trial, check=False)
-    if weighed.peak(result) <= budget_bytes and result.recompute_cost <= best_cost:
-        fitting[k] = (trial, result.recompute_cost)
+        mask[v] = 1
+    trial = _Trial(mask, *evaluate_mask_schedule(problem, mask, check=False))
+    if weighed.peak(trial.result) <= budget_bytes and trial.result.recompute_cost <= base.result.recompute_cost:
+        fitting[k] = trial
         return True
     return False
 
 
-def _longest_prefix(fits: Callable[[int], bool], n: int, *, gallop: bool) -> int:
-    """The longest k in [0, n] with ``fits(k)``, for a predicate that holds up to some k and then fails.
-
-    Binary search (log2(n) calls), or with ``gallop`` an exponential search
-    from the short end (1, 2, 4, ... then binary search below the first
-    failure: about 2*log2(k) calls), cheaper when the answer k is small, as
-    in the rounds after the first, where most remaining candidates no longer fit.
-    """
+def _longest_prefix(fits: Callable[[int], bool], n: int) -> int:
+    """The longest k in [0, n] with ``fits(k)``, for a predicate that holds up to some k and then
+    fails: a binary search, ceil(log2(n + 1)) calls at most."""
     lo, hi = 0, n  # the answer is in [lo, hi]
-    if gallop:
-        step = 1
-        while step <= n and fits(step):
-            lo, step = step, step * 2
-        hi = min(step - 1, n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):
@@ -209,16 +259,13 @@ def _longest_prefix(fits: Callable[[int], bool], n: int, *, gallop: bool) -> int
     return lo
 
 
-def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> list[int]:
-    """A lower bound on the peak of ``mask`` plus each prefix of ``candidates`` (entry k: the first k).
+def _new_bytes(problem: Problem, mask: bytearray) -> Callable[..., int]:
+    """``new_bytes(v)``: the bytes keeping ``v`` adds to those ``mask`` keeps, its storage counted
+    once (a view pins its base's); ``peek=True`` does not count it as kept afterwards.
 
-    At the last forward step every kept value's storage is alive, with the
-    resident bytes: their sum bounds the peak from below.  Storages of inputs
-    (resident already) and of multi-output values (their getitems take bytes
-    over) are left out, and values that grow with a routed count
-    (:class:`solvers.SizeGroup`) count only their fixed part, so the bound
-    never exceeds the simulator's peak.  O(nodes + candidates).
-    """
+    Storages of inputs (resident already) and of multi-output values (their getitems take bytes
+    over) count nothing, and values that grow with a routed count (:class:`solvers.SizeGroup`) only
+    their fixed part, so that sums of them never exceed what the simulator counts."""
     root, kind = problem._alias_root, problem._kind
     nbytes = problem._cache.get("refine.fixed_bytes")
     if nbytes is None:
@@ -232,23 +279,31 @@ def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> lis
         shared = problem._cache["refine.multi_output"] = frozenset(p for p in problem._part_of if p >= 0)
     seen: set[int] = set()
 
-    def new_bytes(v: int) -> int:
+    def new_bytes(v: int, *, peek: bool = False) -> int:
         r = root[v]
-        if kind[r] != _FORWARD or r in shared or r in seen:
+        if kind[r] != FORWARD_CODE or r in shared or r in seen:
             return 0
-        seen.add(r)
+        if not peek:
+            seen.add(r)
         return nbytes[r]
 
+    for v in problem._forward_idx:
+        if mask[v]:
+            new_bytes(v)
+    return new_bytes
+
+
+def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> list[int]:
+    """A lower bound on the peak of ``mask`` plus each prefix of ``candidates`` (entry k: the first k).
+
+    At the last forward step every kept value's storage is alive, with the
+    resident bytes: their sum (:func:`_new_bytes`) bounds the peak from below,
+    never exceeding the simulator's peak.  O(nodes + candidates).
+    """
+    new_bytes = _new_bytes(problem, bytearray(len(mask)))
     total = problem.resident_bytes + sum(new_bytes(v) for v in problem._forward_idx if mask[v])
     held = [total]
     for v in candidates:
         total += new_bytes(v)
         held.append(total)
     return held
-
-
-def _recomputed(problem: Problem, mask: bytearray) -> list[int]:
-    """Forward nodes the derived schedule of ``mask`` recomputes in backward."""
-    nodes, n_fwd = derived_schedule(problem, mask)
-    kind = problem._kind
-    return list(dict.fromkeys(v for v in nodes[n_fwd:] if kind[v] == _FORWARD))

@@ -23,7 +23,8 @@ import solvers
 from solvers import nested, refine, simulator
 from solvers.api import lowest_peak_plan
 from solvers.hierarchical import build_menu
-from solvers.refine import _held_after, _longest_prefix, _recomputed
+from solvers.problem import FORWARD_CODE
+from solvers.refine import _held_after, _longest_prefix
 from solvers.simulator import evaluate_mask, honour_policies_mask
 from tests.graphs import layered_training_graph, random_training_graph
 from tests.strategies import training_problems
@@ -74,7 +75,8 @@ def test_fill_budgets_lower_bound_never_exceeds_the_simulated_peak(seed):
     for v in problem._forward_idx:
         mask[v] = rng.random() < 0.3
     mask = honour_policies_mask(problem, mask)
-    candidates = _recomputed(problem, mask)
+    nodes, n_fwd = simulator.derived_schedule(problem, mask)
+    candidates = list(dict.fromkeys(v for v in nodes[n_fwd:] if problem._kind[v] == FORWARD_CODE))
     rng.shuffle(candidates)
     held = _held_after(problem, mask, candidates)
     for k in range(0, len(candidates) + 1, max(1, len(candidates) // 7)):
@@ -124,15 +126,13 @@ def test_a_plan_replays_the_whole_graph_as_often_at_4_layers_as_at_2(monkeypatch
     assert counts[2] == counts[4] and counts[4][0] <= 2 and counts[4][1:] == (0, 0), counts
 
 
-def test_the_longest_prefix_search_gallops_from_the_short_end_at_the_same_answer():
-    # fill_budget's later rounds: most remaining candidates no longer fit, so the answer k is small.
+def test_the_longest_prefix_search_finds_the_last_fitting_prefix_in_log_calls():
+    # fill_budget's fallback where the values its timeline estimate took do not fit together.
     for n in range(0, 40):
         for k in range(0, n + 1):
-            bisect, gallop = Counting(k.__ge__), Counting(k.__ge__)  # fits(m): m <= k
-            assert _longest_prefix(bisect, n, gallop=False) == k
-            assert _longest_prefix(gallop, n, gallop=True) == k
-            assert bisect.calls <= math.ceil(math.log2(n + 1))
-            assert gallop.calls <= 2 * math.ceil(math.log2(k + 1)) + 1
+            fits = Counting(k.__ge__)  # fits(m): m <= k
+            assert _longest_prefix(fits, n) == k
+            assert fits.calls <= math.ceil(math.log2(n + 1))
 
 
 def test_fill_budget_simulates_about_as_many_prefixes_at_64_layers_as_at_8():
@@ -143,9 +143,9 @@ def test_fill_budget_simulates_about_as_many_prefixes_at_64_layers_as_at_8():
         base = solvers.Plan(kept=simulator.honour_policies(problem, per_block))
         low = solvers.simulate(problem, base).peak_bytes
         top = solvers.simulate(problem, solvers.Plan(kept=simulator.honour_policies(problem, problem.forward_nodes)))
-        simulations = Counting(refine.evaluate_mask)
+        simulations = Counting(refine.evaluate_mask_schedule)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(refine, "evaluate_mask", simulations)
+            patch.setattr(refine, "evaluate_mask_schedule", simulations)
             for fraction in (0.1, 0.3, 0.5, 0.7, 0.9):
                 budget = low + int((top.peak_bytes - low) * fraction)
                 plan = refine.fill_budget(problem, base, budget)

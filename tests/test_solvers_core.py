@@ -846,6 +846,33 @@ def test_a_value_fill_budget_keeps_drops_a_kept_value_backward_no_longer_reads()
     assert filled.info.predicted_peak_bytes == simulate(problem, drop_unread(problem, filled)).peak_bytes
 
 
+def test_fill_budget_keeps_the_values_that_fit_after_many_ranked_first_that_do_not():
+    """Six 100-byte branches save the most per byte but none fits the budget's room; twelve 2-byte
+    branches ranked after them do (they are not alive when a large branch is recomputed, the peak).
+    Every small branch is kept: a value that cannot fit is passed over, not the end of the search
+    (the search by prefixes skipped one such value per round, four rounds, and kept nothing)."""
+    nodes = [Node("x", 8, 0.0, "input")]
+    branches = [(f"big{i}", 100, 1000.0) for i in range(6)] + [(f"small{j}", 2, 10.0) for j in range(12)]
+    total = None
+    for name, nbytes, cost in branches:  # each branch is summed into a running total in forward
+        nodes.append(Node(name, nbytes, cost, "forward", preds=("x",)))
+        nodes.append(Node(f"sum_{name}", 1, 1.0, "forward", preds=(name,) + ((total,) if total else ())))
+        total = f"sum_{name}"
+    nodes += [
+        Node("loss", 1, 1.0, "forward", preds=(total,), output=True),
+        Node("g_loss", 1, 0.0, "backward", ("loss",)),
+    ]
+    nodes += [Node(f"g_{name}", 1, 1.0, "backward", preds=("g_loss", name)) for name, _, _ in reversed(branches)]
+    nodes.append(Node("g_x", 8, 1.0, "backward", preds=tuple(f"g_{name}" for name, _, _ in branches), output=True))
+    problem = Problem(nodes)
+    sparse = Plan(kept=set())
+    base = simulate(problem, sparse)
+    for room in (0, 50):
+        filled = fill_budget(problem, sparse, base.peak_bytes + room)
+        assert filled.kept == {f"small{j}" for j in range(12)}, (room, sorted(filled.kept))
+        assert simulate(problem, filled).peak_bytes <= base.peak_bytes + room
+
+
 @pytest.mark.parametrize("weight", [0, 1, 3, 8])
 def test_fill_budget_counts_each_byte_a_trial_keeps_once_more_per_kept_weight(weight):
     """``kept_weight``: every byte kept beyond the plan's also raises the peak by ``weight`` bytes (the
