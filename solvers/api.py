@@ -141,6 +141,8 @@ def auto(
     progress: Progress | None = None,
     ilp_max_forward_nodes: int = AUTO_ILP_MAX_FORWARD_NODES,
     ilp_work_limit: int = AUTO_ILP_WORK_LIMIT,
+    kept_weight: int = 0,
+    kept_allowance: int = 0,
 ) -> Plan:
     """The cheapest plan that fits, among the methods suited to the graph.
 
@@ -156,7 +158,9 @@ def auto(
     still running after :data:`AUTO_ILP_SAFETY_SECONDS` is dropped with a
     warning. Derived-schedule plans then drop
     kept values no backward step reads (:func:`solvers.refine.drop_unread`) and
-    keep more where the budget allows (:func:`solvers.refine.fill_budget`).
+    keep more where the budget allows (:func:`solvers.refine.fill_budget`; with ``kept_weight``, each
+    byte kept beyond ``kept_allowance`` counted once more per weight: a graph whose earlier runs in the
+    step, counted in the baseline at ``kept_allowance`` bytes each, keep what its plan keeps).
     If none fits, the floor plan (:func:`lowest_peak_plan`) is the last
     candidate. Every plan is judged by simulate(); the winner has the least
     recompute cost (ties: lower peak, earlier method). A method that fails
@@ -198,7 +202,10 @@ def auto(
             else:
                 plan = METHODS[name](problem, budget_bytes, **options)
             if plan.schedule is None:
-                plan = fill_budget(problem, drop_unread(problem, plan), budget_bytes)
+                allowance = kept_allowance if kept_weight else None
+                plan = fill_budget(
+                    problem, drop_unread(problem, plan), budget_bytes, kept_weight=kept_weight, kept_allowance=allowance
+                )
             result = simulate(problem, plan)
         except InfeasibleBudgetError:
             tried[name] = {"status": "infeasible", "seconds": time.perf_counter() - started}
@@ -242,19 +249,23 @@ def auto(
             )
             continue
         tried[name]["status"] = "fits"
-        fitting.append((result.recompute_cost, result.peak_bytes, k, plan))
-        if result.recompute_cost == 0:
+        # Under a kept weight, a plan that keeps so much more than the allowance that it would not fit
+        # beside runs keeping what it keeps comes after every plan that would.
+        beside_runs = result.peak_bytes + kept_weight * (result.kept_bytes - kept_allowance)
+        over = bool(kept_weight) and beside_runs > budget_bytes
+        fitting.append((over, result.recompute_cost, result.peak_bytes, k, plan))
+        if result.recompute_cost == 0 and not over:
             break  # nothing recomputed: no other method can be cheaper
     if not fitting:
         floor = lowest_peak_plan(problem)
         if floor.info.predicted_peak_bytes <= budget_bytes:
-            fitting.append((floor.info.recompute_cost, floor.info.predicted_peak_bytes, len(runs), floor))
+            fitting.append((False, floor.info.recompute_cost, floor.info.predicted_peak_bytes, len(runs), floor))
             tried["floor"] = {"status": "fits", "peak_bytes": floor.info.predicted_peak_bytes}
     if progress is not None:
         progress(1.0, "auto: done")
     if not fitting:
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(problem))
-    *_, best = min(fitting, key=lambda t: t[:3])
+    *_, best = min(fitting, key=lambda t: t[:4])
     return dataclasses.replace(best, info=best.info.replace(chosen=best.method, tried=tried))
 
 

@@ -57,13 +57,16 @@ log = logging.getLogger("solvers.refine")
 _ROUNDS = 4
 
 
-def fill_budget(problem: Problem, plan: Plan, budget_bytes: int, *, kept_weight: int = 0) -> Plan:
+def fill_budget(
+    problem: Problem, plan: Plan, budget_bytes: int, *, kept_weight: int = 0, kept_allowance: int | None = None
+) -> Plan:
     """A plan at most as costly as ``plan`` (derived schedule) that still fits the budget.
 
-    ``kept_weight``: every byte a trial keeps beyond what ``plan`` keeps also raises the peak by this
-    many bytes.  A graph run several times in a step (layers compiled once) is planned with its
-    earlier runs in the baseline, each keeping what ``plan`` keeps: a trial that keeps more keeps it
-    in each of them too.  Plans with an explicit schedule are returned unchanged.
+    ``kept_weight``: every byte a trial keeps beyond ``kept_allowance`` (default: what ``plan`` keeps)
+    also raises the peak by this many bytes.  A graph run several times in a step (layers compiled
+    once) is planned with its earlier runs in the baseline, each counted at the allowance: a trial
+    that keeps more keeps it in each of them too.  A plan that does not fit so already is returned
+    unchanged, as are plans with an explicit schedule.
     """
     if plan.schedule is not None:
         return plan
@@ -77,7 +80,9 @@ def fill_budget(problem: Problem, plan: Plan, budget_bytes: int, *, kept_weight:
     candidates = [v for v in recomputed if policy[v] != RECOMPUTE_CODE]
     # Best saving per byte first; free values (views) first of all.
     candidates.sort(key=lambda v: (-(cost[v] / nbytes[v]) if nbytes[v] else float("-inf"), v))
-    weighed = _Weighed(kept_weight, core.kept_bytes)
+    weighed = _Weighed(kept_weight, core.kept_bytes if kept_allowance is None else kept_allowance)
+    if weighed.peak(core) > budget_bytes:
+        return plan
     best = _fill_rounds(problem, start, candidates, budget_bytes, weighed)
     if best.result.recompute_cost >= core.recompute_cost:
         return plan

@@ -134,9 +134,17 @@ def import_solver_backends() -> None:
 
 
 def candidate(
-    jp: JointProblem, options: CheckpointOptions, budget_bytes: int | None, progress: Progress | None = None
+    jp: JointProblem,
+    options: CheckpointOptions,
+    budget_bytes: int | None,
+    progress: Progress | None = None,
+    repeats: tuple[int, int] | None = None,
 ) -> solvers.Plan:
     """The strategy's plan for ``jp`` at a planning budget (None: no limit).
+
+    ``repeats``: (runs, assumed) for a graph whose ``runs`` earlier runs in the step are in ``jp``'s
+    baseline, each counted as keeping ``assumed`` bytes: ``auto`` fills its plan only while it fits
+    with each byte kept beyond ``assumed`` counted once more per run (each run keeps what it keeps).
 
     Raises:
         solvers.InfeasibleBudgetError: with the solver's floor, in planning-budget units.
@@ -146,6 +154,8 @@ def candidate(
     if budget_bytes is None:
         return keep_everything(jp)
     extra: dict[str, Any] = {} if options.time_limit is None else {"time_limit": options.time_limit}
+    if repeats is not None and options.solver == "auto":
+        extra["kept_weight"], extra["kept_allowance"] = repeats
     return solvers.solve(jp.problem, budget_bytes, method=options.solver, progress=progress, **extra)
 
 
@@ -179,9 +189,10 @@ def _choose(
     everything_bytes: int,
     margin: int,
     account: StepAccount,
+    repeats: tuple[int, int] | None = None,
 ) -> solvers.Plan:
-    """The plan for graph ``index`` under ``account``'s budget; an infeasible budget is reported in the
-    user's units.
+    """The plan for graph ``index`` under ``account``'s budget (``repeats``: as :func:`candidate`); an
+    infeasible budget is reported in the user's units.
 
     Under ``strategy="auto"`` a budget at or above the unoptimized peak (``everything_bytes``: keeping
     everything, with a caching allocator's allowance) keeps everything: nothing to recompute, and no
@@ -197,7 +208,9 @@ def _choose(
         everything = dataclasses.replace(keep_everything(jp), budget_bytes=planning_budget(budget, margin))
         return for_target_compiler(jp, everything, target)
     try:
-        plan = for_target_compiler(jp, candidate(jp, options, planning_budget(budget, margin), progress), target)
+        plan = for_target_compiler(
+            jp, candidate(jp, options, planning_budget(budget, margin), progress, repeats), target
+        )
     except solvers.InfeasibleBudgetError as error:
         floor = error.min_feasible_bytes
         if floor is not None:
@@ -349,7 +362,8 @@ def decide(
     everything's (a plan made there keeps no more, so it fits beside its own runs), then, bisecting
     towards the lowest-peak plan's size, smaller ones while their plans still keep no more than assumed
     (at most :data:`REPEAT_SEARCH_STEPS` more plans); the cheapest plan that fits beside its own runs is
-    chosen.  Where none does, the plan with the lowest peak beside its own runs, or its refusal.
+    chosen.  Under ``solver="auto"`` each plan is filled only while it fits beside runs keeping what it
+    keeps (``repeats``).  Where none does, the plan with the lowest peak beside its own runs, or its refusal.
 
     That plan, the graph's floor in the step, is the lowest-peak plan or keeping everything, whichever
     peaks lower beside its runs: a model that checkpoints its own layers keeps only their inputs when
@@ -383,6 +397,7 @@ def decide(
             lowest_peak=lowest_peak,
             floor=floor,
             everything_beside_runs=everything_beside_runs,
+            repeats=(runs, assumed_kept) if runs and plan is None else None,
         )
 
     floor: tuple[solvers.Plan, solvers.SimResult] | None = None
@@ -528,12 +543,13 @@ def decide_at(
     lowest_peak: bool = False,
     floor: tuple[solvers.Plan, solvers.SimResult] | None = None,
     everything_beside_runs: solvers.SimResult | None = None,
+    repeats: tuple[int, int] | None = None,
 ) -> GraphRecord:
     """Decide graph ``index`` of a step after the graphs ``earlier`` (their kept bytes are in ``jp``'s
     baseline, and ``repeat_bytes`` of its own earlier runs', :func:`decide`); ``lowest_peak``: its
     lowest-peak plan where that fits the budget (no other plan fits beside its own runs); ``floor``: the
     plan with the lowest peak beside its own runs and its result there, and ``everything_beside_runs``
-    keeping everything's, where :func:`decide` found them.
+    keeping everything's, where :func:`decide` found them; ``repeats``: as :func:`candidate`.
 
     The floor reported (``min_feasible_bytes``) is the step's, the lower of two ways to run the step
     so far: every graph at its lowest-peak plan (earlier graphs would leave their ``slack_bytes`` fewer
@@ -577,7 +593,7 @@ def decide_at(
         if lowest_peak and floor_result.peak_bytes <= planning_budget(account.budget_bytes or 0, floor_margin):
             plan = floor_plan
         else:
-            plan = _choose(jp, options, index, plan_source, progress, everything, margin, account)
+            plan = _choose(jp, options, index, plan_source, progress, everything, margin, account, repeats)
     except solvers.InfeasibleBudgetError as error:
         if isinstance(error, _FixedPlanOverBudget) or plan_source is not None:
             # Applied as they are: a preset or a plan file has no other plan to fall back to.
