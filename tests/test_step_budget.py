@@ -1512,21 +1512,22 @@ def test_a_block_compiled_once_for_every_layer_keeps_more_where_the_budget_leave
     the backend, where each planning run is a step, the tightened budget is raised by what the earlier
     runs keep), and every plan the search finds is filled while the block's peak beside its earlier runs,
     each keeping the same, fits (2.3% at 0.6, through both entry points), with eager's gradients and within
-    the budget."""
+    the budget.  The search's own plans are filled so too, and auto prefers those that fit beside their
+    runs (0.27%: filled alone, a plan kept more than the search assumed and was passed over)."""
     reference = _causal_lm_with_a_break_in_every_layer(6)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     captured = ckptc.capture(copy.deepcopy(reference), (ids,), {"labels": ids})
     assert len(captured.records) == 2, "the step this test checks (one block graph run for every layer) did not run"
     budget = int(captured.floor_bytes + 0.6 * (captured.unoptimized_peak_bytes - captured.floor_bytes))
     planned = captured.plan(budget_bytes=budget)
-    assert planned.recompute_percent < 5, planned
+    assert planned.recompute_percent < 1, planned  # 0.27%; 2.3% while the search's plans were filled alone
     assert planned.predicted_peak_bytes >= 0.9 * budget, (planned.predicted_peak_bytes, budget)
     assert planned.predicted_peak_bytes <= planned.unoptimized_peak_bytes, planned
 
     model = copy.deepcopy(reference)
     fast = ckptc.optimize(model, budget_bytes=budget)
     _trains_like_eager_within(budget, fast, model, copy.deepcopy(reference), ids)
-    assert fast.plan.recompute_percent < 5, fast.plan
+    assert fast.plan.recompute_percent < 1, fast.plan
     assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
 
     model = copy.deepcopy(reference)
@@ -1534,5 +1535,5 @@ def test_a_block_compiled_once_for_every_layer_keeps_more_where_the_budget_leave
     compiled = torch.compile(model, backend=check)
     _trains_like_eager_within(budget, compiled, model, copy.deepcopy(reference), ids)
     _trains_like_eager_within(budget, compiled, model, copy.deepcopy(reference), ids)  # each replan is a step
-    assert check.plan.recompute_percent < 5, check.plan
+    assert check.plan.recompute_percent < 1, check.plan
     assert check.plan.measured_peak_bytes is not None and check.plan.measured_peak_bytes <= budget
