@@ -1523,6 +1523,10 @@ def test_a_block_compiled_once_for_every_layer_keeps_more_where_the_budget_leave
     assert planned.recompute_percent < 1, planned  # 0.27%; 2.3% while the search's plans were filled alone
     assert planned.predicted_peak_bytes >= 0.9 * budget, (planned.predicted_peak_bytes, budget)
     assert planned.predicted_peak_bytes <= planned.unoptimized_peak_bytes, planned
+    # Lower in the range a plan of the search that keeps more than assumed, yet fits beside runs keeping
+    # what it keeps, is the cheapest (8.7% while such plans were passed over; 3.2%).
+    lower = int(captured.floor_bytes + 0.3 * (captured.unoptimized_peak_bytes - captured.floor_bytes))
+    assert captured.plan(budget_bytes=lower).recompute_percent < 5
 
     model = copy.deepcopy(reference)
     fast = ckptc.optimize(model, budget_bytes=budget)

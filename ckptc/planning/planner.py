@@ -363,7 +363,9 @@ def decide(
     towards the lowest-peak plan's size, smaller ones while their plans still keep no more than assumed
     (at most :data:`REPEAT_SEARCH_STEPS` more plans); the cheapest plan that fits beside its own runs is
     chosen.  Under ``solver="auto"`` each plan is filled only while it fits beside runs keeping what it
-    keeps (``repeats``).  Where none does, the plan with the lowest peak beside its own runs, or its refusal.
+    keeps (``repeats``), and a plan that keeps more than assumed but no more than the search's largest
+    assumption is judged beside runs keeping what it keeps.  Where none does, the plan with the lowest peak
+    beside its own runs, or its refusal.
 
     That plan, the graph's floor in the step, is the lowest-peak plan or keeping everything, whichever
     peaks lower beside its runs: a model that checkpoints its own layers keeps only their inputs when
@@ -428,7 +430,7 @@ def decide(
     margin = planning_margin(jp.problem, unoptimized_result(jp), jp.memory)
     room = (planning_budget(budget, margin) - lowest_alone.peak_bytes) // runs
     low = min(floor_kept, assumed)
-    high = max(low, min(max(floor_kept, assumed), room))
+    high = top = max(low, min(max(floor_kept, assumed), room))
     fitting: list[tuple[GraphRecord, int]] = []  # plans that keep no more than assumed, with the assumption
     if assumed < high:
         # Keeping everything is planned beside runs keeping what it keeps, whatever the search finds: a model
@@ -449,9 +451,15 @@ def decide(
         if record is not None and not record.infeasible and record.step_bytes <= assumed:
             fitting.append((record, assumed))
             high = assumed
-        elif not fitting and assumed == high:
-            break  # not even the largest assumption that can fit: none can
         else:
+            if record is not None and not record.infeasible and record.step_bytes <= top:
+                # It keeps more than assumed, but no more than the search allows: it may still fit beside
+                # runs that keep what it keeps.
+                exact = _beside_own_runs(record, planning_budget(budget, margin), at)
+                if exact is not None:
+                    fitting.append((exact, exact.step_bytes))
+            if not fitting and assumed == high:
+                break  # not even the largest assumption that can fit: none can
             low = assumed
         if high - low <= high // 100:
             break
@@ -461,6 +469,15 @@ def decide(
     # No plan fits beside runs that keep what it keeps: the plan with the lowest peak beside its own runs,
     # or its refusal with the step's floor.
     return at(_kept_bytes(jp, floor[0]), lowest_peak=True)
+
+
+def _beside_own_runs(record: GraphRecord, budget: int, at: Callable[..., GraphRecord]) -> GraphRecord | None:
+    """``record``'s plan beside runs that keep what it keeps, if it fits ``budget`` there."""
+    try:
+        exact = at(record.step_bytes, plan=record.plan)
+    except solvers.InfeasibleBudgetError:
+        return None
+    return None if exact.infeasible or exact.result.peak_bytes > budget else exact
 
 
 def _cheapest_beside_runs(
