@@ -251,7 +251,7 @@ def auto(
         tried[name]["status"] = "fits"
         # Under a kept weight, a plan that keeps so much more than the allowance that it would not fit
         # beside runs keeping what it keeps comes after every plan that would.
-        beside_runs = result.peak_bytes + kept_weight * (result.kept_bytes - kept_allowance)
+        beside_runs = result.peak_bytes + kept_weight * max(0, result.kept_bytes - kept_allowance)
         over = bool(kept_weight) and beside_runs > budget_bytes
         fitting.append((over, result.recompute_cost, result.peak_bytes, k, plan))
         if result.recompute_cost == 0 and not over:

@@ -159,7 +159,7 @@ def _taken_by_timeline(
     forward_step = {v: i for i, v in enumerate(nodes[:n_fwd])}
     recomputed_at = {v: i for i, v in enumerate(nodes[n_fwd:], n_fwd)}
     forward_order = nodes[:n_fwd]  # by node index, as the derived schedule orders it
-    new_bytes = _new_bytes(problem, trial.mask)
+    new_bytes, _ = _new_bytes(problem, trial.mask)
     extra = weighed.peak(trial.result) - trial.result.peak_bytes
     taken = []
     for v in candidates:
@@ -264,9 +264,10 @@ def _longest_prefix(fits: Callable[[int], bool], n: int) -> int:
     return lo
 
 
-def _new_bytes(problem: Problem, mask: bytearray) -> Callable[..., int]:
+def _new_bytes(problem: Problem, mask: bytearray) -> tuple[Callable[..., int], int]:
     """``new_bytes(v)``: the bytes keeping ``v`` adds to those ``mask`` keeps, its storage counted
-    once (a view pins its base's); ``peek=True`` does not count it as kept afterwards.
+    once (a view pins its base's); ``peek=True`` does not count it as kept afterwards.  With it, the
+    bytes of the storages ``mask`` keeps.
 
     Storages of inputs (resident already) and of multi-output values (their getitems take bytes
     over) count nothing, and values that grow with a routed count (:class:`solvers.SizeGroup`) only
@@ -292,10 +293,8 @@ def _new_bytes(problem: Problem, mask: bytearray) -> Callable[..., int]:
             seen.add(r)
         return nbytes[r]
 
-    for v in problem._forward_idx:
-        if mask[v]:
-            new_bytes(v)
-    return new_bytes
+    kept = sum(new_bytes(v) for v in problem._forward_idx if mask[v])
+    return new_bytes, kept
 
 
 def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> list[int]:
@@ -305,8 +304,8 @@ def _held_after(problem: Problem, mask: bytearray, candidates: list[int]) -> lis
     resident bytes: their sum (:func:`_new_bytes`) bounds the peak from below,
     never exceeding the simulator's peak.  O(nodes + candidates).
     """
-    new_bytes = _new_bytes(problem, bytearray(len(mask)))
-    total = problem.resident_bytes + sum(new_bytes(v) for v in problem._forward_idx if mask[v])
+    new_bytes, kept = _new_bytes(problem, mask)
+    total = problem.resident_bytes + kept
     held = [total]
     for v in candidates:
         total += new_bytes(v)
