@@ -873,6 +873,22 @@ def test_fill_budget_keeps_the_values_that_fit_after_many_ranked_first_that_do_n
         assert simulate(problem, filled).peak_bytes <= base.peak_bytes + room
 
 
+@pytest.mark.parametrize("allowance", [0, 3, 6])
+def test_fill_budget_counts_bytes_kept_beyond_an_allowance(allowance):
+    """``kept_allowance``: the earlier runs in the baseline are counted at that many kept bytes each, so each
+    byte a plan keeps beyond it counts ``kept_weight`` times more: a filled plan fits under that count and
+    never costs more."""
+    problem = Problem.training_chain(12)
+    sparse = Plan(kept=set())
+    base = simulate(problem, sparse)
+    for room, weight in ((4, 1), (12, 2), (40, 3)):
+        budget = base.peak_bytes + room
+        filled = fill_budget(problem, sparse, budget, kept_weight=weight, kept_allowance=allowance)
+        result = simulate(problem, filled)
+        assert result.peak_bytes + weight * max(0, result.kept_bytes - allowance) <= budget, (room, filled.kept)
+        assert result.recompute_cost <= base.recompute_cost
+
+
 @pytest.mark.parametrize("weight", [0, 1, 3, 8])
 def test_fill_budget_counts_each_byte_a_trial_keeps_once_more_per_kept_weight(weight):
     """``kept_weight``: every byte kept beyond the plan's also raises the peak by ``weight`` bytes (the
