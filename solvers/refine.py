@@ -156,7 +156,6 @@ def _taken_by_timeline(
 
     nodes, n_fwd = trial.nodes, trial.n_fwd
     timeline = np.asarray(trial.result.timeline, dtype=np.int64)
-    forward_step = {v: i for i, v in enumerate(nodes[:n_fwd])}
     recomputed_at = {v: i for i, v in enumerate(nodes[n_fwd:], n_fwd)}
     forward_order = nodes[:n_fwd]  # by node index, as the derived schedule orders it
     new_bytes, _ = _new_bytes(problem, trial.mask)
@@ -166,9 +165,8 @@ def _taken_by_timeline(
         end = recomputed_at.get(v)
         if end is None:
             continue
-        begin = forward_step.get(v)
-        if begin is None:
-            begin = max(0, min(bisect.bisect_left(forward_order, v), n_fwd - 1))
+        # Its forward step, or where it would enter the forward phase.
+        begin = max(0, min(bisect.bisect_left(forward_order, v), n_fwd - 1))
         size = new_bytes(v, peek=True)
         if int(timeline[begin:end].max()) + size + extra + weighed.weight * size <= budget_bytes:
             taken.append(v)
