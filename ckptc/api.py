@@ -16,7 +16,7 @@ import inspect
 import logging
 import types
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -388,6 +388,39 @@ def _keywords(function: Callable) -> list[str]:
     return [p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds and p.name != "model"]
 
 
+def example_call(example_inputs: Any, example_kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example call's positional and keyword inputs as a tuple and a dict.
+
+    A single tensor is the one positional input (``capture(model, ids)``), as in
+    ``torch.jit.trace``; ``tuple(ids)`` would have made each of its rows an input.
+
+    Raises:
+        ArgumentTypeError: the inputs are not a sequence (a dict is named: keyword
+            inputs go in ``example_kwargs``), or the keyword inputs are not a dict
+            with string keys.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if isinstance(example_inputs, Mapping):
+        raise ArgumentTypeError(
+            "example_inputs is a dict; keyword inputs go in example_kwargs: "
+            "ckptc.capture(model, (), {'input_ids': ids, ...})"
+        )
+    if not isinstance(example_inputs, Sequence) or isinstance(example_inputs, (str, bytes)):
+        raise ArgumentTypeError(
+            f"example_inputs is a {type(example_inputs).__name__}; give the model's positional inputs as a tuple "
+            "(a single tensor may be given as it is)"
+        )
+    if example_kwargs is None:
+        example_kwargs = {}
+    if not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str) for k in example_kwargs):
+        raise ArgumentTypeError(
+            f"example_kwargs is a {type(example_kwargs).__name__}; give the model's keyword inputs as a dict "
+            "of names to values"
+        )
+    return tuple(example_inputs), dict(example_kwargs)
+
+
 def _check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ArgumentTypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
@@ -419,7 +452,7 @@ def _check_model(model: Any) -> None:
 
 def capture(
     model: torch.nn.Module,
-    example_inputs: Sequence[Any] = (),
+    example_inputs: Sequence[Any] | torch.Tensor = (),
     example_kwargs: dict[str, Any] | None = None,
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -445,7 +478,8 @@ def capture(
     of :func:`optimize` that shape the captured problem (``must_save``,
     ``must_recompute``, ``hold_outputs``, ``compiler``, ``measure_time``) and
     the defaults of :meth:`CapturedStep.plan` (``strategy``, ``solver``,
-    ``time_limit``); a budget is given to ``plan``.
+    ``time_limit``); a budget is given to ``plan``.  ``example_inputs`` is a
+    tuple of positional inputs, or one tensor for a model that takes one.
 
     Example:
         >>> step = ckptc.capture(model, (input_ids,), {"labels": labels})   # doctest: +SKIP
@@ -459,6 +493,7 @@ def capture(
         {k: v for k, v in options.items() if k not in ("verify", "max_plans", "progress")}
     )
     _check_model(model)
+    example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
     if not model.training or not torch.is_grad_enabled():
         raise InvalidArgumentError(
             f"ckptc.capture captures a training step, but {type(model).__name__} is in eval mode or gradients "
@@ -479,7 +514,7 @@ def capture(
     shape = ShapePlan.first((), template, ranks)
     ran: list[GraphRecord] = []  # the step's graphs in the order they ran (a graph repeats for layers compiled once)
     with contextlib.ExitStack() as stack:
-        inputs, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+        inputs, kwargs = example_inputs, example_kwargs
         if target is not None:
             inputs, kwargs = stack.enter_context(offline_step(model, inputs, kwargs, target))
         with training_state_restored(model, inputs, kwargs):
@@ -518,7 +553,7 @@ def capture(
 
 def plan(
     model: torch.nn.Module,
-    example_inputs: Sequence[Any] = (),
+    example_inputs: Sequence[Any] | torch.Tensor = (),
     example_kwargs: dict[str, Any] | None = None,
     budget_gb: float | None = None,
     *,

@@ -40,7 +40,8 @@ import ckptc
 import solvers
 from ckptc import report
 from ckptc._torch_internals import fake_tensor_mode
-from ckptc.errors import CkptcError
+from ckptc.api import example_call
+from ckptc.errors import ArgumentTypeError, CkptcError
 from ckptc.options import STRATEGY_NAMES, CheckpointOptions, budget_to_bytes
 from solvers import format_bytes
 
@@ -224,14 +225,10 @@ def workload_from(result: Any, spec: str) -> Workload:
         raise CliError(f"{spec}: the model is a {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise CliError(f"{spec}: {type(model).__name__} has no trainable parameters; there is nothing to checkpoint")
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)  # a single tensor is the common one-input case
-    if not isinstance(inputs, (tuple, list)):
-        raise CliError(f"{spec}: example_inputs is a {type(inputs).__name__}; expected a tuple or list of inputs")
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-        raise CliError(f"{spec}: example_kwargs is a {type(kwargs).__name__}; expected a dict of keyword arguments")
+    try:
+        inputs, kwargs = example_call(inputs, kwargs)
+    except ArgumentTypeError as error:
+        raise CliError(f"{spec}: {error}") from None
     if loss is not None and not callable(loss):
         raise CliError(f"{spec}: loss is a {type(loss).__name__}; expected a function of the model output")
     name = str(
@@ -239,7 +236,7 @@ def workload_from(result: Any, spec: str) -> Workload:
         or (result.get("name", "") if isinstance(result, Mapping) else "")
         or type(model).__name__
     )
-    return Workload(name, model, tuple(inputs), dict(kwargs), loss)
+    return Workload(name, model, inputs, kwargs, loss)
 
 
 # --------------------------------------------------------------------------- #

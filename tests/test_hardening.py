@@ -280,12 +280,23 @@ def _tiny() -> nn.Module:
         (lambda: ckptc.backend(options=[1]), TypeError),
         (lambda: ckptc.CheckpointOptions.from_user([("budget_gb", 1)]), TypeError),
         (lambda: ckptc.capture(_tiny(), (torch.randn(2, 8),), budget_gb=1), ValueError),
+        (lambda: ckptc.capture(_tiny(), {"input": torch.randn(2, 8)}), TypeError),
+        (lambda: ckptc.capture(_tiny(), 3), TypeError),
+        (lambda: ckptc.plan(_tiny(), (torch.randn(2, 8),), [("input", 1)], budget_gb=1), TypeError),
     ],
 )
 def test_every_argument_error_is_a_ckptc_error_and_a_value_or_type_error(call, also) -> None:
     with pytest.raises(ckptc.CkptcError) as info:
         call()
     assert isinstance(info.value, also), (type(info.value).__mro__, info.value)
+
+
+def test_a_single_tensor_given_as_the_example_inputs_is_the_models_one_input() -> None:
+    """``capture(model, x)`` with a tensor: ``tuple(x)`` made each of x's 4 rows an input (the model was called
+    with 4 arguments, and capture failed blaming the model)."""
+    x = torch.randn(4, 8)
+    one, alone = ckptc.capture(_tiny(), (x,)), ckptc.capture(_tiny(), x)
+    assert (alone.floor_bytes, alone.unoptimized_peak_bytes) == (one.floor_bytes, one.unoptimized_peak_bytes)
 
 
 def test_a_model_with_a_submodule_optimized_already_is_refused_naming_it_and_left_as_it_was() -> None:
