@@ -151,8 +151,8 @@ def auto(
     the result is never worse than either; stops here if nothing is
     recomputed), chen_greedy, then ilp when the graph is small
     (<= ``ilp_max_forward_nodes`` forward nodes, <= 5,000 nodes and a MILP of
-    about <= 6,000 variables), on one thread and stopped after
-    ``ilp_work_limit`` units of deterministic work. The plan depends on the
+    about <= 6,000 variables), started from the best plan found before it, on
+    one thread and stopped after ``ilp_work_limit`` units of deterministic work. The plan depends on the
     problem and budget only, never on the machine's load: ``time_limit`` does
     not cut any of these searches (only ``method="ilp"`` honours it); an ILP
     still running after :data:`AUTO_ILP_SAFETY_SECONDS` is dropped with a
@@ -195,6 +195,8 @@ def auto(
             **extra,
             "progress": _sub_progress(progress, k / len(runs), (k + 1) / len(runs)),
         }
+        if name == "ilp" and fitting:
+            options["start"] = min(fitting, key=lambda t: t[:4])[-1]  # the best plan so far, to improve on
         started = time.perf_counter()
         try:
             if name == AT_BOUNDS:

@@ -269,6 +269,7 @@ def ilp(
     threads: int | None = None,
     mip_gap: float = 1e-6,
     warm_start: bool = True,
+    start: Plan | None = None,
     work_limit: int | None = None,
     least_feasible: bool = True,
 ) -> Plan:
@@ -293,7 +294,10 @@ def ilp(
     mip_gap : float
         Relative optimality gap at which the solver stops.
     warm_start : bool
-        Give the solver the hierarchical plan as a first incumbent when it fits (HiGHS/CBC).
+        Give the solver a first incumbent (HiGHS/CBC): ``start``, else the hierarchical plan when it fits.
+    start : Plan or None
+        The incumbent to start from, a plan of ``problem`` within the budget (``auto`` passes the best
+        plan its other methods found).
     work_limit : int or None
         Stop the MILP after this much deterministic work (see :func:`solvers.milp.make_milp_solver`);
         with ``threads=1`` the plan is then the same at any machine load (``info.status``
@@ -341,8 +345,8 @@ def ilp(
         plan = _explicit(problem, keep_all)
         return _finish(problem, plan, budget_bytes, started, SolveInfo(status="optimal", gap=0.0, bound=0.0))
     MilpModel.estimate_size(graph, max_variables)  # refuse huge graphs before any work
-    start_plan = None
-    if warm_start:
+    start_plan = _explicit(problem, start) if warm_start and start is not None else None
+    if warm_start and start_plan is None:
         try:
             from solvers.hierarchical import hierarchical
 
