@@ -799,6 +799,12 @@ RUN_MEMORY_FORMAT = "ckptc_memory_format"
 """``node.meta`` key: the memory format a compiler writes the node's value in when its fake
 value says otherwise (:func:`ckptc.pricing.costs.measure_scratch` runs its readers on it)."""
 
+INPUT_LAYOUT_COPY = "ckptc_input_layout_copy"
+"""``node.meta`` key: a copy of a graph input in the layout Inductor runs a convolution in
+(:func:`_channels_last_convolutions`).  Inductor does not recompute such a copy for the backward:
+it drops it and oneDNN reorders the input inside the backward convolution, as scratch the plan
+does not see, so the copy is always kept (:func:`ckptc.pricing.problem.joint_to_problem`)."""
+
 
 def _channels_last_convolutions(joint: fx.GraphModule) -> None:
     """Write into the joint graph the layout Inductor's layout optimization gives convolutions.
@@ -837,6 +843,7 @@ def _channels_last_convolutions(joint: fx.GraphModule) -> None:
                 )
             copy.meta = {k: v for k, v in reader.meta.items() if k not in ("val", "tensor_meta")}
             copy.meta["val"] = val.clone(memory_format=torch.channels_last)
+            copy.meta[INPUT_LAYOUT_COPY] = True
             copies[value] = copy
         return copies[value]
 

@@ -214,9 +214,11 @@ def test_convolutions_are_planned_in_the_layout_inductor_runs_them(name: str) ->
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5)
     peak = measure(planned, optimized).peak_bytes
     assert peak <= budget
-    # Within 2%: a weight copy the plan recomputes for the backward, Inductor drops, and oneDNN's
-    # reorder of the original weight takes its place as scratch (the convnet: 1.35% over).
-    assert abs(peak - optimized.plan.predicted_peak_bytes) <= 0.02 * peak
+    # Within 1%: the copies of graph inputs (the image, the weights) are kept.  Inductor does not recompute
+    # one for the backward but reorders the original as scratch in the backward convolution: plans that
+    # recomputed a weight's copy measured the convnet 3.5-5% over their predictions, over the budget at
+    # the floor and at the unoptimized peak.
+    assert abs(peak - optimized.plan.predicted_peak_bytes) <= 0.01 * peak
 
 
 _MAX_POOL_SCRIPT = """

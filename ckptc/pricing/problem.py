@@ -18,7 +18,14 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import solvers
-from ckptc._torch_internals import is_mutable_op, is_tangent, is_view_op, op_schema_name, tree_leaves
+from ckptc._torch_internals import (
+    INPUT_LAYOUT_COPY,
+    is_mutable_op,
+    is_tangent,
+    is_view_op,
+    op_schema_name,
+    tree_leaves,
+)
 from ckptc.pricing.costs import BACKWARD, FORWARD, INPUT, NodeCost, priced_size, written_bytes
 from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.pricing.routing import routed_sizes
@@ -303,6 +310,10 @@ def joint_to_problem(
             policy = "recompute"
         elif cost.kind == FORWARD and _random_without_replay(node):
             # No captured generator state to replay it with: its output must be kept.
+            policy = "save"
+        elif cost.kind == FORWARD and node.meta.get(INPUT_LAYOUT_COPY):
+            # Inductor would not recompute it but reorder the input as unseen scratch (a ConvNet's first
+            # step measured 4% over its prediction where a plan recomputed a weight's copy).
             policy = "save"
         if node.name in reads_mutated and policy != "save" and not isinstance(node.meta.get("val"), (tuple, list)):
             # Recomputed in backward, it would read the input's new values: a
