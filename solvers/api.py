@@ -275,8 +275,8 @@ def _spent(
     budget allows (:func:`fill_budget`).  A plan with an explicit schedule (nested recomputation, the
     MILP's) cannot be filled; its kept set under a derived schedule, filled, is taken instead where
     that fits and recomputes less: a nested plan whose recomputation keeps the peak far below the
-    budget left it unspent (a quantization-aware MLP: 15% of the budget, at 23x the recompute of the
-    filled plan of the same kept set).
+    budget left it unspent (a quantization-aware MLP: 15% of the budget left, at 23x the recompute of
+    the filled plan of the same kept set).
     """
     allowance = kept_allowance if kept_weight else None
 

@@ -402,42 +402,38 @@ def test_a_model_that_checkpoints_itself_is_planned_from_what_it_already_does():
     del torch
 
 
-class _RoundedMLP:
+def _rounded_mlp():
     """Quantization-aware training's straight-through rounding between linear layers (a custom
-    ``autograd.Function`` saving its input): built on demand, so this module imports without torch."""
+    ``autograd.Function`` saving its input), and its input."""
+    import torch
+    from torch import nn
 
-    @staticmethod
-    def build():
-        import torch
-        from torch import nn
+    class StraightThrough(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            ctx.save_for_backward(x, scale)
+            return torch.round(x / scale) * scale
 
-        class StraightThrough(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, scale):
-                ctx.save_for_backward(x, scale)
-                return torch.round(x / scale) * scale
+        @staticmethod
+        def backward(ctx, grad):
+            x, scale = ctx.saved_tensors
+            return grad * (x.abs() < 4 * scale).to(grad.dtype), None
 
-            @staticmethod
-            def backward(ctx, grad):
-                x, scale = ctx.saved_tensors
-                return grad * (x.abs() < 4 * scale).to(grad.dtype), None
+    class RoundedMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in [(64, 256), (256, 64)] * 4])
+            self.scale = nn.Parameter(torch.tensor(0.05), requires_grad=False)
 
-        class RoundedMLP(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                widths = [(64, 256), (256, 64)] * 4
-                self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in widths])
-                self.scale = nn.Parameter(torch.tensor(0.05), requires_grad=False)
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                x = layer(StraightThrough.apply(x, self.scale))
+                if i % 2 == 0:
+                    x = torch.nn.functional.gelu(x)
+            return x.pow(2).mean()
 
-            def forward(self, x):
-                for i, layer in enumerate(self.layers):
-                    x = layer(StraightThrough.apply(x, self.scale))
-                    if i % 2 == 0:
-                        x = torch.nn.functional.gelu(x)
-                return x.pow(2).mean()
-
-        torch.manual_seed(0)
-        return RoundedMLP(), torch.randn(512, 64)
+    torch.manual_seed(0)
+    return RoundedMLP(), torch.randn(512, 64)
 
 
 def test_a_nested_plan_that_leaves_the_budget_unspent_is_filled_under_a_derived_schedule() -> None:
@@ -450,7 +446,7 @@ def test_a_nested_plan_that_leaves_the_budget_unspent_is_filled_under_a_derived_
     import ckptc
     from solvers.refine import drop_unread, fill_budget
 
-    model, x = _RoundedMLP.build()
+    model, x = _rounded_mlp()
     problem = ckptc.capture(model, x).records[0].problem
     floor = min_feasible_budget(problem)
     keep_all = simulate(problem, keep_all_plan(problem)).peak_bytes
