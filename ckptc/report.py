@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import solvers
-from ckptc.api import _default_loss, capture, optimize, training_state_restored
+from ckptc.api import _default_loss, capture, example_call, optimize, training_state_restored
 from ckptc.errors import CkptcError, InvalidArgumentError
 from ckptc.meter import measure_peak, resident_bytes
 from ckptc.planning.planner import unoptimized_result
@@ -281,7 +281,7 @@ def _clear_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
 
 def memory_timelines(
     model: torch.nn.Module,
-    example_inputs: Sequence[Any] = (),
+    example_inputs: Sequence[Any] | torch.Tensor = (),
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     budget_bytes: int | None = None,
@@ -302,7 +302,7 @@ def memory_timelines(
     Raises:
         solvers.InfeasibleBudgetError: the budget is below the smallest feasible one.
     """
-    example_kwargs = dict(example_kwargs or {})
+    example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
     loss_fn = loss_fn or _default_loss
     parameters = list(model.parameters())
     device = parameters[0].device if parameters else torch.device("cpu")
@@ -317,7 +317,7 @@ def memory_timelines(
             _clear_gradients(parameters)
             warm_up()
         _clear_gradients(parameters)
-        baseline = resident_bytes(model, list(example_inputs), example_kwargs)
+        baseline = resident_bytes(model, example_inputs, example_kwargs)
         _, measured_plan = measure_peak(optimized_step, baseline_bytes=baseline, device=device)
         # The plan of the step measured: the warm-up may have planned again (results the step drops,
         # a measured excess), and the report shows what ran.

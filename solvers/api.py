@@ -190,7 +190,7 @@ def auto(
         }
         runs.append(("ilp", ilp_options))
 
-    fitting: list[tuple[float, int, int, Plan]] = []
+    fitting: list[tuple[bool, float, int, int, Plan]] = []
     tried: dict[str, Any] = {}
     for k, (name, extra) in enumerate(runs):
         options = {
@@ -199,7 +199,7 @@ def auto(
             "progress": _sub_progress(progress, k / len(runs), (k + 1) / len(runs)),
         }
         if name == "ilp" and fitting:
-            options["start"] = min(fitting, key=lambda t: t[:4])[-1]  # the best plan so far, to improve on
+            options["start"] = _best(fitting)  # the best plan so far, to improve on
         started = time.perf_counter()
         try:
             if name == AT_BOUNDS:
@@ -265,8 +265,14 @@ def auto(
         progress(1.0, "auto: done")
     if not fitting:
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(problem))
-    *_, best = min(fitting, key=lambda t: t[:4])
+    best = _best(fitting)
     return dataclasses.replace(best, info=best.info.replace(chosen=best.method, tried=tried))
+
+
+def _best(fitting: list[tuple[bool, float, int, int, Plan]]) -> Plan:
+    """The plan auto prefers among ``(over, recompute cost, peak, method index, plan)``: one that fits beside
+    its runs first, then the least recompute, then the lowest peak, then the earlier method."""
+    return min(fitting, key=lambda t: t[:4])[-1]
 
 
 def _spent(

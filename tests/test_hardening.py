@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import ckptc
+from ckptc import report
 from ckptc.runtime.tracker import StepTracker
 from tests.helpers import TINY_DECODER, assert_trains_like_eager_within, tiny_lm_batch
 
@@ -293,10 +294,12 @@ def test_every_argument_error_is_a_ckptc_error_and_a_value_or_type_error(call, a
 
 def test_a_single_tensor_given_as_the_example_inputs_is_the_models_one_input() -> None:
     """``capture(model, x)`` with a tensor: ``tuple(x)`` made each of x's 4 rows an input (the model was called
-    with 4 arguments, and capture failed blaming the model)."""
+    with 4 arguments, and capture failed blaming the model); ``ckptc.report.memory_timelines`` likewise."""
     x = torch.randn(4, 8)
     one, alone = ckptc.capture(_tiny(), (x,)), ckptc.capture(_tiny(), x)
     assert (alone.floor_bytes, alone.unoptimized_peak_bytes) == (one.floor_bytes, one.unoptimized_peak_bytes)
+    timelines = report.memory_timelines(_tiny(), x, budget_bytes=2 * one.unoptimized_peak_bytes, loss_fn=torch.sum)
+    assert timelines.get(optimized=True, measured=True) is not None  # ckptc.report's step takes it so too
 
 
 def test_a_model_with_a_submodule_optimized_already_is_refused_naming_it_and_left_as_it_was() -> None:
