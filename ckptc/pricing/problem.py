@@ -275,6 +275,10 @@ def joint_to_problem(
         if state is not None:
             # Recomputing the state capture would capture a later state: save it.
             policies[state.name] = "save"
+        if node.meta.get(INPUT_LAYOUT_COPY):
+            # Inductor would not recompute it but reorder the input as unseen scratch (a ConvNet's first
+            # step measured 4% over its prediction where a plan recomputed a weight's copy).
+            policies[node.name] = "save"
     differentiable = _differentiable_nodes(joint, output_node, num_fwd_outputs)
     unused = free_unused_grads and (own_loss or not hold_outputs)
     free_tangents: dict[str, Folding] = foldable_tangents(joint.graph) if unused else {}
@@ -310,10 +314,6 @@ def joint_to_problem(
             policy = "recompute"
         elif cost.kind == FORWARD and _random_without_replay(node):
             # No captured generator state to replay it with: its output must be kept.
-            policy = "save"
-        elif cost.kind == FORWARD and node.meta.get(INPUT_LAYOUT_COPY):
-            # Inductor would not recompute it but reorder the input as unseen scratch (a ConvNet's first
-            # step measured 4% over its prediction where a plan recomputed a weight's copy).
             policy = "save"
         if node.name in reads_mutated and policy != "save" and not isinstance(node.meta.get("val"), (tuple, list)):
             # Recomputed in backward, it would read the input's new values: a
