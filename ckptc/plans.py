@@ -773,7 +773,7 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     recomputed = set(recomputed_steps)
     # A value whose storage stays alive through a kept view (a detach of it) is kept too.
     kept = plan.kept
-    kept_storages = {roots[k] for k in kept}
+    kept_storages = {roots[k] if k in roots else problem.alias_root(k) for k in kept}
     values = []
     for name, root, as_kept, as_recomputed in entries:
         if name in kept or (as_kept.bytes and root in kept_storages):
