@@ -21,7 +21,7 @@ import re
 import stat
 import types
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, NoReturn
 
 import torch
 
@@ -738,14 +738,21 @@ def _inputs(jp: "JointProblem") -> list[list[Any]]:
     return [[list(part) if isinstance(part, list) else part for part in entry] for entry in cached]  # its own copy
 
 
-def _forward_values(
-    jp: "JointProblem",
-) -> tuple[list[tuple[str, str, KeptValue, KeptValue]], dict[str, str], dict[str, int]]:
-    """Each forward value of the graph as ``(node, storage owner, its entry kept, its entry
-    recomputed)``, each forward node's storage owner, and each node's FLOPs: the same for every plan
-    of the graph, so built once per captured graph (a report over a 64-layer graph's 7,500 forward
-    values walked them all per plan)."""
-    cached = jp.__dict__.get("_forward_values")
+class _ReportTable(NamedTuple):
+    """What every plan's report of one graph reads, built once per captured graph (a report over a
+    64-layer graph's 7,500 forward values walked them all per plan): each forward value as ``(node,
+    storage owner, its entry kept, its entry recomputed)``, each forward node's storage owner (its keys
+    are the graph's forward nodes), each node's FLOPs, and the forward's and backward's FLOPs."""
+
+    entries: list[tuple[str, str, KeptValue, KeptValue]]
+    roots: dict[str, str]
+    flops: dict[str, int]
+    forward_flops: int
+    backward_flops: int
+
+
+def _report_table(jp: "JointProblem") -> _ReportTable:
+    cached = jp.__dict__.get("_report_table")
     if cached is None:
         problem, stable = jp.problem, jp.stable_names
         entries = []
@@ -754,9 +761,16 @@ def _forward_values(
             op = stable[name].rsplit(".", 1)[-1]
             value = KeptValue(stable[name], cost.module, op, cost.bytes, cost.flops, "kept")
             entries.append((name, problem.alias_root(name), value, dataclasses.replace(value, decision="recomputed")))
-        roots = {name: problem.alias_root(name) for name in problem.forward_nodes}
         flops = {name: jp.node_cost(name).flops for name in jp.nodes}
-        cached = jp.__dict__["_forward_values"] = (entries, roots, flops)
+        cached = jp.__dict__["_report_table"] = _ReportTable(
+            entries,
+            {name: problem.alias_root(name) for name in problem.forward_nodes},
+            flops,
+            *(
+                sum(flops[n] for n in jp.graph_nodes(names))
+                for names in (problem.forward_nodes, problem.backward_nodes)
+            ),
+        )
     return cached
 
 
@@ -765,17 +779,15 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
     jp = record.joint_problem
     problem = jp.problem
     plan = record.plan
-    entries, roots, flops = _forward_values(jp)
-    forward = jp.__dict__.get("_forward_set")  # the graph's, whatever the plan
-    if forward is None:
-        forward = jp.__dict__["_forward_set"] = frozenset(problem.forward_nodes)
-    recomputed_steps = [s.node for s in record.result.steps if s.phase == "backward" and s.node in forward]
+    table = _report_table(jp)
+    roots = table.roots  # (its keys: the graph's forward nodes)
+    recomputed_steps = [s.node for s in record.result.steps if s.phase == "backward" and s.node in roots]
     recomputed = set(recomputed_steps)
     # A value whose storage stays alive through a kept view (a detach of it) is kept too.
     kept = plan.kept
     kept_storages = {roots[k] if k in roots else problem.alias_root(k) for k in kept}
     values = []
-    for name, root, as_kept, as_recomputed in entries:
+    for name, root, as_kept, as_recomputed in table.entries:
         if name in kept or (as_kept.bytes and root in kept_storages):
             values.append(as_kept)
         elif name in recomputed:
@@ -789,13 +801,7 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
             details={k: v for k, v in plan.info.details.items() if not k.endswith("seconds")},
         ),
     )
-    phase_flops = jp.__dict__.get("_phase_flops")  # the graph's, whatever the plan: summed once
-    if phase_flops is None:
-        phase_flops = jp.__dict__["_phase_flops"] = tuple(
-            sum(flops[n] for n in jp.graph_nodes(names)) for names in (problem.forward_nodes, problem.backward_nodes)
-        )
-    forward_flops, backward_flops = phase_flops
-    recompute_flops = sum(flops[n] for n in jp.graph_nodes(recomputed_steps))
+    recompute_flops = sum(table.flops[n] for n in jp.graph_nodes(recomputed_steps))
     return GraphPlan(
         fingerprint=fingerprint(jp),
         inputs=_inputs(jp),
@@ -805,8 +811,8 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
         min_feasible_bytes=record.min_feasible_bytes,
         baseline_bytes=record.baseline_bytes,
         recompute_flops=float(recompute_flops),
-        forward_flops=float(forward_flops),
-        backward_flops=float(backward_flops),
+        forward_flops=float(table.forward_flops),
+        backward_flops=float(table.backward_flops),
         values=values,
     )
 
