@@ -755,16 +755,17 @@ def _report_table(jp: "JointProblem") -> _ReportTable:
     cached = jp.__dict__.get("_report_table")
     if cached is None:
         problem, stable = jp.problem, jp.stable_names
+        roots = {name: problem.alias_root(name) for name in problem.forward_nodes}
         entries = []
         for name in jp.graph_nodes(problem.forward_nodes):
             cost = jp.node_cost(name)
             op = stable[name].rsplit(".", 1)[-1]
             value = KeptValue(stable[name], cost.module, op, cost.bytes, cost.flops, "kept")
-            entries.append((name, problem.alias_root(name), value, dataclasses.replace(value, decision="recomputed")))
+            entries.append((name, roots[name], value, dataclasses.replace(value, decision="recomputed")))
         flops = {name: jp.node_cost(name).flops for name in jp.nodes}
         cached = jp.__dict__["_report_table"] = _ReportTable(
             entries,
-            {name: problem.alias_root(name) for name in problem.forward_nodes},
+            roots,
             flops,
             *(
                 sum(flops[n] for n in jp.graph_nodes(names))

@@ -251,8 +251,7 @@ def auto(
         tried[name]["status"] = "fits"
         # Under a kept weight, a plan that keeps so much more than the allowance that it would not fit
         # beside runs keeping what it keeps comes after every plan that would.
-        beside_runs = result.peak_bytes + kept_weight * max(0, result.kept_bytes - kept_allowance)
-        over = bool(kept_weight) and beside_runs > budget_bytes
+        over = bool(kept_weight) and _beside_runs(result, kept_weight, kept_allowance) > budget_bytes
         fitting.append((over, result.recompute_cost, result.peak_bytes, k, plan))
         if result.recompute_cost == 0 and not over:
             break  # nothing recomputed: no other method can be cheaper
@@ -273,6 +272,12 @@ def _best(fitting: list[tuple[bool, float, int, int, Plan]]) -> Plan:
     """The plan auto prefers among ``(over, recompute cost, peak, method index, plan)``: one that fits beside
     its runs first, then the least recompute, then the lowest peak, then the earlier method."""
     return min(fitting, key=lambda t: t[:4])[-1]
+
+
+def _beside_runs(result: SimResult, kept_weight: int, kept_allowance: int) -> int:
+    """A plan's peak beside its graph's earlier runs in the step, each keeping what it keeps: every byte it
+    keeps beyond ``kept_allowance`` counted once more per weight (as :func:`fill_budget` counts them)."""
+    return result.peak_bytes + kept_weight * max(0, result.kept_bytes - kept_allowance)
 
 
 def _spent(
@@ -299,8 +304,8 @@ def _spent(
         return filled(plan)
     result = simulate(problem, plan)
     derived, derived_result = filled(dataclasses.replace(plan, schedule=None))
-    beside_runs = derived_result.peak_bytes + kept_weight * max(0, derived_result.kept_bytes - kept_allowance)
-    if beside_runs <= budget_bytes and derived_result.recompute_cost < result.recompute_cost:
+    fits = _beside_runs(derived_result, kept_weight, kept_allowance) <= budget_bytes
+    if fits and derived_result.recompute_cost < result.recompute_cost:
         return derived, derived_result
     return plan, result
 
