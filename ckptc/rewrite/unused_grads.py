@@ -20,12 +20,17 @@ This module keeps the mechanism apart from the decision:
   drops the graph's results after forward (the ``hold_outputs`` assumption).
 * :class:`ZeroGradBackward` is the runtime.  The forward asks autograd to pass
   ``None`` for missing gradients (:func:`ckptc._torch_internals.
-  pass_missing_grads_as_none`).  The backward, given ``None`` for a tangent, runs a
-  copy of its graph specialized by :func:`fold_zeros`; it builds one copy per
-  pattern of missing tangents.  A tangent that does not fold gets real zeros,
-  exactly as before.  When a tangent that the plan priced as free arrives as a
-  real tensor, the gradient is still exact, but memory may exceed the plan; the
-  record is marked, and :mod:`ckptc.runtime.step` plans again with the results held.
+  pass_missing_grads_as_none`).  The backward, given ``None`` for tangents, runs a
+  copy of its graph specialized for them (:func:`specialize`); it builds one copy per
+  pattern of missing tangents.  The zeros fold away where :func:`fold_zeros` can;
+  an op that needs one as a real tensor gets a tensor of zeros made just before it
+  (the missing tangent itself, if that is what it reads).  An input's gradient that
+  no present tangent reaches is ``None``, as eager leaves it: a backward is linear in
+  its tangents, so it is zero, and eager's autograd, starting from the results that
+  got a gradient, never reaches that input.  When a tangent that the plan priced as
+  free arrives as a real tensor, the gradient is still exact, but memory may exceed
+  the plan; the record is marked, and :mod:`ckptc.runtime.step` plans again with the
+  results held.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import torch.fx as fx
 
-from ckptc._torch_internals import graph_module, is_tangent, is_view_op, mark_boxed
+from ckptc._torch_internals import graph_module, is_op_overload, is_tangent, is_view_op, mark_boxed
 from ckptc.errors import CkptcError, UntraceableModelError
 
 log = logging.getLogger("ckptc.rewrite.unused_grads")
@@ -117,11 +122,13 @@ class Folding:
             (which may itself be replaced: follow the chain).
         complete: no op needs one of the zeros as a real tensor: they vanish.
         blocked_by: the first node that needs a zero as a real tensor (None if complete).
+        blocked: every node that needs a zero as a real tensor, in graph order.
     """
 
     replaced: dict[fx.Node, fx.Node | None] = field(default_factory=dict)
     complete: bool = True
     blocked_by: fx.Node | None = None
+    blocked: list[fx.Node] = field(default_factory=list)
 
 
 def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
@@ -135,7 +142,9 @@ def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
     other argument when it has the result's shape, strides and dtype.  A zero
     returned is returned as ``None`` (an input's gradient that is all zeros: no
     gradient, as in eager, where a parameter nothing reached keeps ``.grad=None``).
-    Every other use of a zero blocks the folding: the result is then not ``complete``.
+    Every other use of a zero needs it as a real tensor: the result is then not
+    ``complete`` (``blocked_by`` is the first such node, ``blocked`` all of them), and
+    the walk goes on with that node's result taken as real.
     Pure analysis; the graph is not changed.
     """
     folding = Folding()
@@ -179,9 +188,10 @@ def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
             if other is not None and _same_layout(other, node):
                 replaced[node] = other
                 continue
-        folding.complete = False
-        folding.blocked_by = node
-        return folding
+        if folding.complete:
+            folding.complete = False
+            folding.blocked_by = node
+        folding.blocked.append(node)
     return folding
 
 
@@ -231,34 +241,97 @@ def foldable_tangents(graph: fx.Graph) -> dict[str, Folding]:
     return found
 
 
-def specialize(gm: fx.GraphModule, zero_names: Iterable[str]) -> fx.GraphModule:
-    """A copy of ``gm`` in which the placeholders ``zero_names`` are zero and folded away.
+def specialize(gm: fx.GraphModule, zero_names: Iterable[str]) -> tuple[fx.GraphModule, frozenset[str]]:
+    """A copy of ``gm`` in which the tangents ``zero_names`` are zero, with the tangents it still reads.
 
-    The placeholders stay (they receive ``None``).  Raises ``ValueError`` if
-    the zeros do not vanish completely.
+    The zeros fold away where :func:`fold_zeros` can.  An op that needs one of them
+    as a real tensor reads a tensor of zeros made just before it, or, where that
+    zero is a tangent itself or its size is not static, the tangent, given as zeros
+    by the caller: those tangents are returned.  An input's gradient that only
+    missing tangents reach is returned as ``None`` (see the module's docstring), and
+    what computed it only for that is removed.  The placeholders stay (a tangent not
+    returned receives ``None``).
     """
+    zero_names = frozenset(zero_names)
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))  # graph_copy leaves out the output node
-    copied = {old.name: new for old, new in env.items()}
-    zeros = [copied[name] for name in zero_names]
+    graph.output(graph.graph_copy(gm.graph, {}))  # graph_copy leaves out the output node
+    tangents = [n for n in graph.find_nodes(op="placeholder") if is_tangent(n)]
+    zeros = [n for n in tangents if n.name in zero_names]
+    only_missing = _reached(graph, zeros) - _reached(graph, [n for n in tangents if n.name not in zero_names])
     folding = fold_zeros(graph, zeros)
-    if not folding.complete:
-        raise ValueError(f"the zero gradients do not fold away: {folding.blocked_by} needs them")
+    needed = _real_zeros_needed(folding)
+    made = {z: users for z, users in needed.items() if z.op != "placeholder" and not is_view_op(z.target)}
+    if not all(_static_size(z) for z in made):
+        # A zero of symbolic size cannot be made here: the zeros come in as tangents and nothing folds.
+        folding, made = Folding(replaced={z: ZERO for z in zeros}), {}
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for z, users in made.items():
+        val = z.meta["val"]
+        with graph.inserting_before(min(users, key=position.__getitem__)):
+            real = graph.call_function(
+                aten.zeros.default, (list(val.shape),), {"dtype": val.dtype, "device": val.device}
+            )
+        real.meta["val"] = _zeros_value(val)
+        for user in users:
+            user.replace_input_with(z, real)
     resolved: dict[fx.Node, fx.Node | None] = {}
     for node, value in folding.replaced.items():
         while value is not ZERO and folding.replaced.get(value, value) is not value:
             value = folding.replaced[value]
         resolved[node] = value
-        if value is not ZERO:
+        if value is not ZERO and node.op != "placeholder":
             node.replace_all_uses_with(value)
     output = next(iter(graph.find_nodes(op="output")))
-    output.args = fx.node.map_arg(output.args, lambda n: None if resolved.get(n, n) is ZERO else n)
+    output.args = fx.node.map_arg(
+        output.args, lambda n: None if resolved.get(n, n) is ZERO or n in only_missing else resolved.get(n, n)
+    )
     for node in reversed(list(graph.nodes)):
-        if node in folding.replaced and node.op != "placeholder" and not node.users:
+        # Only aten ops without side effects: ckptc's own calls (random state, frees) stay where they are.
+        if not node.users and node.op == "call_function" and is_op_overload(node.target) and not node.is_impure():
             graph.erase_node(node)
     graph.lint()
-    return graph_module(gm, graph)
+    read = frozenset(n.name for n in zeros if n.users)
+    return graph_module(gm, graph), read
+
+
+def _reached(graph: fx.Graph, sources: Iterable[fx.Node]) -> set[fx.Node]:
+    """The nodes of ``graph`` whose value depends on one of ``sources`` (themselves included)."""
+    reached = set(sources)
+    for node in graph.nodes:
+        if node not in reached and any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def _real_zeros_needed(folding: Folding) -> dict[fx.Node, list[fx.Node]]:
+    """Each zero that an op of ``folding.blocked`` reads as a real tensor, with the nodes reading it.
+
+    A view of a zero is still taken of its base (a view costs no bytes, a tensor of zeros made for it
+    would): its base is then needed, read by the view.
+    """
+    needed: dict[fx.Node, list[fx.Node]] = {}
+    for node in folding.blocked:
+        for arg in node.all_input_nodes:
+            if folding.replaced.get(arg, arg) is ZERO:
+                needed.setdefault(arg, []).append(node)
+    views = [z for z in needed if z.op == "call_function" and is_view_op(z.target)]
+    while views:
+        view = views.pop()
+        base = view.args[0]
+        if isinstance(base, fx.Node) and folding.replaced.get(base, base) is ZERO:
+            if base not in needed and base.op == "call_function" and is_view_op(base.target):
+                views.append(base)
+            needed.setdefault(base, []).append(view)
+    return needed
+
+
+def _zeros_value(val: torch.Tensor) -> torch.Tensor:
+    """The ``meta["val"]`` of a tensor of zeros shaped as ``val`` (contiguous), made as ``val`` was."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return torch.zeros(val.shape, dtype=val.dtype, device="meta")
+    with mode:
+        return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
 
 
 class WatchedGraph(Protocol):
@@ -296,7 +369,7 @@ class ZeroGradBackward:
         self.gm = gm
         self.compile_graph = compile_graph
         # Compiled on first use: under Inductor a variant no step runs would cost a compile.
-        self.variants: dict[frozenset[str], Callable] = {}
+        self.variants: dict[frozenset[str], tuple[Callable, frozenset[str]]] = {}
         mark_boxed(self)  # in the instance dict: wrappers copy it (functools.wraps), not class attributes
 
     def __repr__(self) -> str:
@@ -319,17 +392,18 @@ class ZeroGradBackward:
                         node.name,
                     )
                 continue
-            if node.name in self.foldable:
-                missing.add(node.name)
-            else:
-                val = node.meta["val"]
-                args[i] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device).zero_()
+            missing.add(node.name)
         key = frozenset(missing)
-        run = self.variants.get(key)
-        if run is None:
-            run = self.variants[key] = self.compile_graph(specialize(self.gm, key) if key else self.gm, args)
+        variant = self.variants.get(key)
+        if variant is None:
+            gm, read = specialize(self.gm, key) if key else (self.gm, frozenset())
             if key:
-                log.debug("backward specialized for unused results %s", sorted(key))
+                log.debug("backward specialized for unused results %s (given as zeros: %s)", sorted(key), sorted(read))
+            self._give_zeros(args, read)
+            variant = self.variants[key] = (self.compile_graph(gm, args), read)
+        else:
+            self._give_zeros(args, variant[1])
+        run = variant[0]
         try:
             return run(args)
         except (CkptcError, MemoryError, torch.OutOfMemoryError):
@@ -337,3 +411,10 @@ class ZeroGradBackward:
         except Exception as error:
             graph = "a graph" if self.record is None else f"graph {self.record.index}"
             raise UntraceableModelError.from_exception(f"the model ({graph}'s backward)", error, "run") from error
+
+    def _give_zeros(self, args: list[Any], names: frozenset[str]) -> None:
+        """Tensors of zeros for the missing tangents ``names`` (a specialized backward still reads them)."""
+        for i, node in self.tangents.items():
+            if node.name in names:
+                val = node.meta["val"]
+                args[i] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device).zero_()
