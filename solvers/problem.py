@@ -512,6 +512,11 @@ class Problem:
         return sum(self._bytes[i] for i in self._input_idx)
 
     @cached_property
+    def largest_scratch(self) -> int:
+        """The largest scratch (bytes a node's kernel allocates and frees while it runs) of any node."""
+        return max(self._scratch, default=0)
+
+    @cached_property
     def resident_bytes(self) -> int:
         """Bytes alive at every point of the step: inputs plus baseline."""
         return self.input_bytes + self.baseline_bytes

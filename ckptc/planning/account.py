@@ -527,8 +527,7 @@ def planning_margin(problem: solvers.Problem, result: solvers.SimResult, memory:
     the lowest-peak plan's peak with that plan's own margin, and a budget between the two gets a plan
     that fits within its own (:func:`ckptc.planning.planner.decide_at`).
     """
-    scratch = max((n.scratch for n in problem.nodes), default=0)
-    uncertainty = result.kept_bytes // PLANNING_MARGIN_DIVISOR + scratch // SCRATCH_UNCERTAINTY_DIVISOR
+    uncertainty = result.kept_bytes // PLANNING_MARGIN_DIVISOR + problem.largest_scratch // SCRATCH_UNCERTAINTY_DIVISOR
     return uncertainty + cache_allowance(result, memory)
 
 

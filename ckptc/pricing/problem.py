@@ -583,9 +583,10 @@ def with_later_results(jp: JointProblem, nbytes: int) -> JointProblem:
     forward and alive through its backward, which runs after theirs.  A forward node at the end of forward
     that no backward node reads and that never dies (an ``output``), so the forward's own peak is not
     raised by them.  Replaces what ``jp`` counted so before; ``jp`` itself where that is the same."""
-    nodes = [n for n in jp.problem.nodes if n.name != LATER_RESULTS_NODE]
-    if nbytes == sum(n.bytes for n in jp.problem.nodes if n.name == LATER_RESULTS_NODE):
+    held_at = jp.problem.index.get(LATER_RESULTS_NODE)
+    if nbytes == (0 if held_at is None else jp.problem.nodes[held_at].bytes):
         return jp
+    nodes = [n for n in jp.problem.nodes if n.name != LATER_RESULTS_NODE]
     if nbytes <= 0:
         return dataclasses.replace(jp, problem=dataclasses.replace(jp.problem, nodes=tuple(nodes)))
     end = max((i for i, n in enumerate(nodes) if n.kind == FORWARD), default=-1) + 1
