@@ -598,6 +598,22 @@ def donate_no_saved_tensors() -> None:
         context.fw_metadata.bw_donated_idxs = []
 
 
+def inputs_written_back(joint: fx.GraphModule) -> frozenset[str]:
+    """The placeholders of AOTAutograd's joint graph whose inputs it writes new values into after the forward.
+
+    A mutation AOTAutograd keeps out of the graph (``embedding_renorm_`` under
+    ``nn.Embedding(max_norm=...)`` renormalizes the weight in place) is a forward result that its
+    runtime copies into the input once the forward has run: a backward reading the input reads the
+    new values, and the input saved for backward fails autograd's version check.  Read from the
+    descriptors AOTAutograd gives the joint graph's inputs and outputs (none: nothing found).
+    """
+    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    written = {d.mutated_input for d in output.meta.get("desc") or () if isinstance(d, InputMutationAOTOutput)}
+    return frozenset(n.name for n in joint.graph.find_nodes(op="placeholder") if n.meta.get("desc") in written)
+
+
 def mark_boxed(fn: Any) -> Any:
     """Tell AOTAutograd that ``fn`` already takes its inputs as one list (the boxed convention); returns ``fn``.
 

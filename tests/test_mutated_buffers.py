@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import ckptc
+from tests.helpers import assert_trains_like_eager_within
 
 # How the forward reads the buffer before updating it.
 READS = {
@@ -76,3 +77,33 @@ def test_must_recompute_does_not_override_saving_a_reader_of_an_updated_buffer(c
     with caplog.at_level("WARNING", logger="ckptc"):
         _assert_trains_like_eager(model, optimized, reference)
     assert "updates in place" in caplog.text
+
+
+class _RenormedEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up in place, in forward: AOTAutograd
+    writes the new weight back after the forward graph has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32, max_norm=1.0)
+        self.l1, self.l2, self.l3 = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.l1(self.emb(ids)))
+        return self.l3(nn.functional.gelu(self.l2(h)) + h)
+
+
+def test_an_input_written_back_after_the_forward_is_never_recomputed_from() -> None:
+    """At the floor, with the loss outside the model, the step is planned again; the plan that recomputed
+    the renormalized weight from the weight saved the weight itself, which AOTAutograd's write-back then
+    changed: the next backward raised "modified by an inplace operation".  What reads such an input is saved
+    (``ckptc._torch_internals.inputs_written_back``); gradients equal eager's and the step fits its budget."""
+    torch.manual_seed(0)
+    reference = _RenormedEmbedding()
+    ids = torch.randint(0, 100, (8, 64), generator=torch.Generator().manual_seed(1))
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), ids.flatten())
+
+    floor = ckptc.capture(copy.deepcopy(reference), (ids,), loss_fn=loss).floor_bytes
+    assert_trains_like_eager_within(reference, floor, (ids,), loss=loss, steps=3)

@@ -387,15 +387,23 @@ class CheckpointCompiler:
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
             start = time.perf_counter()
+            written_back = internals.inputs_written_back(joint)
             with self._pricing_sizes(at_least):
                 joint = self._price(joint, num_fwd_outputs)
                 forward, backward = self._plan_priced(
-                    joint, num_fwd_outputs, gm, example_inputs, index=index, final=final, start=start
+                    joint,
+                    num_fwd_outputs,
+                    gm,
+                    example_inputs,
+                    index=index,
+                    final=final,
+                    start=start,
+                    written_back=written_back,
                 )
             if self._just_planned is not None:
                 planned.append(self._just_planned)
                 if not final and self._swaps_plans(forward, num_fwd_outputs):
-                    slots.append(GraphPlans(joint, num_fwd_outputs, self._backward_kernels))
+                    slots.append(GraphPlans(joint, num_fwd_outputs, self._backward_kernels, written_back))
                     self.graph_plans[index] = slots[-1]
                     backward.meta["ckptc_record"].plans = slots[-1]
                     self._just_planned_slot = (slots[-1], backward)
@@ -431,6 +439,7 @@ class CheckpointCompiler:
                 index=index,
                 final=False,
                 start=time.perf_counter(),
+                written_back=plans.written_back,
             )
         record, self._just_planned = self._just_planned, None
         if record is None or not self._swaps_plans(forward, plans.num_fwd_outputs):
@@ -601,11 +610,14 @@ class CheckpointCompiler:
         index: int,
         final: bool,
         start: float,
+        written_back: frozenset[str] = frozenset(),
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         """Plan a priced joint graph of Dynamo's graph ``gm`` as graph ``index`` of the step (a graph
         planned again keeps its index and replaces its record), under the step account (what the step
         holds outside it: its baseline), and rewrite it into AOTAutograd's forward and backward modules.
-        A ``final`` plan is not made again: a graph that cannot fit is refused, never deferred."""
+        A ``final`` plan is not made again: a graph that cannot fit is refused, never deferred.
+        ``written_back``: inputs AOTAutograd writes new values into after the forward
+        (:func:`ckptc._torch_internals.inputs_written_back`): what reads them is saved, never recomputed."""
         placeholders = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")]
         mine = {id(r) for r in self.records}
         earlier_calls = {id(r) for r in self.active if id(r) not in mine}
@@ -626,6 +638,7 @@ class CheckpointCompiler:
             joint,
             num_fwd_outputs,
             baseline_bytes=max(0, baseline_bytes + repeated),
+            mutated_inputs=written_back,
             policies=policies,
             hold_outputs=self.account.hold_outputs,
             free_unused_grads=not self.account.result_gradients,
@@ -682,6 +695,7 @@ class GraphPlans:
     Attributes:
         joint: the priced joint graph every plan is made from.
         num_fwd_outputs: how many of a forward's outputs are results (the saved tensors follow).
+        written_back: the joint graph's inputs AOTAutograd writes new values into after the forward.
         records: each plan's record, in order; the last is the current plan.
     """
 
@@ -690,9 +704,11 @@ class GraphPlans:
         joint: fx.GraphModule,
         num_fwd_outputs: int,
         compile_backward: Callable[[fx.GraphModule], Callable],
+        written_back: frozenset[str] = frozenset(),
     ) -> None:
         self.joint = joint
         self.num_fwd_outputs = num_fwd_outputs
+        self.written_back = written_back
         self.records: list[GraphRecord] = []
         self._compile_backward = compile_backward
         self._forwards: list[Callable | None] = []
