@@ -906,3 +906,21 @@ def test_a_forward_dynamo_gives_up_on_is_refused_naming_dynamos_reason() -> None
     """The refusal used to guess (a recompile limit, ``torch.compiler.disable``) where Dynamo said why."""
     with pytest.raises(ckptc.UntraceableModelError, match=r"gave up on the forward at a graph break: .*retain_grad"):
         ckptc.capture(_RetainsGrad(), (torch.randn(4, 8),))
+
+
+def test_a_batch_of_another_dtype_than_the_model_is_refused_with_the_dtypes_not_a_budget() -> None:
+    """A float64 batch into a float32 model traces (the meta kernels take mixed dtypes), so the call was
+    planned and refused a budget the real step never needed: retried at the budget named, it then raised
+    PyTorch's dtype error.  It is refused at once, naming the op, the module and the dtypes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(128, 64)
+    floor = ckptc.capture(copy.deepcopy(model), (x,), loss_fn=lambda out: out.square().mean()).floor_bytes
+    fast = ckptc.optimize(model, budget_bytes=floor)
+    fast(x).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(x.double())
+    with pytest.raises(ckptc.ArgumentTypeError, match=r"'0'.*float32 and float64.*inputs of its parameters' dtype"):
+        fast(x.double())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

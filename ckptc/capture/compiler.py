@@ -35,7 +35,7 @@ from ckptc import _torch_internals as internals
 from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
-from ckptc.errors import CkptcError
+from ckptc.errors import ArgumentTypeError, CkptcError
 from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED, GRAPH_STARTS
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
@@ -43,7 +43,7 @@ from ckptc.planning.planner import decide
 from ckptc.planning.policies import policies_from_patterns
 from ckptc.planning.replan import Replans
 from ckptc.plans import ModelPlan
-from ckptc.pricing.costs import OpMemory, annotate_costs, measure_runtimes, measure_scratch
+from ckptc.pricing.costs import OpMemory, annotate_costs, measure_runtimes, measure_scratch, normalize_module_path
 from ckptc.pricing.problem import joint_to_problem, with_later_results
 from ckptc.records import GraphRecord, PlanSource, RecordLink
 from ckptc.rewrite.lean_backward import (
@@ -589,6 +589,7 @@ class CheckpointCompiler:
             # Inductor cannot lower the Python calls that replay generator state,
             # so under Inductor random ops keep their outputs instead.
             insert_rng_state_nodes(joint.graph)
+        refuse_products_of_two_dtypes(joint)
         drop_unread_batch_norm_statistics(joint.graph)
         joint.recompile()
         if self.options.compiler == "inductor":
@@ -678,6 +679,44 @@ class CheckpointCompiler:
         forward, backward = rewrite(joint, steps, record.plan.kept, num_fwd_outputs)
         backward.meta["ckptc_record"] = RecordLink(record, gradient_sink)
         return forward, backward
+
+
+# Kernels that refuse operands of two dtypes when they run, though the meta kernels tracing uses
+# take them (a float64 batch into a float32 linear layer traces, then fails at its first run).
+_ONE_DTYPE_KERNELS = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten.convolution.default,
+    }
+)
+
+
+def refuse_products_of_two_dtypes(joint: fx.GraphModule) -> None:
+    """Raise where the joint graph multiplies tensors of two dtypes, as eager PyTorch would when it ran.
+
+    Planning such a graph would refuse a budget, or run out of memory, before the step showed the
+    real error (a float64 batch given to a float32 model).
+
+    Raises:
+        ckptc.ArgumentTypeError: naming the op, the module and the dtypes.
+    """
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node.target not in _ONE_DTYPE_KERNELS:
+            continue
+        vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
+        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in vals if isinstance(v, torch.Tensor)})
+        if len(dtypes) > 1:
+            stack = node.meta.get("nn_module_stack") or {}
+            where = f" in module {normalize_module_path(list(stack.values())[-1][0])!r}" if stack else ""
+            raise ArgumentTypeError(
+                f"the model's step computes {node.target}{where} of tensors of dtypes {' and '.join(dtypes)}; "
+                "PyTorch's kernel refuses that when it runs (eager raises the same error for this call). Give "
+                "the model inputs of its parameters' dtype (inputs.to(dtype), or model.to(dtype)), or run the "
+                "step under torch.autocast."
+            )
 
 
 class GraphPlans:
