@@ -373,6 +373,7 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
     at_start = kept_array | always[3]  # kept or a forward output
     materialised = bytearray(at_start.view(np.uint8))
     backward = problem._backward_idx
+    parts = _parts(problem)
     done = 0
     for position in np.unique(reads[1][~at_start[reads[0]]]).tolist():
         nodes.extend(backward[done:position])
@@ -392,11 +393,29 @@ def derived_schedule(problem: Problem, kept: bytearray) -> tuple[list[int], int]
                     stack.append((preds[k], 0))
                 else:
                     stack.pop()
+                    if materialised[v]:
+                        continue  # a getitem taken with its multi-output value while it waited here
                     materialised[v] = 1
                     nodes.append(v)
+                    # A multi-output value's results are taken from it at once: it holds every one of
+                    # them (its largest too) until its last getitem runs, which a part read only at
+                    # the end of backward would otherwise put off.
+                    stack.extend((q, 0) for q in reversed(parts.get(v, ())) if not materialised[q])
         nodes.append(b)
     nodes.extend(backward[done:])
     return nodes, n_fwd
+
+
+def _parts(problem: Problem) -> dict[int, tuple[int, ...]]:
+    """Each multi-output forward node's getitems (``part_of`` it), by node index."""
+    parts = problem._cache.get("simulator.parts")
+    if parts is None:
+        found: dict[int, list[int]] = {}
+        for i, whole in enumerate(problem._part_of):
+            if whole >= 0 and problem._kind[i] == FORWARD_CODE:
+                found.setdefault(whole, []).append(i)
+        parts = problem._cache["simulator.parts"] = {v: tuple(q) for v, q in found.items()}
+    return parts
 
 
 def step_table(problem: Problem) -> tuple[list[Step], list[Step]]:

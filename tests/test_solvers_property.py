@@ -65,14 +65,22 @@ def reference_derived_schedule(problem: Problem, kept: frozenset[str], forget: t
     steps = [Step(n.name, "forward") for n in forward if n.name in needed]
     always = {n.name for n in forward if n.output or n.name in kept}
     have = set(always)
+    parts: dict[str, list[str]] = {}
+    for n in forward:
+        if n.part_of is not None:
+            parts.setdefault(n.part_of, []).append(n.name)
 
     def materialise(name: str) -> None:
         if problem[name].kind != "forward" or name in have:
             return
         for p in problem[name].preds:
             materialise(p)
+        if name in have:
+            return  # a part taken with its multi-output value, a pred of it
         have.add(name)
         steps.append(Step(name, "backward"))
+        for part in parts.get(name, ()):  # a multi-output value's results are taken from it at once
+            materialise(part)
 
     backward = [n for n in problem.nodes if n.kind == "backward"]
     for k, b in enumerate(backward):
