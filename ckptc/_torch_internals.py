@@ -641,7 +641,13 @@ def compile_module(model: torch.nn.Module, backend: Any) -> Any:
     """
     import inspect
 
-    return inspect.unwrap(torch.compile)(model, backend=called_weakly(backend), dynamic=False)
+    marked = "_is_torch_compile" in model.__dict__
+    compiled = inspect.unwrap(torch.compile)(model, backend=called_weakly(backend), dynamic=False)
+    if not marked and model.__dict__.pop("_is_torch_compile", None) is not None:
+        # Dynamo marks its result, and OptimizedModule sets attributes on the module it wraps: the
+        # user's model kept the mark after ckptc was removed.  The mark goes on the wrapper itself.
+        object.__setattr__(compiled, "_is_torch_compile", True)
+    return compiled
 
 
 def module_being_compiled() -> torch.nn.Module | None:

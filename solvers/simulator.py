@@ -112,6 +112,8 @@ def schedule(problem: Problem, plan: Plan) -> tuple[Step, ...]:
     * backward phase: for each backward node b in order, for each forward pred
       p of b not materialised, recompute p after recursively (depth first,
       preds in order) recomputing its own missing forward preds; then b.
+      A recomputed multi-output node is followed at once by its getitems
+      (``part_of`` it): it holds all its results until its last getitem runs.
       Materialised means kept, ``output``, or already recomputed in this
       backward phase, so each value is recomputed at most once.
 

@@ -82,7 +82,7 @@ def test_apply_keeps_the_model_and_trains_like_eager(tmp_path: Any) -> None:
     model.register_forward_pre_hook(lambda module, args: calls.append("pre"))
     model.register_forward_hook(lambda module, args, out: calls.append("post"))
     signature, keys = inspect.signature(model.forward), list(model.state_dict())
-    parameters = dict(model.named_parameters())
+    parameters, attributes = dict(model.named_parameters()), set(vars(model))
     kwargs = batch_kwargs()
     budget = int(BUDGET_FRACTION * eager_peak(model, kwargs))
 
@@ -127,6 +127,7 @@ def test_apply_keeps_the_model_and_trains_like_eager(tmp_path: Any) -> None:
     assert len(runtime.plans) == plans
 
     assert ckptc.remove(model) is model and ckptc.applied(model) is None
+    assert set(vars(model)) == attributes  # nothing of ckptc's, nor Dynamo's mark of what it compiled, is left
     model.train()
     calls.clear()
     model(**kwargs).loss.backward()
