@@ -956,14 +956,17 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
         use_numpy_random_stream=True,
     )
     to_log = _DynamoAdviceToLog()  # one per entry: a nested entry's exit leaves the outer one's in place
+    conflicts = _DynamicConflictToLog()
     for logger in _DYNAMO_ADVICE_LOGGERS:
         logger.addFilter(to_log)
+    _GUARDS_LOGGER.addFilter(conflicts)
     try:
         with patch, _lstm_unrolled_for_training():
             yield
     finally:
         for logger in _DYNAMO_ADVICE_LOGGERS:
             logger.removeFilter(to_log)
+        _GUARDS_LOGGER.removeFilter(conflicts)
 
 
 class _DynamoAdviceToLog(logging.Filter):
@@ -987,6 +990,36 @@ class _DynamoAdviceToLog(logging.Filter):
 
 
 _DYNAMO_ADVICE_LOGGERS = (logging.getLogger("torch._dynamo.exc"), logging.getLogger("torch._dynamo.variables.tensor"))
+
+
+class _DynamicConflictToLog(logging.Filter):
+    """Drops the error Dynamo logs, with its traceback, when the model's code specializes a dimension that
+    ckptc marked dynamic (a length bucket; with a graph break the resumed frame may read the length as a
+    constant): ckptc catches that conflict and captures the call at its exact sizes
+    (:func:`is_dynamic_shape_conflict`), so it is said in ``ckptc``'s log at info level instead (it printed
+    some 80 lines of "Error while creating guard" on stderr during correct training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and is_dynamic_shape_conflict(error):
+            self._dropped = True
+            logging.getLogger("ckptc.capture").info(
+                "the model's code specialized a dimension marked dynamic (%s); captured at exact sizes",
+                str(error).splitlines()[0],
+            )
+            return False
+        if self._dropped and record.getMessage().startswith("Created at:"):
+            self._dropped = False  # the dropped error's second record
+            return False
+        self._dropped = False
+        return True
+
+
+_GUARDS_LOGGER = logging.getLogger("torch._guards")
 
 
 @contextlib.contextmanager
