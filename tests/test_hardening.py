@@ -984,3 +984,22 @@ def test_keeping_everything_in_a_model_that_checkpoints_its_block_peaks_no_highe
     model.zero_grad(set_to_none=True)
     _, measured = measure_peak(lambda: loss(fast(x)).backward(), baseline_bytes=resident_bytes(model, (x,)))
     assert measured.peak_bytes <= eager
+
+
+def test_a_refusal_counting_results_only_assumed_held_says_how_to_plan_without_them() -> None:
+    """A model returning logits, its loss computed outside: the first call assumes the caller holds the
+    logits through backward.  A budget only that assumption puts below the floor is refused saying so, and
+    naming ``hold_outputs=False`` (the refusal listed nothing the step holds beyond a plain one before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 100))
+    ids = torch.randint(0, 100, (8, 64))
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), ids.flatten())
+
+    held = ckptc.capture(copy.deepcopy(model), (ids,), loss_fn=loss).floor_bytes
+    dropped = ckptc.capture(copy.deepcopy(model), (ids,), loss_fn=loss, hold_outputs=False).floor_bytes
+    assert dropped < held
+    fast = ckptc.optimize(model, budget_bytes=(held + dropped) // 2)
+    with pytest.raises(ckptc.InfeasibleBudgetError, match=r"assumed held(.|\n)*hold_outputs=False"):
+        loss(fast(ids)).backward()

@@ -217,6 +217,13 @@ class StepAccount:
                 "the forward's results (logits), held until backward ends with their gradients "
                 "(hold_outputs=True, or a loss that uses them beside the model's own loss)"
             )
+        elif self.hold_outputs and self.outputs_assumed_held:
+            said.append(
+                "the forward's results (logits), assumed held until backward ends, as a caller that reads them "
+                "after backward would (no step has shown what this loop does yet): pass hold_outputs=False if the "
+                "loop drops them before backward (loss = loss_fn(model(x)), or loss = model(...).loss); a loss "
+                "computed outside the model is then measured on the first step and planned for"
+            )
         elif self.hold_outputs and not self.outputs_assumed_held:
             said.append(
                 "the forward's results (logits), held until backward ends: drop them before backward "
