@@ -959,14 +959,16 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
     conflicts = _DynamicConflictToLog()
     for logger in _DYNAMO_ADVICE_LOGGERS:
         logger.addFilter(to_log)
-    _GUARDS_LOGGER.addFilter(conflicts)
+    for logger in _GUARDS_LOGGERS:
+        logger.addFilter(conflicts)
     try:
         with patch, _lstm_unrolled_for_training():
             yield
     finally:
         for logger in _DYNAMO_ADVICE_LOGGERS:
             logger.removeFilter(to_log)
-        _GUARDS_LOGGER.removeFilter(conflicts)
+        for logger in _GUARDS_LOGGERS:
+            logger.removeFilter(conflicts)
 
 
 class _DynamoAdviceToLog(logging.Filter):
@@ -997,7 +999,8 @@ class _DynamicConflictToLog(logging.Filter):
     ckptc marked dynamic (a length bucket; with a graph break the resumed frame may read the length as a
     constant): ckptc catches that conflict and captures the call at its exact sizes
     (:func:`is_dynamic_shape_conflict`), so it is said in ``ckptc``'s log at info level instead (it printed
-    some 80 lines of "Error while creating guard" on stderr during correct training)."""
+    some 80 lines of "Error while creating guard" on stderr during correct training).  So is the fake-tensor
+    traceback of an op the inputs do not fit, which the error ckptc raises quotes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1012,6 +1015,11 @@ class _DynamicConflictToLog(logging.Filter):
                 str(error).splitlines()[0],
             )
             return False
+        if record.getMessage().startswith("failed while attempting to run meta"):
+            # A shape or dtype the model does not take: the error ckptc raises (UntraceableModelError)
+            # quotes it; Dynamo's traceback printed once per capture attempt.
+            logging.getLogger("ckptc.capture").info("%s: %s", record.getMessage(), error)
+            return False
         if self._dropped and record.getMessage().startswith("Created at:"):
             self._dropped = False  # the dropped error's second record
             return False
@@ -1019,7 +1027,7 @@ class _DynamicConflictToLog(logging.Filter):
         return True
 
 
-_GUARDS_LOGGER = logging.getLogger("torch._guards")
+_GUARDS_LOGGERS = (logging.getLogger("torch._guards"), logging.getLogger("torch._subclasses.fake_tensor"))
 
 
 @contextlib.contextmanager

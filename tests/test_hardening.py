@@ -1003,3 +1003,14 @@ def test_a_refusal_counting_results_only_assumed_held_says_how_to_plan_without_t
     fast = ckptc.optimize(model, budget_bytes=(held + dropped) // 2)
     with pytest.raises(ckptc.InfeasibleBudgetError, match=r"assumed held(.|\n)*hold_outputs=False"):
         loss(fast(ids)).backward()
+
+
+def test_an_input_of_a_shape_the_model_does_not_take_is_refused_quoting_pytorchs_error_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Eager raises one line; ckptc raises ``UntraceableModelError`` quoting it and saying to check the inputs,
+    and Dynamo's fake-tensor traceback of it (printed once per capture attempt) goes to ckptc's log."""
+    fast = ckptc.optimize(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)), budget_gb=1)
+    with pytest.raises(ckptc.UntraceableModelError, match=r"same reduction dim(.|\n)*If the error is about the inputs"):
+        fast(torch.randn(8, 15)).sum().backward()
+    assert not [r for r in caplog.records if r.name.startswith("torch") and r.levelno >= logging.ERROR]
