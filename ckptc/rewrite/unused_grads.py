@@ -268,8 +268,9 @@ def specialize(gm: fx.GraphModule, zero_names: Iterable[str]) -> tuple[fx.GraphM
     for z, users in made.items():
         val = z.meta["val"]
         with graph.inserting_before(min(users, key=position.__getitem__)):
+            # ``full``, not ``zeros``: Inductor lowers the one and expects the other decomposed.
             real = graph.call_function(
-                aten.zeros.default, (list(val.shape),), {"dtype": val.dtype, "device": val.device}
+                aten.full.default, (list(val.shape), 0), {"dtype": val.dtype, "device": val.device}
             )
         real.meta["val"] = _zeros_value(val)
         for user in users:
