@@ -13,6 +13,10 @@ benchmark, plan files applied in another process) inherit the setting.  An
 
 The solvers memoise results per problem content (``solvers.problem.clear_shared_caches``):
 a test that changes a solver's module constant must not see another test's results.
+
+The longest files run first (:func:`pytest_collection_modifyitems`): ``make test`` hands whole files to
+its two workers as they finish (``--dist loadfile``), so a long file collected last (they sort late
+alphabetically) left one worker idle while the other ran it.
 """
 
 import os
@@ -25,6 +29,22 @@ from solvers.problem import clear_shared_caches
 if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+# About 150-200 s of CPU each, then 50-100 s (the latest durations run); the other files keep their order.
+_LONGEST_FIRST = (
+    "test_step_budget.py",
+    "test_training_loops.py",
+    "test_inductor.py",
+    "test_hardening.py",
+    "test_routing.py",
+    "test_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
 
 
 @pytest.fixture(autouse=True)
