@@ -364,7 +364,6 @@ class ZeroGradBackward:
     ) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.tangents = {i: n for i, n in enumerate(placeholders) if is_tangent(n)}
-        self.foldable = set(foldable_tangents(gm.graph))
         self.free = frozenset(free)
         self.record = record
         self.gm = gm
@@ -375,8 +374,7 @@ class ZeroGradBackward:
 
     def __repr__(self) -> str:
         return (
-            f"ZeroGradBackward(tangents={len(self.tangents)}, foldable={sorted(self.foldable)}, "
-            f"free={sorted(self.free)}, variants={len(self.variants)})"
+            f"ZeroGradBackward(tangents={len(self.tangents)}, free={sorted(self.free)}, variants={len(self.variants)})"
         )
 
     def __call__(self, args: list[Any]) -> Any:
