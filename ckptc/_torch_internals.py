@@ -945,6 +945,9 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
       go to ckptc's log at info level (:class:`_DynamoAdviceToLog`): with ``.item()`` kept in the graph,
       Dynamo breaks the graph where ckptc's capture meets a size it cannot bind, as plain
       ``torch.compile`` does there; ckptc tried the setting first; the coverage report names every break.
+    * Two errors Dynamo logs with their tracebacks and ckptc catches go to ckptc's log at info level too
+      (:class:`_CaughtErrorsToLog`): a dimension ckptc marked dynamic that the model's code specialized,
+      and an op the inputs do not fit (the error ckptc raises quotes it).
     """
     patch = torch._dynamo.config.patch(
         recompile_limit=256,
@@ -956,19 +959,19 @@ def compile_config(*, scalar_outputs: bool = True) -> Iterator[None]:
         use_numpy_random_stream=True,
     )
     to_log = _DynamoAdviceToLog()  # one per entry: a nested entry's exit leaves the outer one's in place
-    conflicts = _DynamicConflictToLog()
+    caught = _CaughtErrorsToLog()
     for logger in _DYNAMO_ADVICE_LOGGERS:
         logger.addFilter(to_log)
-    for logger in _GUARDS_LOGGERS:
-        logger.addFilter(conflicts)
+    for logger in _CAUGHT_ERROR_LOGGERS:
+        logger.addFilter(caught)
     try:
         with patch, _lstm_unrolled_for_training():
             yield
     finally:
         for logger in _DYNAMO_ADVICE_LOGGERS:
             logger.removeFilter(to_log)
-        for logger in _GUARDS_LOGGERS:
-            logger.removeFilter(conflicts)
+        for logger in _CAUGHT_ERROR_LOGGERS:
+            logger.removeFilter(caught)
 
 
 class _DynamoAdviceToLog(logging.Filter):
@@ -994,7 +997,7 @@ class _DynamoAdviceToLog(logging.Filter):
 _DYNAMO_ADVICE_LOGGERS = (logging.getLogger("torch._dynamo.exc"), logging.getLogger("torch._dynamo.variables.tensor"))
 
 
-class _DynamicConflictToLog(logging.Filter):
+class _CaughtErrorsToLog(logging.Filter):
     """Drops the error Dynamo logs, with its traceback, when the model's code specializes a dimension that
     ckptc marked dynamic (a length bucket; with a graph break the resumed frame may read the length as a
     constant): ckptc catches that conflict and captures the call at its exact sizes
@@ -1027,7 +1030,7 @@ class _DynamicConflictToLog(logging.Filter):
         return True
 
 
-_GUARDS_LOGGERS = (logging.getLogger("torch._guards"), logging.getLogger("torch._subclasses.fake_tensor"))
+_CAUGHT_ERROR_LOGGERS = (logging.getLogger("torch._guards"), logging.getLogger("torch._subclasses.fake_tensor"))
 
 
 @contextlib.contextmanager
