@@ -120,15 +120,21 @@ class Folding:
     Attributes:
         replaced: node -> ``ZERO`` (the node is all zeros) or the argument it equals
             (which may itself be replaced: follow the chain).
-        complete: no op needs one of the zeros as a real tensor: they vanish.
-        blocked_by: the first node that needs a zero as a real tensor (None if complete).
         blocked: every node that needs a zero as a real tensor, in graph order.
     """
 
     replaced: dict[fx.Node, fx.Node | None] = field(default_factory=dict)
-    complete: bool = True
-    blocked_by: fx.Node | None = None
     blocked: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """No op needs one of the zeros as a real tensor: they vanish."""
+        return not self.blocked
+
+    @property
+    def blocked_by(self) -> fx.Node | None:
+        """The first node that needs a zero as a real tensor (None if complete)."""
+        return self.blocked[0] if self.blocked else None
 
 
 def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
@@ -188,9 +194,6 @@ def fold_zeros(graph: fx.Graph, zeros: Iterable[fx.Node]) -> Folding:
             if other is not None and _same_layout(other, node):
                 replaced[node] = other
                 continue
-        if folding.complete:
-            folding.complete = False
-            folding.blocked_by = node
         folding.blocked.append(node)
     return folding
 
