@@ -302,7 +302,7 @@ class CheckpointCompiler:
         try:
             compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final, at_least=at_least)
         except solvers.InfeasibleBudgetError as error:
-            if not self.replans.letting_results_go_for_room(error):
+            if not (self.replans.letting_results_go_for_room(error) or self.replans.back_to_standing_plans(error)):
                 raise
             compiled, record, plans = self._plan_graph(gm, example_inputs, index, final=final, at_least=at_least)
         if record is None:
@@ -322,6 +322,8 @@ class CheckpointCompiler:
             if check is not None and check.begin(args):
                 self.active.clear()  # a new step: no graph of it has run yet
             account = self.account
+            if account is not planned_under and self.replans.plans_stand(planned_under):
+                planned_under = account  # a measured step within the budget showed what it adds
             if account is not planned_under and account != planned_under and not symbolic:
                 # The step showed what this graph's plan did not count: plan it again, in place behind
                 # its AOTAutograd function or else from Dynamo's graph (guards and bytecode stay as they are).

@@ -113,6 +113,8 @@ class Replans:
         self._plans_at_once = False
         self._room_made = 0  # times later calls of the step asked these graphs to keep less
         self._fewest_dead: dict[tuple[int, int], int] = {}  # see observed_results_let_go
+        # Plans made under the first account that stand under the second (see plans_stand).
+        self._standing: tuple[StepAccount, StepAccount] | None = None
 
     #: What steps showed that an account carries on to a later ``optimize`` of the same model
     #: (:meth:`starting_from`): measured evidence, not the budget, the gradients' state or the
@@ -500,6 +502,8 @@ class Replans:
         ran: Sequence[GraphRecord],
         loss_bytes: int | None = None,
         held_bytes: Mapping[int, int] | None = None,
+        *,
+        measured_within_budget: bool = False,
     ) -> bool:
         """A step of the graphs ``ran`` showed whether its caller held the forward's results until its
         backward ended (``held``; None: no backward showed it); whether the plans must be made again.
@@ -516,7 +520,41 @@ class Replans:
         caller held (``held_bytes``: by position in ``ran``, their bytes) are counted beside the graphs before
         the one that made them, whose backward runs while they are alive
         (:meth:`StepAccount.counting_later_results`).
+
+        Results held on a step ``measured_within_budget`` are counted without planning again: that step
+        ran the current plans holding them and fitted (:meth:`plans_stand`).  Plans made again for them
+        could only keep less, and at a budget near the floor, where the prediction is a little above
+        what steps measure, be refused although the loop's steps fit (a ViT at the floor a refusal
+        named: its first step measured 250,344 bytes within 252,710, then the plans made again counting
+        its 40 bytes of logits were refused, naming 252,750).
         """
+        before = self.account
+        changed = self._observed(held, ran, loss_bytes, held_bytes)
+        if changed and held and measured_within_budget:
+            # Every change a step holding its results makes counts more bytes held (letting results go
+            # needs ``not held``), and the measured step already held them.
+            log.info(
+                "the caller holds the forward's results through backward; the step that showed it held them "
+                "within the budget: its plans stand"
+            )
+            self._standing = (before, self.account)
+            return False
+        return changed
+
+    def plans_stand(self, planned_under: StepAccount | None) -> bool:
+        """Whether plans made under ``planned_under`` stand under the current account without planning
+        again: a step measured within the budget ran them and showed everything the current account
+        counts beyond ``planned_under`` (:meth:`observed_results`)."""
+        standing = self._standing
+        return standing is not None and standing[0] == planned_under and standing[1] == self.account
+
+    def _observed(
+        self,
+        held: bool | None,
+        ran: Sequence[GraphRecord],
+        loss_bytes: int | None,
+        held_bytes: Mapping[int, int] | None,
+    ) -> bool:
         if held is not None and held_bytes is not None:
             counted = self.account.counting_later_results(ran, held_bytes if held else {})
             if counted is not self.account:
@@ -605,6 +643,24 @@ class Replans:
         if not getattr(error, "held_result_bytes", 0) or not self._let_results_go_for_room():
             return False
         release_frames(error)
+        return True
+
+    def back_to_standing_plans(self, error: solvers.InfeasibleBudgetError) -> bool:
+        """Whether to plan again after ``error`` under the account the standing plans were made under
+        (:meth:`plans_stand`): the graph that could not fit counted the results a step showed held,
+        which that step held within the budget on those plans.  Such a graph is one torch.compile
+        compiled anew for the step (a guard on a Python attribute failed: transformers sets
+        ``config.problem_type`` on a classifier's first call); planned as the standing plans were, its
+        first step is measured again, and a step over the budget is corrected or refused as any is."""
+        standing = self._standing
+        if standing is None or standing[1] != self.account or not getattr(error, "held_result_bytes", 0):
+            return False
+        release_frames(error)
+        self.account, self._standing = standing[0], None
+        log.info(
+            "a graph compiled anew cannot fit beside the results the step holds; planned as the plans a step "
+            "measured within the budget holding them were"
+        )
         return True
 
     def _let_results_go_for_room(self) -> bool:

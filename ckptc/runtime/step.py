@@ -95,6 +95,8 @@ class ShapePlan:
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
     # How many graphs torch.compile compiled for this shape after it was planned (a guard failed).
     recompiled: int = 0
+    # Whether a call of it is planning now (plan_call): graphs compiled then are ckptc's own doing.
+    planning: bool = False
     # Whether Dynamo keeps .item() and data-dependent shapes in the graph (internals.compile_config):
     # turned off, once, for a model it fails to trace with them on.
     scalar_outputs: bool = True
@@ -162,7 +164,7 @@ class ShapePlan:
         """The account changed since the current plans were made (each graph plans again, in place,
         when it next runs)."""
         planned = self.compiler.planned_account
-        return planned is not None and planned != self.replans.account
+        return planned is not None and planned != self.replans.account and not self.replans.plans_stand(planned)
 
     def compile(
         self,
@@ -218,9 +220,11 @@ class ShapePlan:
         # A forward may update its inputs in place (x.mul_(2)); a retry and the reference start from
         # the inputs as the caller gave them, so they change exactly once.
         saved.save_inputs(args, kwargs)
+        self.planning = True
         try:
             return self._plan_call(model, template, step, args, kwargs, saved, reference=reference)
         finally:
+            self.planning = False
             self.changed_in_forward = (known or set()) | saved.changed()
 
     def _plan_call(
@@ -564,9 +568,10 @@ class StepRuntime:
         (:meth:`graph_starts` may measure it from its first graph's start)."""
         self._step_compiled = True
         self._tracker.unmeasured()
-        if self.last is not None and self.last.planned:
+        if self.last is not None and self.last.planned and not self.last.planning:
             # torch.compile compiled a new graph for a shape planned before (one of its guards
-            # changed): the next step runs graphs not measured yet, so it is measured.  What steps of
+            # changed; not ckptc planning the call again, which compiles anew where sizes are
+            # symbolic): the next step runs graphs not measured yet, so it is measured.  What steps of
             # the other graphs measured stands (their plans did not change).
             self.last.steps_within_budget = Counter()
             # Only graphs torch.compile compiles anew after the shape's first step count: within it,
@@ -765,16 +770,17 @@ class StepRuntime:
             mine = {id(r) for r in shape.compiler.records}
             shape.last_records = [r for r in self.active if id(r) in mine]
         self._check_gradient_assumption()
+        budget = self.template.budget_bytes
         for shape in self._step_plans:
             shape.replans.observed_results(
                 self._tracker.results_held,
                 shape.last_records,
                 loss_bytes=None if measurement is None else measurement.loss_bytes,
                 held_bytes=self._lifetimes.held_through_backward(shape.last_records),
+                measured_within_budget=measurement is not None and (budget is None or measurement.peak_bytes <= budget),
             )
         if measurement is None:
             return
-        budget = self.template.budget_bytes
         peak = measurement.peak_bytes
         for shape in self._step_plans:
             shape.measured(peak)

@@ -246,7 +246,10 @@ class BackendStepCheck:
             )
             changed = True
         held = self._lifetimes.held_through_backward(self._ran)
-        if self.replans.observed_results(self._tracker.results_held, self._ran, held_bytes=held):
+        within = measurement is not None and measurement.peak_bytes <= self.budget_bytes
+        if self.replans.observed_results(
+            self._tracker.results_held, self._ran, held_bytes=held, measured_within_budget=within and not changed
+        ):
             changed = True
         if changed:
             self._replanned()
