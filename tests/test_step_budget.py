@@ -187,7 +187,7 @@ def test_a_causal_lm_called_twice_before_one_backward_plans_its_first_call_again
     its lowest peak and warns once; the next steps plan the first call again (counting the gradients the
     second call's backward makes before the first's runs, and keeping less), then the second after it.
     From the first verified step on the peak is within the budget, and every step's gradients are eager's."""
-    reference = _tiny_causal_lm()
+    reference = _tiny_causal_lm(layers=1)  # one layer leaves the second call no room as two did
     model = copy.deepcopy(reference)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,7 +347,7 @@ def test_the_backends_first_measured_step_of_layers_compiled_once_is_within_the_
 
 
 def test_a_second_call_that_cannot_fit_beside_the_first_at_their_floors_is_refused_saying_why() -> None:
-    model = _tiny_causal_lm()
+    model = _tiny_causal_lm(layers=1)  # one call fits at the floor, two never do
     a = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     floor = ckptc.capture(copy.deepcopy(model), (a,), {"labels": a}).floor_bytes
     fast = ckptc.optimize(model, budget_bytes=floor)  # enough for one call, not for two
@@ -363,7 +363,7 @@ def test_a_step_refused_in_its_second_call_lets_the_first_calls_results_go_and_e
     collector ran, and the step stayed open (another optimized model's steps then went unverified)."""
     import weakref
 
-    model = _tiny_causal_lm()
+    model = _tiny_causal_lm(layers=1)  # one call fits at the floor, two never do
     model.config.use_cache = False
     a = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     floor = ckptc.capture(copy.deepcopy(model), (a,), {"labels": a}).floor_bytes
@@ -861,7 +861,7 @@ def test_gradient_accumulation_through_layers_compiled_once_adds_each_layers_gra
     on its own layer's parameters; the backward added every layer's gradients into the first layer's
     ``.grad`` (the parameters the graph was compiled with), and the other layers' stayed as the first
     micro-batch left them: wrong gradients, silently, from the second micro-batch on."""
-    reference = _causal_lm_with_a_break_in_every_layer(3)
+    reference = _causal_lm_with_a_break_in_every_layer(2)  # the second layer's went into the first's .grad
     model = copy.deepcopy(reference)
     g = torch.Generator().manual_seed(0)
     batches = torch.randint(0, 128, (3, 2, 2, 32), generator=g)
@@ -1113,7 +1113,17 @@ def _tiny_bart_checkpointing_itself() -> tuple[nn.Module, dict[str, torch.Tensor
     return model, {"input_ids": ids, "labels": ids}
 
 
-def test_layers_that_checkpoint_themselves_and_share_one_graph_have_a_floor_that_plans() -> None:
+@pytest.fixture(scope="module")
+def tiny_bart_captured() -> ckptc.CapturedStep:
+    """The step of :func:`_tiny_bart_checkpointing_itself`, captured once for the tests that plan it (the
+    capture is most of a test's time; the step is only planned afterwards, under any number of budgets)."""
+    model, kwargs = _tiny_bart_checkpointing_itself()
+    return ckptc.capture(model, (), kwargs)
+
+
+def test_layers_that_checkpoint_themselves_and_share_one_graph_have_a_floor_that_plans(
+    tiny_bart_captured: ckptc.CapturedStep,
+) -> None:
     """A tiny BART with Hugging Face gradient checkpointing: the graph breaks at each layer's layer-drop
     draw, so one graph runs both encoder layers and one both decoder layers.  Keeping everything keeps each
     layer's input only (its own checkpoint); the layer's lowest-peak plan keeps 10x more to recompute less
@@ -1121,8 +1131,7 @@ def test_layers_that_checkpoint_themselves_and_share_one_graph_have_a_floor_that
     peak beside runs keeping the layer input only (1,686,655 B), while every budget below 1,868,340 B, the
     unoptimized peak of 1,721,776 B included, was refused.  A layer's floor in the step is now the plan that
     peaks lowest beside its own runs, and the capture's floor and unoptimized peak both plan."""
-    model, kwargs = _tiny_bart_checkpointing_itself()
-    captured = ckptc.capture(model, (), kwargs)
+    captured = tiny_bart_captured
     assert captured.graphs < len(captured.sequence), captured.sequence  # a graph runs several times
     assert captured.floor_bytes <= captured.unoptimized_peak_bytes
     for budget in (captured.floor_bytes, captured.unoptimized_peak_bytes):
@@ -1226,7 +1235,9 @@ def _retrying_budgets_named(
     raise AssertionError(f"no budget named trained: {named}")
 
 
-def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_trains_within_eagers_peak() -> None:
+def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_trains_within_eagers_peak(
+    tiny_bart_captured: ckptc.CapturedStep,
+) -> None:
     """The tiny BART checkpointing its own layers, trained holding the output object through backward
     (``out = model(...); out.loss.backward()``), at a budget between its floor and eager's peak: the step
     holds the logits and the encoder's last state beyond what the first plan counted, so it is planned again
@@ -1240,7 +1251,7 @@ def test_a_refused_budget_of_layers_that_checkpoint_themselves_names_one_that_tr
         return _step_holding_the_output(model, params, **kwargs)
 
     eager, eager_bytes = _eager_peak_holding_the_output(reference, **kwargs)
-    captured = ckptc.capture(copy.deepcopy(reference), (), kwargs)
+    captured = tiny_bart_captured  # the step of this model and batch
 
     def train_like_eager(fast: Any, model: nn.Module) -> None:
         loss = train(fast, model)
