@@ -47,24 +47,14 @@ def test_moe_routing_in_a_step_of_several_graphs_is_planned_again_by_compiling_a
 
     One decoder layer of the zoo's tiny Mixtral (it has two): Dynamo's tracing of each layer, twice, was most
     of the time, and one layer already splits the step (8 graphs) and compiles its routing graph again."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
-    config = MixtralConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        use_cache=False,
-        attn_implementation="eager",
-    )
+    tiny = get_case("mixtral")
+    config = copy.deepcopy(tiny.model.config)
+    config.num_hidden_layers = 1
     torch.manual_seed(0)
     model = MixtralForCausalLM(config).train()
-    ids = torch.randint(0, config.vocab_size, (2, 32))
+    (ids,) = tiny.example_inputs
     captured = ckptc.capture(model, (ids,), {"labels": ids.clone()})
     assert captured.graphs > 1
     budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
