@@ -1086,6 +1086,17 @@ def outside_fake_mode():
     return stack
 
 
+def outside_user_compile(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, run eagerly even where it is called inside a frame the user's ``torch.compile`` runs.
+
+    ckptc's hooks and callbacks run on the thread of the backward that calls them; under a compiled
+    training step (``torch.compile(train_step)``, backward inside it) Dynamo would try to trace each
+    of them as a frame of the user's function (and print warnings about what it cannot trace there:
+    ``os.dup``, a profiler's ``record_function``).
+    """
+    return torch.compiler.disable(function, reason="ckptc's run-time bookkeeping, not the user's step")
+
+
 def on_backward_end(
     tensors: Sequence[torch.Tensor], callback: Callable[[], None], began: Callable[[], None] = lambda: None
 ) -> Any:
@@ -1098,9 +1109,12 @@ def on_backward_end(
     """
     from torch.autograd.graph import register_multi_grad_hook
 
+    ended = outside_user_compile(callback)
+
+    @outside_user_compile
     def hook(_: Any) -> None:
         began()
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        torch.autograd.Variable._execution_engine.queue_callback(ended)
 
     return register_multi_grad_hook(list(tensors), hook, mode="any")
 

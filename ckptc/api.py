@@ -264,6 +264,7 @@ def _warn_on_backward(model: torch.nn.Module, key: str, message: str, output: An
         return output
     tensors = [t for t in internals.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
+    @internals.outside_user_compile
     def warn(_: torch.Tensor) -> None:
         _told.setdefault(model, set()).add(key)  # no more hooks on such calls; warn_once says it once
         warn_once(model, key, message)

@@ -31,6 +31,7 @@ from ckptc._torch_internals import (
     cpu_allocations,
     local_shard,
     outside_fake_mode,
+    outside_user_compile,
     storage_key,
 )
 from ckptc.pricing.devices import memory_model
@@ -411,6 +412,7 @@ def after_backward_returns(callback: Callable[[], None]) -> bool:
     if sys.getprofile() is not None:
         return False
 
+    @outside_user_compile
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "return" and frame.f_code.co_name == "_engine_run_backward":
             sys.setprofile(None)

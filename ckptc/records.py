@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import solvers
+from ckptc._torch_internals import outside_user_compile
 from ckptc.pricing.problem import JointProblem
 
 #: Replaces the strategy (a plan file's decisions): given the graph index and problem, returns its plan.
@@ -148,6 +149,7 @@ class RecordLink:
         self.gradient_sink = gradient_sink  # ckptc.rewrite.lean_backward.GradientSink, or None
         self.plans: Any = None  # ckptc.capture.compiler.GraphPlans, where plans are swapped in place
 
+    @outside_user_compile  # AOTAutograd compiles a backward (and copies its module) when it first runs
     def __deepcopy__(self, memo: dict[int, Any]) -> RecordLink:
         return self
 

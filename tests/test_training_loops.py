@@ -886,6 +886,46 @@ def test_the_backend_without_model_counts_the_parameters_of_the_model_being_comp
     )
 
 
+def test_a_compiled_training_step_leaves_ckptcs_own_code_to_run_eagerly() -> None:
+    """``torch.compile(train_step, backend=ckptc.backend(...))`` with forward, backward and the optimizer's step
+    in one compiled function: the backward runs inside the user's compiled frame, so Dynamo tried to trace
+    every hook and callback of ckptc's check as a frame of the user's function, and printed two warnings
+    about what it cannot trace there (``os.dup``, a profiler's ``record_function``).  Now none of ckptc's
+    code is traced (what Dynamo converts is recorded by a bytecode hook), and the steps train like eager's
+    within the budget."""
+    from torch._dynamo.convert_frame import register_bytecode_hook
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _Net(loss_inside=True)
+    budget = _budget(plain, reference)
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    backend = ckptc.backend(budget_bytes=budget, model=model, **NO_MILP)
+
+    def train_step(net: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+        loss = net(x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    converted: list[str] = []
+    handle = register_bytecode_hook(lambda code, _: converted.append(code.co_filename))
+    ckptc_files = os.path.dirname(ckptc.__file__)
+    try:
+        step = torch.compile(train_step, backend=backend)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+        for i in range(3):
+            x = _batches(i)[0]
+            torch.testing.assert_close(step(model, optimizers[0], x), train_step(eager, optimizers[1], x))
+    finally:
+        handle.remove()
+    assert converted and not [f for f in converted if f.startswith(ckptc_files)], converted
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert backend.step_check is not None and backend.step_check.verified, backend.step_check
+
+
 def test_a_step_the_backend_refused_while_compiling_leaves_later_models_measured() -> None:
     """Two calls of two batch sizes before one backward, a graph break between the layer loops: at
     0.85x eager's peak a graph compiled mid-step is refused, and so is the budget that refusal names (a

@@ -480,6 +480,7 @@ def _graph_ref(tensor: torch.Tensor, callback: Callable[[weakref.ref], None]) ->
     Python object), or to a marker the node holds (a node made in C++, as the results of code run
     eagerly after a graph break; the result itself may die long before its graph, ``sum(losses)``);
     to ``tensor`` itself for a leaf."""
+    callback = internals.outside_user_compile(callback)  # it may die inside a compiled training step
     node = tensor.grad_fn
     if node is None:
         return weakref.ref(tensor, callback)
