@@ -108,6 +108,13 @@ def allocated_bytes(tensor: torch.Tensor) -> int:
     return memory_model(tensor.device).storage_bytes(local.numel() * local.element_size())
 
 
+def gradient_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s allocated gradient: its ``.grad`` where autograd keeps one (a leaf, or a tensor that
+    retains its gradient), else None.  Reading a non-leaf's ``.grad`` warns, and a model's parameters can
+    be non-leaf tensors while it runs (``torch.func.functional_call`` with weights computed from others)."""
+    return tensor.grad if tensor.is_leaf or tensor.retains_grad else None
+
+
 def resident_storages(tensors: Iterable[torch.Tensor], seen: set[Hashable]) -> list[tuple[int, int]]:
     """``(address, bytes)`` of the distinct storages behind ``tensors`` (real ones) not in ``seen``
     (storage keys, added to it), counted as :func:`resident_bytes` counts them."""
@@ -136,8 +143,8 @@ def _tensors(objects: Iterable[Any]) -> Iterable[torch.Tensor]:
         if isinstance(obj, torch.nn.Module):
             for p in obj.parameters():
                 yield p
-                if p.grad is not None:
-                    yield p.grad
+                if (grad := gradient_of(p)) is not None:
+                    yield grad
             yield from obj.buffers()
         elif isinstance(obj, torch.Tensor):
             yield obj

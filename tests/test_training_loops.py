@@ -886,6 +886,39 @@ def test_the_backend_without_model_counts_the_parameters_of_the_model_being_comp
     )
 
 
+def test_weights_computed_from_the_parameters_through_functional_call_train_like_eager_without_a_warning() -> None:
+    """``torch.func.functional_call(fast, weights, x)`` with weights computed from the parameters (first-order
+    MAML's fast weights, merged LoRA weights): while the call runs, the model's parameters are those
+    non-leaf tensors, and ckptc read their ``.grad`` when it looked for resident gradients, so PyTorch
+    warned on every step that "the .grad attribute of a Tensor that is not a leaf Tensor is being
+    accessed", from ckptc's code (eager warns nothing).  Now ckptc reads a gradient only where autograd
+    keeps one (``ckptc.meter.gradient_of``), and the steps train like eager's."""
+    import warnings
+
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    reference = _Net()
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=_budget(plain, reference), **NO_MILP)
+
+    def step(net: Any, params: nn.Module, x: torch.Tensor) -> None:
+        _zero(params)
+        weights = {name: p * 1.0 for name, p in params.named_parameters()}
+        _loss(functional_call(net, weights, (x,))).backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            x = _batches(i)[0]
+            step(fast, model, x)
+            step(eager, eager, x)
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    leaf_warnings = [str(w.message) for w in caught if "not a leaf Tensor" in str(w.message)]
+    assert not leaf_warnings, leaf_warnings[0]
+
+
 def test_a_compiled_training_step_leaves_ckptcs_own_code_to_run_eagerly() -> None:
     """``torch.compile(train_step, backend=ckptc.backend(...))`` with forward, backward and the optimizer's step
     in one compiled function: the backward runs inside the user's compiled frame, so Dynamo tried to trace

@@ -55,7 +55,7 @@ import torch
 
 import solvers
 from ckptc._torch_internals import made_by_compiled_graph, views_of
-from ckptc.meter import allocated_bytes, resident_bytes
+from ckptc.meter import allocated_bytes, gradient_of, resident_bytes
 from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.records import GraphInputs, GraphRecord
 
@@ -398,7 +398,7 @@ class StepAccount:
                 if not p.requires_grad:
                     continue
                 if self.gradients_resident:
-                    grads += allocated_bytes(p.grad if p.grad is not None else p)
+                    grads += allocated_bytes(_gradient_or(p))
                 elif i not in seen:
                     later += allocated_bytes(p)  # made by a later graph's backward, which runs first
             # A graph run again for another block takes parameters its record does not name (those of
@@ -418,7 +418,7 @@ class StepAccount:
             other = sum(n for i, n in earlier_params.items() if i not in inputs.parameters)
             outside = other
             if self.gradients_resident:
-                own = sum(allocated_bytes(p.grad if p.grad is not None else p) for p in params.values())
+                own = sum(allocated_bytes(_gradient_or(p)) for p in params.values())
                 outside += other + own
         earlier_data: dict[int, int] = {}
         for record in earlier:
@@ -576,6 +576,12 @@ def budget_for_planning_floor(floor: int, margin: int) -> int:
     return floor + margin
 
 
+def _gradient_or(parameter: torch.Tensor) -> torch.Tensor:
+    """``parameter``'s resident gradient, or the parameter itself where it has none (a gradient of its size)."""
+    gradient = gradient_of(parameter)
+    return gradient if gradient is not None else parameter
+
+
 def gradients_resident(model: torch.nn.Module) -> bool:
     """Whether any trainable parameter of ``model`` has a gradient allocated."""
-    return any(p.grad is not None for p in model.parameters() if p.requires_grad)
+    return any(gradient_of(p) is not None for p in model.parameters() if p.requires_grad)

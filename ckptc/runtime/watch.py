@@ -42,7 +42,14 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.meter import MemoryMeasurement, allocated_bytes, resident_bytes, resident_storages, steps_to_verify
+from ckptc.meter import (
+    MemoryMeasurement,
+    allocated_bytes,
+    gradient_of,
+    resident_bytes,
+    resident_storages,
+    steps_to_verify,
+)
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
@@ -119,7 +126,7 @@ class BackendStepCheck:
         :class:`~ckptc.BudgetExceededError` when the replans are used up).  True when it opened one."""
         if self._tracker.open:
             return False
-        state = any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in args)
+        state = any(isinstance(a, torch.nn.Parameter) and gradient_of(a) is not None for a in args)
         if state and not self.account.gradients_resident:
             log.info("torch.compile(backend='ckptc'): a step starts with gradients resident; planning again")
             # What the last step showed the baselines miss, now with the parameters' gradients resident.
@@ -223,7 +230,7 @@ class BackendStepCheck:
     def _uncounted(self, objects: list[Any]) -> int:
         """Bytes of ``objects`` (tensors, a module) and of their gradients resident at the start (they
         count for the whole step) that the meter's baseline does not hold yet."""
-        grads = [a.grad for a in objects if isinstance(a, torch.Tensor) and a.grad is not None]
+        grads = [g for a in objects if isinstance(a, torch.Tensor) and (g := gradient_of(a)) is not None]
         return resident_bytes(*objects, *grads, seen=self._counted)
 
     def _second_backward(self) -> None:
@@ -240,9 +247,10 @@ class BackendStepCheck:
         changed = self._count_repeats() or changed
         if any(r.gradients_unexpected for r in self._ran) and self.replans.counting_result_gradients():
             log.warning(
-                "torch.compile(backend='ckptc'): the loss also used results other than the scalar taken for the "
-                "model's own loss (logits, or auxiliary losses the forward stores on the module); their gradients "
-                "were priced as absent, so the graphs plan again counting them"
+                "torch.compile(backend='ckptc'): the backward reached results of a graph other than the scalar "
+                "taken for the loss (logits used by the caller's loss beside the model's own, auxiliary losses the "
+                "forward stores on the module, or the model's own code after a graph break: a loss computed "
+                "there); their gradients were priced as absent, so the graphs plan again counting them"
             )
             changed = True
         held = self._lifetimes.held_through_backward(self._ran)
