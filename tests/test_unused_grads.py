@@ -330,3 +330,52 @@ def test_zeros_made_for_an_op_that_needs_them_compile_under_inductor() -> None:
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert model.c.weight.grad is None
+
+
+class _LossAfterABreak(torch.nn.Module):
+    """Layers, a scalar (an auxiliary loss) beside their output, then a graph break and the loss computed
+    from that output: under ``torch.compile`` the first graph returns the scalar and the output, and the
+    output's gradient comes from the model's own code after the break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            *(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers(x)
+        auxiliary = h.mean()
+        torch._dynamo.graph_break()
+        return h.square().mean() + auxiliary
+
+
+def test_a_loss_the_model_computes_after_a_graph_break_is_told_once_as_the_models_own(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``torch.compile(backend=ckptc.backend(..., hold_outputs=False))``: the caller reads only the model's
+    loss, but the model computes it after a graph break from a graph's non-scalar result, whose gradient
+    the first plan priced as absent.  The step warned twice (once from inside the backward, once from
+    the check), saying that the caller's loss used the results.  Now one warning names the model's own
+    code after a graph break among the causes, the steps train like eager's and are verified within the
+    budget."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    reference = _LossAfterABreak()
+    x = torch.randn(128, 64)
+    captured = ckptc.capture(copy.deepcopy(reference), (x,))
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    backend = ckptc.backend(budget_bytes=budget, model=model, hold_outputs=False, solver="hierarchical")
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level("WARNING", logger="ckptc"):
+        for _ in range(3):
+            for net, params in ((compiled, model), (eager, eager)):
+                params.zero_grad(set_to_none=True)
+                net(x).backward()
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    told = [r.getMessage() for r in caplog.records if r.name.startswith("ckptc") and r.levelname == "WARNING"]
+    assert len(told) == 1 and "after a graph break" in told[0], told
+    assert backend.step_check is not None and backend.step_check.verified, backend.step_check
+    assert backend.step_check.measured_peak_bytes <= budget

@@ -386,7 +386,8 @@ class ZeroGradBackward:
             if args[i] is not None:
                 if node.name in self.free and self.record is not None and not self.record.gradients_unexpected:
                     self.record.gradients_unexpected = True
-                    log.warning(
+                    # Said at info level: the step's check warns once with what it does about it.
+                    log.info(
                         "graph %d: the result of %s received a gradient; the plan counted it as unused "
                         "(the graph returns a scalar taken for the loss, and a caller reading only it drops "
                         "the other results), so memory may exceed the plan in this step",

@@ -819,9 +819,10 @@ class StepRuntime:
                 "unused-grads",
                 f"ckptc: {type(self.model).__name__}'s forward makes a scalar that ckptc took for its loss "
                 "(`.loss`, a scalar result, or one it stores on the module, such as an auxiliary loss), but the "
-                "backward also reached its other results (logits, hidden states, auxiliary outputs); the plan had "
-                "priced their gradients as absent, so the next call plans again with them held until backward "
-                "ends and their gradients counted.",
+                "backward also reached its other results (logits, hidden states, auxiliary outputs: used by the "
+                "caller's loss, or by the model's own code after a graph break); the plan had priced their "
+                "gradients as absent, so the next call plans again with them held until backward ends and their "
+                "gradients counted.",
             )
 
     def _check_patterns(self, ran: list[GraphRecord]) -> None:
