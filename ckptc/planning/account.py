@@ -229,7 +229,9 @@ class StepAccount:
                 "the forward's results (logits), held until backward ends: drop them before backward "
                 "(loss = model(...).loss, or del the output object before loss.backward()); where the model "
                 "itself keeps them (a forward hook storing a layer's output in an attribute), clear them once "
-                "its loss has used them"
+                "its loss has used them.  A graph's results that the model's own code reads after a graph break "
+                "(its loss) are counted so too, whether or not the caller holds them (ckptc.optimize breaks no "
+                "graph at logging calls, where torch.compile(backend=...) breaks transformers' loss functions)"
             )
         if self.repeat_runs:
             said.append(
