@@ -963,6 +963,43 @@ def test_the_backend_counts_the_gradients_of_parameters_no_graph_names_once_grad
     assert all(m is None or m <= budget for m in measured), (measured, budget)
 
 
+def test_the_backend_starts_over_its_retries_when_a_step_changes_what_it_counts() -> None:
+    """Under the backend, graphs that do not fit together are planned again: earlier graphs are first asked
+    to leave a later one room for its floor, then, if that failed, to keep as little as they can.  The
+    backend's check never began a new planning run, so the first change of the account after one retry
+    (the second micro-batch of an accumulation step, starting with gradients resident) went straight to
+    the last resort: GPT-2 split by a graph break (transformers' loss function under the caller's Dynamo
+    settings) had its first graph recompute its whole forward, 5,200,064 FLOPs, at its halfway budget.
+    Now each change starts the retries over (2,196,736 FLOPs), and the steps train like eager's within
+    the budget."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=64, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    reference = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    captured = ckptc.capture(copy.deepcopy(reference), (), {"input_ids": ids, "labels": ids})
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    backend = ckptc.backend(budget_bytes=budget, model=model)
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(3):
+        for net, params in ((compiled, model), (eager, eager)):
+            params.zero_grad(set_to_none=True)
+            for _ in range(2):  # two micro-batches
+                net(input_ids=ids, labels=ids).loss.backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    budgets = backend.replans.account.graph_budgets
+    assert budgets and all(b > 0 for b in budgets.values()), budgets  # 0: keep as little as they can
+    assert backend.step_check is not None and backend.step_check.verified, backend.step_check
+    assert backend.step_check.measured_peak_bytes <= budget
+
+
 def test_a_second_length_whose_bucket_cannot_be_planned_is_refused_naming_a_floor_below_eagers_peak() -> None:
     """Two calls of two lengths before one backward (BERT), from a budget far below the floor.  The second
     call's bucket cannot be planned, so the call runs again planned for its exact sizes: that plan counted

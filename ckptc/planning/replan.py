@@ -109,6 +109,9 @@ class Replans:
         self._did_not_fit: dict[int, int] = {}
         self._loosening: _Loosening | None = None
         self._budgets_at_start: Mapping[int, int] = account.graph_budgets  # this planning run's, as it began
+        # The account the last run's plans were judged under (after_run): a step that changed it since starts
+        # a new planning run.
+        self._judged_under: StepAccount | None = None
         # Only a planning run (settle) plans again at once; under the backend each trial would be a step.
         self._plans_at_once = False
         self._room_made = 0  # times later calls of the step asked these graphs to keep less
@@ -165,10 +168,26 @@ class Replans:
         refusal where keeping less fits.  ``later_gradients_counted``: whether the graphs' baselines
         count the gradients later graphs make (:meth:`StepAccount.counting_repeats`).
 
+        A run under an account that a step changed since the last run was judged (resident gradients,
+        held results, a measured excess) begins a new planning run: its retries start over.  The backend's
+        check judges every step here and never starts one otherwise (``settle`` does, for each call that
+        plans): its earlier graphs were asked, on the first change after one retry, to keep as little as
+        they can (a GPT-2 split by a graph break, under accumulation at its halfway budget: its first graph
+        recomputed all of its forward, 5,200,064 FLOPs, where leaving the later graph room for its floor
+        recomputes 2,196,736).
+
         Raises:
             solvers.InfeasibleBudgetError: a graph cannot fit even with earlier graphs keeping as
                 little as they can (the message gives the step's floor), or the retries are used up.
         """
+        if self._judged_under is not None and self.account != self._judged_under:
+            self.new_planning_run()
+        try:
+            return self._judged(ran, unnamed_gradient_bytes, later_gradients_counted)
+        finally:
+            self._judged_under = self.account
+
+    def _judged(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int, later_gradients_counted: bool) -> bool:
         if any(r.infeasible for r in ran):
             assert self.budget_bytes is not None  # only a budget makes graphs infeasible
             if self._loosening is not None and self._loosening_failed():
