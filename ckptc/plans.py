@@ -808,7 +808,7 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
         inputs=_inputs(jp),
         plan=stable_plan,
         predicted_peak_bytes=record.result.peak_bytes,
-        unoptimized_peak_bytes=record.unoptimized_peak_bytes,
+        unoptimized_peak_bytes=record.step_unoptimized_peak_bytes,
         min_feasible_bytes=record.min_feasible_bytes,
         baseline_bytes=record.baseline_bytes,
         recompute_flops=float(recompute_flops),
@@ -942,7 +942,12 @@ def _check_against_graph(
     # The entry this graph and plan would have been saved as (graph_plan reads nothing else of a record).
     applied = graph_plan(
         types.SimpleNamespace(  # type: ignore[arg-type]
-            joint_problem=jp, plan=plan, result=result, unoptimized_peak_bytes=0, min_feasible_bytes=0, baseline_bytes=0
+            joint_problem=jp,
+            plan=plan,
+            result=result,
+            step_unoptimized_peak_bytes=0,
+            min_feasible_bytes=0,
+            baseline_bytes=0,
         )
     )
     where = f"graphs[{index}]"

@@ -109,6 +109,13 @@ class GraphRecord:
         return min(self.floor_at_lowest_bytes, self.floor_keeping_everything_bytes)
 
     @property
+    def step_unoptimized_peak_bytes(self) -> int:
+        """This graph's peak with it and every earlier graph of the step keeping everything: its own
+        unoptimized peak is planned beside what the earlier graphs' chosen plans keep."""
+        earlier_growth = sum(max(0, e.unoptimized_step_bytes - e.step_bytes) for e in self.earlier)
+        return self.unoptimized_peak_bytes + earlier_growth
+
+    @property
     def step_bytes(self) -> int:
         """What this graph leaves alive for the rest of the step after its forward:
         values kept for its backward plus the results the caller holds."""
