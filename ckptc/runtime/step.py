@@ -88,6 +88,11 @@ class ShapePlan:
     # Steps measured within the budget, by state: False (from None gradients), True (gradients resident);
     # a state is verified after ckptc.meter.steps_to_verify of them.
     steps_within_budget: Counter[bool] = dataclasses.field(default_factory=Counter)
+    # Whether a step of this shape held its results through backward, and whether one that held them was
+    # measured within the budget under the current plans: a loop that holds them on some steps only
+    # (a metric read from the logits every few steps) is verified on such a step too.
+    held_results: bool = False
+    held_results_verified: bool = False
     # The measured peak of each set of the current plans' graphs a step ran (by their records' ids):
     # a step whose graphs changed (parameters frozen, then unfrozen) runs another set.
     measured_peaks: dict[frozenset[int], int] = dataclasses.field(default_factory=dict, repr=False)
@@ -189,6 +194,7 @@ class ShapePlan:
     def new_plans(self) -> None:
         """The plans are made (again): nothing measured or verified under them yet."""
         self.steps_within_budget = Counter()
+        self.held_results_verified = False
         self.measured_peaks = {}
 
     def plan_call(
@@ -574,6 +580,7 @@ class StepRuntime:
             # symbolic): the next step runs graphs not measured yet, so it is measured.  What steps of
             # the other graphs measured stands (their plans did not change).
             self.last.steps_within_budget = Counter()
+            self.last.held_results_verified = False
             # Only graphs torch.compile compiles anew after the shape's first step count: within it,
             # code shared by several callers (an encoder's and a decoder's layers) compiles once per
             # caller, and graphs planned again in place are no recompiles.
@@ -722,7 +729,9 @@ class StepRuntime:
         resident or not: :func:`ckptc.meter.steps_to_verify` steps within the budget); ``args``, ``kwargs``:
         the inputs of its first call."""
         device = _device_of(self.model)
-        verified = shape.steps_within_budget[self._step_state] >= steps_to_verify(device)
+        verified = shape.steps_within_budget[self._step_state] >= steps_to_verify(device) and (
+            shape.held_results_verified or not shape.held_results
+        )
         if not self.verify or self.template.budget_bytes is None or verified:
             return
         if internals.profiler_active() and device.type == "cpu":
@@ -771,12 +780,16 @@ class StepRuntime:
             shape.last_records = [r for r in self.active if id(r) in mine]
         self._check_gradient_assumption()
         budget = self.template.budget_bytes
+        held_now = bool(self._tracker.results_held)
         for shape in self._step_plans:
+            held_bytes = self._lifetimes.held_through_backward(shape.last_records)
+            held_now = held_now or any(held_bytes.values())
+            shape.held_results |= held_now
             shape.replans.observed_results(
                 self._tracker.results_held,
                 shape.last_records,
                 loss_bytes=None if measurement is None else measurement.loss_bytes,
-                held_bytes=self._lifetimes.held_through_backward(shape.last_records),
+                held_bytes=held_bytes,
                 measured_within_budget=measurement is not None and (budget is None or measurement.peak_bytes <= budget),
             )
         if measurement is None:
@@ -787,6 +800,7 @@ class StepRuntime:
         if budget is None or peak <= budget:
             for shape in self._step_plans:
                 shape.steps_within_budget[self._step_state] += 1
+                shape.held_results_verified |= held_now
             log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
             return
         predicted = max((r.result.peak_bytes for r in self.active), default=0)
