@@ -73,6 +73,10 @@ MAX_DISTINCT_SIGNATURES = 256
 _LEARNED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StepAccount]]" = weakref.WeakKeyDictionary()
 # New graphs for one planned shape after which a failing guard is named (train/eval, frozen or not: a few).
 RECOMPILES_WARNED = 4
+# Steps measured within the budget, beyond those that verify a shape's plans, that a loop which held its results
+# on an earlier step is measured for while waiting for a step that holds them again; a loop that held them once
+# (a first step read for a sanity check) is then no longer measured.
+HELD_STEPS_AWAITED = 4
 
 
 @dataclasses.dataclass
@@ -726,11 +730,15 @@ class StepRuntime:
 
     def _measure(self, shape: ShapePlan, args: tuple, kwargs: dict) -> None:
         """Measure the open step from now on unless ``shape``'s plans are verified in its state (gradients
-        resident or not: :func:`ckptc.meter.steps_to_verify` steps within the budget); ``args``, ``kwargs``:
-        the inputs of its first call."""
+        resident or not: :func:`ckptc.meter.steps_to_verify` steps within the budget; where a step held the
+        results through backward, also one that held them, or :data:`HELD_STEPS_AWAITED` more steps); ``args``,
+        ``kwargs``: the inputs of its first call."""
         device = _device_of(self.model)
-        verified = shape.steps_within_budget[self._step_state] >= steps_to_verify(device) and (
-            shape.held_results_verified or not shape.held_results
+        within = shape.steps_within_budget[self._step_state]
+        verified = within >= steps_to_verify(device) and (
+            shape.held_results_verified
+            or not shape.held_results
+            or within >= steps_to_verify(device) + HELD_STEPS_AWAITED
         )
         if not self.verify or self.template.budget_bytes is None or verified:
             return
@@ -780,11 +788,11 @@ class StepRuntime:
             shape.last_records = [r for r in self.active if id(r) in mine]
         self._check_gradient_assumption()
         budget = self.template.budget_bytes
-        held_now = bool(self._tracker.results_held)
+        held_by_shape: dict[int, bool] = {}
         for shape in self._step_plans:
             held_bytes = self._lifetimes.held_through_backward(shape.last_records)
-            held_now = held_now or any(held_bytes.values())
-            shape.held_results |= held_now
+            held_by_shape[id(shape)] = bool(self._tracker.results_held) or any(held_bytes.values())
+            shape.held_results |= held_by_shape[id(shape)]
             shape.replans.observed_results(
                 self._tracker.results_held,
                 shape.last_records,
@@ -800,7 +808,7 @@ class StepRuntime:
         if budget is None or peak <= budget:
             for shape in self._step_plans:
                 shape.steps_within_budget[self._step_state] += 1
-                shape.held_results_verified |= held_now
+                shape.held_results_verified |= held_by_shape[id(shape)]
             log.info("measured step peak %d bytes, within the budget of %s bytes", peak, budget)
             return
         predicted = max((r.result.peak_bytes for r in self.active), default=0)
