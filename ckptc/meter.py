@@ -419,11 +419,12 @@ def after_backward_returns(callback: Callable[[], None]) -> bool:
     if sys.getprofile() is not None:
         return False
 
-    @outside_user_compile
+    ended = outside_user_compile(callback)  # not the hook itself: it sees every call while backward runs
+
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "return" and frame.f_code.co_name == "_engine_run_backward":
             sys.setprofile(None)
-            callback()
+            ended()
 
     sys.setprofile(hook)
     return True

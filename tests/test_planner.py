@@ -342,7 +342,7 @@ def test_a_plan_of_a_step_split_by_graph_breaks_reports_the_steps_unoptimized_pe
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     step = ckptc.capture(FunnelForMaskedLM(config).train(), (), batch)
     assert len(step.records) > 1  # split by graph breaks
-    for fraction in (0.25, 0.5, 1.0):
+    for fraction in (0.25, 1.0):
         budget = int(step.floor_bytes + fraction * (step.unoptimized_peak_bytes - step.floor_bytes))
         plan = step.plan(budget_bytes=budget)
         assert plan.unoptimized_peak_bytes == step.unoptimized_peak_bytes, (fraction, plan)
