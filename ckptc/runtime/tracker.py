@@ -365,7 +365,8 @@ class StepTracker:
         the backward that reaches them ends the step.  With none, and none before in the step, no
         backward will come (an inference call): the step ends now, unmeasured."""
         if tensors:
-            self._graphs.extend(_graph_ref(t, self._graph_died) for t in tensors)
+            died = internals.outside_user_compile(self._graph_died)  # a graph may die inside a compiled step
+            self._graphs.extend(_graph_ref(t, died) for t in tensors)
             self._non_scalar.extend(_non_scalar_refs(tensors))
             self._handles.append(internals.on_backward_end(list(tensors), self._backward_ended, self._backward_began))
         elif not self._handles:
@@ -480,7 +481,6 @@ def _graph_ref(tensor: torch.Tensor, callback: Callable[[weakref.ref], None]) ->
     Python object), or to a marker the node holds (a node made in C++, as the results of code run
     eagerly after a graph break; the result itself may die long before its graph, ``sum(losses)``);
     to ``tensor`` itself for a leaf."""
-    callback = internals.outside_user_compile(callback)  # it may die inside a compiled training step
     node = tensor.grad_fn
     if node is None:
         return weakref.ref(tensor, callback)
