@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
+from ckptc.errors import warn_once
 from ckptc.meter import (
     MemoryMeasurement,
     allocated_bytes,
@@ -144,7 +145,20 @@ class BackendStepCheck:
         )
         self._state = (state, sizes)
         verified = self.verified[self._state] >= steps_to_verify(_device_of(args))
-        self._measure = not verified and not internals.profiler_active()
+        profiled = internals.profiler_active()
+        self._measure = not verified and not profiled
+        if not verified and profiled:
+            # As ckptc.optimize says it (StepRuntime._measure): a loop profiled on every step would otherwise
+            # run unverified plans (a size larger than any planned, say) over the budget without a word.
+            warn_once(
+                self,
+                "profiler",
+                "ckptc cannot verify this step's peak memory while torch.profiler runs (profilers do not nest); "
+                "the step runs on the predicted plan, unchecked. Verification resumes on a step run outside "
+                "the profiler: run a few steps without it before profiling, so that a plan that misses the "
+                "budget is found and corrected.",
+                stacklevel=4,
+            )
         return True
 
     def planned(self, new_graph: bool = False) -> None:
