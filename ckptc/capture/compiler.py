@@ -288,6 +288,8 @@ class CheckpointCompiler:
         if events is not None:
             events.planned(new_graph=True)  # planning profiles ops
         refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
+        if self.step_check is not None and self.step_check.left_behind():
+            log.info("torch.compile(backend='ckptc'): the last step's results died without a backward")
         if self.step_check is not None and not self.step_check.step_open:
             # Compiled before the step's first graph runs (a new input shape): the graphs of the last
             # step are not earlier graphs of this one.
@@ -319,7 +321,7 @@ class CheckpointCompiler:
 
         def run(*args: Any) -> Any:
             nonlocal compiled, record, planned_under, plans
-            if check is not None and check.begin(args):
+            if check is not None and check.begin(args, index):
                 self.active.clear()  # a new step: no graph of it has run yet
             account = self.account
             if account is not planned_under and self.replans.plans_stand(planned_under):

@@ -34,6 +34,7 @@ as for every other path that plans.
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 from collections import Counter
@@ -95,6 +96,9 @@ class BackendStepCheck:
         # Whether a graph of the step keeps its first plan (symbolic sizes, ckptc.capture.compiler.has_symbolic_sizes):
         # a measured excess is then refused at once, since planning again would change nothing.
         self.fixed_plans = False
+        self._first_runs_again = False  # a step ran the graph that began it again (left_behind)
+        self._collected = False  # the open step collected garbage once (left_behind)
+        self._first_graphs: set[int] = set()  # the graphs that began steps (left_behind)
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -121,11 +125,11 @@ class BackendStepCheck:
         """Whether a step is open: a graph of it ran and its backward has not ended."""
         return self._tracker.open
 
-    def begin(self, args: Sequence[Any]) -> bool:
-        """Before a graph runs on ``args`` (the real tensors Dynamo passes, parameters included):
+    def begin(self, args: Sequence[Any], index: int | None = None) -> bool:
+        """Before graph ``index`` runs on ``args`` (the real tensors Dynamo passes, parameters included):
         open a step if none is open, counting what the last one showed (or raising
         :class:`~ckptc.BudgetExceededError` when the replans are used up).  True when it opened one."""
-        if self._tracker.open:
+        if self._tracker.open and not self.left_behind(index):
             return False
         state = any(isinstance(a, torch.nn.Parameter) and gradient_of(a) is not None for a in args)
         if state and not self.account.gradients_resident:
@@ -138,6 +142,9 @@ class BackendStepCheck:
         self._count_missed()
         self._tracker.begin()
         self._lifetimes.begin()
+        self._collected = False
+        if index is not None:
+            self._first_graphs.add(index)
         self._ran = []
         self._runs = _StepRuns()
         sizes = tuple(
@@ -160,6 +167,26 @@ class BackendStepCheck:
                 stacklevel=4,
             )
         return True
+
+    def left_behind(self, index: int | None = None) -> bool:
+        """Whether the open step was left behind, its results garbage: checked when a graph compiles while
+        it is open (``index`` None) and, once per step, when a graph that began a step runs (``index``; the
+        failed call may have run a variant compiled for it), in a loop that has not shown a step running its
+        first graph twice.  A call that raised (an error in the user's
+        forward or backward, caught by the loop) leaves its results in the exception's reference cycles,
+        alive until the garbage collector runs: the next step's graphs joined that step as a second call,
+        were planned beside it and refused at the budget the steps before had met, and so was every step
+        after (each refusal leaving a step behind in turn).  ``ckptc.optimize`` sees the call fail and ends
+        the step; the backend sees only its graphs, so it collects garbage, and the step ends if its results
+        died (:meth:`StepTracker._graph_died`)."""
+        if not self._tracker.open or self._first_runs_again or not self._ran:
+            return False
+        if index is not None:
+            if self._collected or index not in self._first_graphs:
+                return False
+            self._collected = True
+        gc.collect()
+        return not self._tracker.open
 
     def planned(self, new_graph: bool = False) -> None:
         """A graph plans (and profiles ops) now: a step one of whose graphs ran already is not measured;
@@ -254,6 +281,8 @@ class BackendStepCheck:
             self._count_gradients(accumulate=False)
 
     def _ended(self, measured: bool, measurement: MemoryMeasurement | None) -> None:
+        if measured and self._ran and sum(r.index == self._ran[0].index for r in self._ran) > 1:
+            self._first_runs_again = True  # a loop of two calls, a block run for every layer: no collecting
         outside = self._runs.outside_baseline_bytes(
             model_known=self.model is not None, gradients_resident=self._state[0]
         )
