@@ -719,6 +719,7 @@ class StepRuntime:
         """Open a step of ``shape`` (``gradients``: it starts with gradients resident)."""
         self._tracker.begin()
         self._lifetimes.begin()
+        self._lifetimes.warn_if_last_step_held(self, (args, kwargs), stacklevel=7)
         self.active.clear()
         self._step_plans = []
         self._step_compiled = False

@@ -100,11 +100,50 @@ class ResultLifetimes:
         self._walked: set[Hashable] = set()  # the open step's eager autograd nodes walked already
         self._saved: dict[int, tuple[Any, int]] = {}  # storages those saved, counted already, and their bytes
         self._results: list[weakref.ref] = []  # the open step's graph results that need a gradient
+        self._left: dict[Any, int] = {}  # the last step's results' storages (weak references) and their bytes
+        self._told = False  # warn_if_last_step_held warned
 
     def begin(self) -> None:
-        """A new step: nothing of the last one is judged in it."""
+        """A new step: nothing of the last one is judged in it (what of its results is still alive is
+        told: :meth:`warn_if_last_step_held`)."""
+        self._left = {ref: nbytes for _, results in self._returned for ref, nbytes in results if ref is not None}
         self._returned, self._results = [], []
         self._inputs, self._walked, self._saved = {}, set(), {}
+
+    def warn_if_last_step_held(self, owner: Any, inputs: Any, stacklevel: int) -> None:
+        """Warn once (for ``owner``, the step runtime or the backend's check) when a step begins with results
+        of the last step still alive, other than its inputs (``inputs``): the budget does not count them.
+
+        A loop that keeps the output object until the next iteration rebinds it (``out = model(**batch);
+        out.loss.backward()``, the Hugging Face docs' loop, a metric read from ``out.logits`` after
+        ``backward()``) holds the last step's logits through this step's forward, and a model storing
+        features in an attribute holds them until its forward overwrites them: memory the step's peak may
+        include, which the budget leaves out (OPT tiny at the floor a refusal named: 1.077x, the excess exactly
+        what the loop held, ckptc's own check within it).  Counting them as resident for the whole step was
+        tried and reverted: they die early in the step (the rebinding, the overwrite), and the meter's
+        baseline cannot fall when a block allocated before it began is freed, so budgets that train were
+        refused (a model keeping 256 KiB of features: its halfway budget refused, naming 1.24x it)."""
+        if self._told or not self._left:
+            return
+        seen: set[Hashable] = set()
+        resident_bytes(inputs, seen=seen)
+        alive = 0
+        for ref, nbytes in self._left.items():
+            if ref not in seen and not ref.expired():
+                seen.add(ref)
+                alive += nbytes
+        if alive:
+            self._told = True
+            warn_once(
+                owner,
+                "last step held",
+                f"ckptc: {alive} bytes of the last step's results are still alive as this step begins (the output "
+                "object kept until the next iteration rebinds it, or features a model stores in an attribute); "
+                "the budget does not count them, so this step's peak can exceed it by up to that much. What to "
+                "do: drop the output once the step is done (del out after backward and the metrics), or leave "
+                "room for it in the budget.",
+                stacklevel=stacklevel,
+            )
 
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
         """Bytes of the storages that eager code of the open step (between graphs, or before the first)

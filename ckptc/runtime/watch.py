@@ -142,6 +142,7 @@ class BackendStepCheck:
         self._count_missed()
         self._tracker.begin()
         self._lifetimes.begin()
+        self._lifetimes.warn_if_last_step_held(self, args, stacklevel=4)
         self._collected = False
         if index is not None:
             self._first_graphs.add(index)
