@@ -123,15 +123,12 @@ class ResultLifetimes:
         tried and reverted: they die early in the step (the rebinding, the overwrite), and the meter's
         baseline cannot fall when a block allocated before it began is freed, so budgets that train were
         refused (a model keeping 256 KiB of features: its halfway budget refused, naming 1.24x it)."""
-        if self._told or not self._left:
-            return
+        left = {ref: nbytes for ref, nbytes in self._left.items() if not ref.expired()} if not self._told else {}
+        if not left:
+            return  # the common case: nothing walked (the backend's inputs are every parameter)
         seen: set[Hashable] = set()
         resident_bytes(inputs, seen=seen)
-        alive = 0
-        for ref, nbytes in self._left.items():
-            if ref not in seen and not ref.expired():
-                seen.add(ref)
-                alive += nbytes
+        alive = sum(nbytes for ref, nbytes in left.items() if ref not in seen)
         if alive:
             self._told = True
             warn_once(

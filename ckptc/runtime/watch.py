@@ -173,13 +173,14 @@ class BackendStepCheck:
         """Whether the open step was left behind, its results garbage: checked when a graph compiles while
         it is open (``index`` None) and, once per step, when a graph that began a step runs (``index``; the
         failed call may have run a variant compiled for it), in a loop that has not shown a step running its
-        first graph twice.  A call that raised (an error in the user's
-        forward or backward, caught by the loop) leaves its results in the exception's reference cycles,
-        alive until the garbage collector runs: the next step's graphs joined that step as a second call,
-        were planned beside it and refused at the budget the steps before had met, and so was every step
-        after (each refusal leaving a step behind in turn).  ``ckptc.optimize`` sees the call fail and ends
-        the step; the backend sees only its graphs, so it collects garbage, and the step ends if its results
-        died (:meth:`StepTracker._graph_died`)."""
+        first graph twice.
+
+        A call that raised (an error in the user's forward or backward, caught by the loop) leaves its
+        results in the exception's reference cycles, alive until the garbage collector runs: the next step's
+        graphs joined that step as a second call, were planned beside it and refused at the budget the steps
+        before had met, and so was every step after (each refusal leaving a step behind in turn).
+        ``ckptc.optimize`` sees the call fail and ends the step; the backend sees only its graphs, so it
+        collects garbage, and the step ends if its results died (:meth:`StepTracker._graph_died`)."""
         if not self._tracker.open or self._first_runs_again or not self._ran:
             return False
         if index is not None:
