@@ -173,6 +173,15 @@ def _eager_and_optimized(reference: nn.Module, budget: int, **options: Any) -> t
     return eager, model, ckptc.optimize(model, budget_bytes=budget, **options)
 
 
+def _eager_and_compiled(reference: nn.Module, budget: int, **options: Any) -> tuple[nn.Module, nn.Module, Any, Any]:
+    """Two copies of ``reference``: one trained eagerly, one behind ``torch.compile`` with a ckptc backend given
+    no model (as ``backend="ckptc"``); returns them, the backend (its check: ``backend.plan``) and the compiled
+    module."""
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    backend = ckptc.backend(budget_bytes=budget, **options)
+    return eager, model, backend, torch.compile(model, backend=backend)
+
+
 # Tests of what is not the plan itself (profilers, measuring, refusals, replanning's triggers) plan with
 # the hierarchical solver: auto's MILP took most of their time, and test_the_budget_holds_from_the_first_verified_step
 # and test_the_torch_compile_backend_keeps_the_budget_from_the_first_verified_step plan every loop with auto.
@@ -255,9 +264,7 @@ def test_the_backend_says_once_that_it_cannot_verify_steps_a_users_profiler_runs
     torch.manual_seed(0)
     reference = _Net()
     budget = _budget(plain, reference)
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    backend = ckptc.backend(budget_bytes=budget, solver="hierarchical")
-    compiled = torch.compile(model, backend=backend)
+    eager, model, backend, compiled = _eager_and_compiled(reference, budget, **NO_MILP)
 
     def smaller(step: int) -> list[torch.Tensor]:  # a second size: a state of its own to verify
         return [x[: BATCH * 3 // 4] for x in _batches(step)]
@@ -294,9 +301,7 @@ def test_the_backend_trains_on_after_a_step_whose_caller_raised() -> None:
     torch.manual_seed(0)
     reference = _Net()
     budget = _budget(plain, reference)
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    backend = ckptc.backend(budget_bytes=budget, solver="hierarchical")
-    compiled = torch.compile(model, backend=backend)
+    eager, model, backend, compiled = _eager_and_compiled(reference, budget, **NO_MILP)
 
     def failing_step(x: torch.Tensor) -> None:
         _zero(model)
@@ -657,9 +662,7 @@ def test_the_torch_compile_backend_keeps_the_budget_from_the_first_verified_step
     torch.manual_seed(0)
     reference = _Net()
     budget = _budget(loop, reference)
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    backend = ckptc.backend(budget_bytes=budget)
-    compiled = torch.compile(model, backend=backend)
+    eager, model, backend, compiled = _eager_and_compiled(reference, budget)
     verified_at = None
     for step in range(6):
         batches = _batches(step)
@@ -794,9 +797,7 @@ def test_the_torch_compile_backend_plans_earlier_graphs_again_when_a_later_one_c
     reference = _WideHalves()
     captured = ckptc.capture(copy.deepcopy(reference), (torch.randn(512, 256),), loss_fn=_loss)
     budget = int(captured.floor_bytes + 0.7 * (captured.unoptimized_peak_bytes - captured.floor_bytes))
-    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
-    backend = ckptc.backend(budget_bytes=budget)
-    compiled = torch.compile(model, backend=backend)
+    eager, model, backend, compiled = _eager_and_compiled(reference, budget)
     batches = [[torch.randn(512, 256, generator=torch.Generator().manual_seed(s))] for s in range(7)]
     for step in range(6):
         plain(eager, batches[step])

@@ -197,9 +197,13 @@ class ShapePlan:
 
     def new_plans(self) -> None:
         """The plans are made (again): nothing measured or verified under them yet."""
+        self.unverified()
+        self.measured_peaks = {}
+
+    def unverified(self) -> None:
+        """No step counts as verifying the plans any more (what each set of graphs measured stands)."""
         self.steps_within_budget = Counter()
         self.held_results_verified = False
-        self.measured_peaks = {}
 
     def plan_call(
         self,
@@ -583,8 +587,7 @@ class StepRuntime:
             # changed; not ckptc planning the call again, which compiles anew where sizes are
             # symbolic): the next step runs graphs not measured yet, so it is measured.  What steps of
             # the other graphs measured stands (their plans did not change).
-            self.last.steps_within_budget = Counter()
-            self.last.held_results_verified = False
+            self.last.unverified()
             # Only graphs torch.compile compiles anew after the shape's first step count: within it,
             # code shared by several callers (an encoder's and a decoder's layers) compiles once per
             # caller, and graphs planned again in place are no recompiles.
