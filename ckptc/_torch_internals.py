@@ -378,6 +378,15 @@ def binds_unbacked_symbols(node: fx.Node) -> bool:
     return bool(node.meta.get("unbacked_bindings"))
 
 
+def func_transform_running() -> str | None:
+    """The innermost ``torch.func`` transform running the caller (``"grad"``, ``"vmap"``, ``"jvp"``,
+    ``"functionalize"``), or None outside them (functorch's interpreter stack)."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is None:
+        return None
+    return interpreter.key().name.lower()
+
+
 def graph_break_reasons() -> dict[str, int]:
     """How often Dynamo broke a graph (or skipped a frame) for each reason, since the process began.
 

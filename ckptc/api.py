@@ -204,6 +204,22 @@ class OptimizedModule(torch.nn.Module):
             )
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
             return model(*args, **kwargs)
+        transform = internals.func_transform_running()
+        if transform is not None:
+            # The transform's tensors wrap the batch (vmap) or track gradients outside autograd's graph
+            # (grad): ckptc's capture cannot see them, and the transform computes its gradients itself.
+            warn_once(
+                model,
+                "func-transform",
+                f"ckptc: {type(model).__name__} was called under torch.func.{transform} (a torch.func "
+                "transform: vmap, grad, jacrev, ...); ckptc plans training steps whose gradients autograd "
+                "computes (loss.backward(), torch.autograd.grad), not calls inside such transforms, so these "
+                "calls run eagerly, unplanned and unmeasured, and the budget does not hold for them. What to "
+                "do: call the model outside the transform to train under the budget, or use "
+                "torch.utils.checkpoint inside it.",
+                stacklevel=4,
+            )
+            return model(*args, **kwargs)
         if not model.training:
             return _warn_on_backward_in_eval_mode(model, model(*args, **kwargs))
         check_call_order(self)

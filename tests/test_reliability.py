@@ -272,6 +272,43 @@ def test_no_grad_and_eval_run_eagerly_without_planning() -> None:
     assert case.model.training
 
 
+def test_calls_under_torch_func_transforms_run_eagerly_and_are_told_once() -> None:
+    """Per-sample gradients (``vmap(grad(...))`` over ``functional_call``, as Opacus-style code computes
+    them) and ``torch.func.grad`` reach the optimized model's forward with functorch's wrapped tensors,
+    which ckptc cannot capture: before, the call failed inside ckptc's input checks ("Batching rule not
+    implemented for aten::equal") or was refused blaming Dynamo's recompile limit."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = copy.deepcopy(reference)
+    optimized = ckptc.optimize(model, budget_gb=1)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    optimized(x).pow(2).mean().backward()  # a planned step first: its state must not get in the way
+
+    def per_sample_gradients(module: nn.Module) -> dict[str, torch.Tensor]:
+        params = {k: v.detach() for k, v in module.named_parameters()}
+
+        def loss(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            return (torch.func.functional_call(module, p, (xi.unsqueeze(0),)) - yi).pow(2).mean()
+
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+    expected = per_sample_gradients(reference)
+    with pytest.warns(ckptc.CkptcWarning, match=r"under torch\.func\.grad .*budget does not hold") as told:
+        found = per_sample_gradients(optimized)
+    assert len([w for w in told if issubclass(w.category, ckptc.CkptcWarning)]) == 1
+    for name, gradient in expected.items():
+        torch.testing.assert_close(found[name], gradient)
+    # Training outside the transform goes on under the plan, and is not told again.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for module in (reference, optimized):
+            module.zero_grad(set_to_none=True)
+            module(x).pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert optimized.plan is not None
+
+
 class _TwoTower(nn.Module):
     """A two-tower model (CLIP-like) whose encoders are methods a training loop may call directly."""
 
