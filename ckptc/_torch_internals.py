@@ -387,6 +387,27 @@ def func_transform_running() -> str | None:
     return interpreter.key().name.lower()
 
 
+def size_recompiles() -> dict[str, tuple[int, str]]:
+    """Frames Dynamo compiled again because a tensor's size changed, by frame (``"forward in
+    modeling_x.py:255"``): how many of its guards failed on a size, and the latest such failure
+    (``"tensor 'x' size mismatch at index 0. expected 37, actual 31"``).  From Dynamo's record of failed
+    guards, which lives for the process."""
+    from torch._dynamo.utils import guard_failures
+
+    found = {}
+    for code, reasons in list(guard_failures.items()):
+        sized = [str(r) for r in reasons if "size mismatch" in str(r)]
+        if sized:
+            name, resumed, line = code.co_name.removeprefix("torch_dynamo_resume_in_").rpartition("_at_")
+            if not (resumed and code.co_name.startswith("torch_dynamo_resume_in_")):
+                name = code.co_name
+            else:
+                name = f"{name} resumed after line {line}"
+            where = f"{name} in {code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}"
+            found[where] = (len(sized), sized[-1].split(": ", 1)[-1])
+    return found
+
+
 def graph_break_reasons() -> dict[str, int]:
     """How often Dynamo broke a graph (or skipped a frame) for each reason, since the process began.
 

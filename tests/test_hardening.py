@@ -826,6 +826,49 @@ def test_a_module_attribute_changed_in_forward_warns_once_that_every_call_compil
     assert model.calls == reference.calls == 6
 
 
+class _RoutedRows(nn.Module):
+    """A mixture of experts' pattern: rows picked by the data go to a layer after a graph break (transformers'
+    Qwen2-MoE breaks at ``self.experts[expert_idx]``), so the frame after it is given a new size every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 16)
+        self.expert = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.router(x))
+        rows = _rows_picked_eagerly(h)
+        return h.square().mean() + torch.tanh(self.expert(rows)).square().sum()
+
+
+@torch.compiler.disable(reason="the routing runs eagerly between graphs, as Qwen2-MoE's does after its break")
+def _rows_picked_eagerly(h: torch.Tensor) -> torch.Tensor:
+    return h[h[:, 0] > 0]
+
+
+def test_a_size_made_inside_forward_that_compiles_every_step_is_named_with_what_to_do() -> None:
+    """Qwen2-MoE's tokens per expert compile its expert frame anew each step under ckptc's exact sizes, and
+    steps that compile are not measured.  The warning said "a guard on Python state keeps failing (a module
+    attribute ...)": now it names the frame, the size that changed and the backend that makes it dynamic."""
+    torch.manual_seed(0)
+    model = _RoutedRows()
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_gb=1)
+    with pytest.warns(ckptc.CkptcWarning) as warned:
+        for i in range(8):
+            x = torch.randn(64, 16, generator=torch.Generator().manual_seed(i))
+            for m in (model, reference):
+                m.zero_grad(set_to_none=True)
+            reference(x).backward()
+            fast(x).backward()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad)
+    said = [str(w.message) for w in warned if "compiled" in str(w.message)]
+    assert len(said) == 1, said
+    assert "new sizes of a tensor" in said[0] and "size mismatch" in said[0] and "backend='ckptc'" in said[0]
+    assert "test_hardening.py" in said[0] and "guard on Python state" not in said[0]
+
+
 class _WidthBlock(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()

@@ -102,8 +102,10 @@ class ShapePlan:
     measured_peaks: dict[frozenset[int], int] = dataclasses.field(default_factory=dict, repr=False)
     last_records: list[GraphRecord] = dataclasses.field(default_factory=list, repr=False)
     eager: coverage.EagerForward | None = dataclasses.field(default=None, repr=False)
-    # How many graphs torch.compile compiled for this shape after it was planned (a guard failed).
+    # How many graphs torch.compile compiled for this shape after it was planned (a guard failed), and
+    # Dynamo's recompiles for tensor sizes when the first of them came (internals.size_recompiles).
     recompiled: int = 0
+    size_recompiles_before: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict, repr=False)
     # Whether a call of it is planning now (plan_call): graphs compiled then are ckptc's own doing.
     planning: bool = False
     # Whether Dynamo keeps .item() and data-dependent shapes in the graph (internals.compile_config):
@@ -594,16 +596,40 @@ class StepRuntime:
             if not (new_graph and self.last.last_records):
                 return
             self.last.recompiled += 1
+            if self.last.recompiled == 1:
+                self.last.size_recompiles_before = internals.size_recompiles()
             if self.last.recompiled == RECOMPILES_WARNED:
-                self._warn_once(
-                    "recompiles",
-                    f"ckptc: torch.compile compiled {type(self.model).__name__}'s step again {RECOMPILES_WARNED} "
-                    "times for inputs of the same shapes, and ckptc plans every new graph (seconds each): a guard "
-                    "on Python state keeps failing (a module attribute changed in forward, such as a call "
-                    "counter, a global, a flag toggled between steps). What to do: run with "
-                    "TORCH_LOGS=recompiles to see the guard, then keep that state in a tensor buffer or out of "
-                    "forward.",
-                )
+                self._warn_once("recompiles", self._recompiles_message(self.last))
+
+    def _recompiles_message(self, shape: ShapePlan) -> str:
+        """Why graphs keep compiling for inputs of one shape: a size made inside forward that depends on
+        the data (Dynamo's failed guards say so), or else a guard on Python state."""
+        head = (
+            f"ckptc: torch.compile compiled {type(self.model).__name__}'s step again {RECOMPILES_WARNED} times "
+            "for inputs of the same shapes, and ckptc plans every new graph (seconds each)"
+        )
+        before = shape.size_recompiles_before
+        grown = {
+            where: (count - before.get(where, (0, ""))[0], reason)
+            for where, (count, reason) in internals.size_recompiles().items()
+            if count > before.get(where, (0, ""))[0]
+        }
+        if grown:
+            where, (_, reason) = max(grown.items(), key=lambda item: item[1][0])
+            return (
+                f"{head}: a frame inside forward ({where}, after a graph break) keeps compiling again for new "
+                f"sizes of a tensor it is given ({reason}), a size that depends on the data, such as a "
+                "mixture of experts' tokens per expert run expert by expert. ckptc compiles exact sizes, so "
+                "steps that compile are not measured, and the budget stays unverified while new sizes come. "
+                "What to do: train with torch.compile(model, backend='ckptc', options=...), where Dynamo makes "
+                "such sizes dynamic after their second value and ckptc plans and verifies them, or use an "
+                "implementation whose expert loop does not break the graph."
+            )
+        return (
+            f"{head}: a guard on Python state keeps failing (a module attribute changed in forward, such as a "
+            "call counter, a global, a flag toggled between steps). What to do: run with TORCH_LOGS=recompiles "
+            "to see the guard, then keep that state in a tensor buffer or out of forward."
+        )
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
         """A graph of the open step starts.  When the step planned before any of its graphs ran (the
