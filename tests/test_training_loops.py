@@ -243,8 +243,8 @@ def test_a_users_profiler_around_planning_and_later_steps_sees_the_steps() -> No
             plain(fast, _batches(step))
         plain(eager, _batches(step))
         _assert_same_gradients(model, eager)
-        if step > 0:  # the planning call's ops run under ckptc's capture (Known limits, README)
-            assert any("addmm" in e.key for e in prof.key_averages()), f"step {step}: the user's profiler saw no op"
+        # The planning call too (before, ckptc's measurement of kernels' scratch ended the user's session)
+        assert any("addmm" in e.key for e in prof.key_averages()), f"step {step}: the user's profiler saw no op"
         assert not internals.profiler_active()
     for step in range(2, 4):  # outside the user's profiler: ckptc verifies
         plain(fast, _batches(step))

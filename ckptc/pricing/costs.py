@@ -49,6 +49,7 @@ from ckptc._torch_internals import (
     op_name,
     op_schema_name,
     outside_fake_mode,
+    profiler_active,
     profiler_events,
     storage_key,
     tree_leaves,
@@ -724,6 +725,18 @@ def measure_scratch(joint: fx.GraphModule, known: dict[tuple, OpMemory] | None =
             device,
             device.type,
             sum(memory is not None for memory in modelled.values()),
+            len(unmeasured),
+        )
+    cpu = torch.device("cpu")
+    if cpu in on_device and profiler_active():
+        # The CPU's events come from a torch.profiler session of ckptc's own, and one started inside the
+        # caller's ends the caller's (profilers do not nest): it was left empty.  Priced at 0 here and not
+        # remembered, so a graph compiled outside the profiler measures them; the run-time check measures
+        # what a plan made now leaves out on its first step outside the profiler.
+        unmeasured = on_device.pop(cpu)
+        log.info(
+            "kernels' scratch memory of %d distinct CPU ops priced at 0 bytes: a torch.profiler session runs, "
+            "and measuring it would end that session",
             len(unmeasured),
         )
     with outside_fake_mode(), torch.random.fork_rng(devices=[d for d in on_device if d.type == "cuda"]):
