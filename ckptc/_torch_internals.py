@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import logging
 import weakref
 from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -1284,8 +1285,48 @@ def dispatch_modes_disabling_compile() -> list[str]:
 
 
 def profiler_active() -> bool:
-    """Whether a ``torch.profiler`` session is running (one cannot be nested in another)."""
-    return bool(torch._C._autograd._profiler_enabled())
+    """Whether a ``torch.profiler`` session is running, or warming up (a ``schedule``'s warmup steps
+    prepare a session before it records): ckptc's own sessions cannot be nested in either.  One started
+    in the caller's warmup took the prepared session over, and the caller's later stop crashed the
+    process (exit 139).  Only while a ``torch.profiler.profile`` is open (its step counter is registered)
+    are the open ones looked for (``gc.get_referrers`` of their classes, tens of milliseconds)."""
+    if torch._C._autograd._profiler_enabled():
+        return True
+    from torch.profiler import ProfilerAction, profile
+
+    if profiler_step_count() is None:
+        return False
+    classes, stack = [], [profile]
+    while stack:
+        cls = stack.pop()
+        classes.append(cls)
+        stack.extend(cls.__subclasses__())
+    return any(
+        isinstance(found, profile) and found.current_action == ProfilerAction.WARMUP and found.profiler is not None
+        for found in gc.get_referrers(*classes)
+    )
+
+
+def profiler_step_count() -> int | None:
+    """The step count an open ``torch.profiler.profile`` registers with Kineto's step tracker (from its
+    construction to its exit), or None when none is open."""
+    from torch.autograd.profiler import KinetoStepTracker
+    from torch.profiler.profiler import PROFILER_STEP_NAME
+
+    return KinetoStepTracker._step_dict.get(PROFILER_STEP_NAME)
+
+
+def restore_profiler_step_count(count: int | None) -> None:
+    """Put back the step count :func:`profiler_step_count` read before a profiler session of ckptc's own:
+    every ``torch.profiler.profile`` registers under one name and erases it at its exit, the caller's
+    open profiler's count with it."""
+    from torch.autograd.profiler import KinetoStepTracker
+    from torch.profiler.profiler import PROFILER_STEP_NAME
+
+    if count is None:
+        KinetoStepTracker._step_dict.pop(PROFILER_STEP_NAME, None)
+    else:
+        KinetoStepTracker._step_dict[PROFILER_STEP_NAME] = count
 
 
 def active_ddp_module() -> Any:

@@ -32,6 +32,8 @@ from ckptc._torch_internals import (
     local_shard,
     outside_fake_mode,
     outside_user_compile,
+    profiler_step_count,
+    restore_profiler_step_count,
     storage_key,
 )
 from ckptc.pricing.devices import memory_model
@@ -432,11 +434,18 @@ def after_backward_returns(callback: Callable[[], None]) -> bool:
 
 @contextlib.contextmanager
 def quiet_profiler():
-    """Kineto prints start/stop lines on stderr; keep them out of users' output."""
+    """Where a profiler session of ckptc's own is made, started or stopped: Kineto prints start/stop lines
+    on stderr, kept out of users' output, and every ``torch.profiler.profile`` registers its step count
+    under one name and erases it at its exit, so the count of the caller's open profiler is put back
+    (:func:`~ckptc._torch_internals.profiler_step_count`, which tells that one is open)."""
+    count = profiler_step_count()
     try:
         stderr_fd = os.dup(2)
     except OSError:
-        yield
+        try:
+            yield
+        finally:
+            restore_profiler_step_count(count)
         return
     with open(os.devnull, "w") as devnull:
         os.dup2(devnull.fileno(), 2)
@@ -445,6 +454,7 @@ def quiet_profiler():
         finally:
             os.dup2(stderr_fd, 2)
             os.close(stderr_fd)
+            restore_profiler_step_count(count)
 
 
 def training_step(

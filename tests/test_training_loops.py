@@ -1169,6 +1169,42 @@ def test_the_torch_compile_backend_plans_a_new_input_shape_on_its_own() -> None:
     assert _peak(plain, compiled, model, [large]) <= budget
 
 
+def test_a_users_profiler_with_a_schedule_keeps_its_traces_and_the_process_lives(tmp_path: Path) -> None:
+    """``torch.profiler.profile(schedule=...)``, stepped with ``prof.step()``: its warmup steps prepare a
+    session that does not record yet.  ckptc's meter, started in a warmup step (or after a session of ckptc's
+    own erased the caller's step count, by which an open profiler is known), took the prepared session over,
+    and the caller's stop crashed the process (exit 139), through both entry points."""
+    script = tmp_path / "scheduled.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, ckptc
+            from tests.test_training_loops import LOOPS, _Net, _batches
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            for entry in ("optimize", "backend"):
+                for wait in (0, 1):
+                    torch.manual_seed(0)
+                    model = _Net()
+                    fast = ckptc.optimize(model, budget_gb=1) if entry == "optimize" else torch.compile(
+                        model, backend=ckptc.backend(budget_gb=1, model=model))
+                    traced = []
+                    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=wait, warmup=1, active=2),
+                                 on_trace_ready=lambda p: traced.append(len(p.events()))) as prof:
+                        for step in range(wait + 3):
+                            LOOPS["plain"](fast, _batches(step))
+                            prof.step()
+                    assert traced and traced[0] > 0, (entry, wait, traced)
+            print("done")
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("done")
+
+
 def test_the_interpreter_exits_cleanly_after_every_loop(tmp_path: Path) -> None:
     """Steps of every loop, a user's profiler and double backward's refusal, then a normal exit (no crash,
     no profiler callback left behind)."""
