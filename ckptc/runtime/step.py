@@ -972,6 +972,21 @@ def refuse_unplanned(
         )
 
 
+def _generators_of(model: torch.nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects the model's modules hold as attributes (or in a list, tuple or dict
+    attribute)."""
+    found: dict[int, torch.Generator] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            items = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            )
+            for item in items:
+                if isinstance(item, torch.Generator):
+                    found.setdefault(id(item), item)
+    return list(found.values())
+
+
 class ForwardState:
     """What a forward pass may change outside its results: buffers (running
     statistics), the call's input tensors and the random state.  Saved before a call that plans, so
@@ -1000,6 +1015,9 @@ class ForwardState:
         # again must draw what it drew the first time.
         self.numpy_rng = numpy.random.get_state()
         self.python_rng = random.getstate()
+        # A module's own torch.Generator (noise drawn with generator=self.gen) too: left advanced by the
+        # first attempt, every later step drew other numbers than eager's, without a word.
+        self.generators = {id(g): (g, g.get_state()) for g in _generators_of(model)}
 
     def _save(self, key: str, tensor: torch.Tensor, seen: set[int]) -> None:
         if id(tensor) in seen:
@@ -1016,6 +1034,8 @@ class ForwardState:
         for position, leaf in enumerate(internals.tree_leaves((args, kwargs))):
             if isinstance(leaf, torch.Tensor) and not leaf.requires_grad:
                 self._save(f"input:{position}", leaf, seen)
+            elif isinstance(leaf, torch.Generator):
+                self.generators.setdefault(id(leaf), (leaf, leaf.get_state()))
         self.versions_at_start = {key: entry[1] for key, entry in self.saved.items()}
 
     def changed(self) -> set[str]:
@@ -1065,6 +1085,8 @@ class ForwardState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         numpy.random.set_state(self.numpy_rng)
         random.setstate(self.python_rng)
+        for generator, state in self.generators.values():
+            generator.set_state(state)
 
     def refuse_lost(self) -> None:
         """Raise if a buffer or input changed in place since it was saved was not copied.
