@@ -162,6 +162,20 @@ def storage_key(tensor: torch.Tensor) -> Hashable:
     return _StorageWeakRef(tensor.untyped_storage())
 
 
+def strided_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors holding a tensor's memory: itself, or a sparse tensor's indices and values
+    (COO; compressed layouts: their index arrays and values), which have storages of their own."""
+    if tensor.layout == torch.strided:
+        return [tensor]
+    if tensor.layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return [tensor]
+
+
 def views_of(tensors: Iterable[torch.Tensor], state: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
     """By id of each view among ``tensors``, the tensor of ``state`` whose storage it shares (a
     parameter's slice taken in eager code); views of nothing in ``state`` are left out."""

@@ -35,6 +35,7 @@ from ckptc._torch_internals import (
     profiler_step_count,
     restore_profiler_step_count,
     storage_key,
+    strided_parts,
 )
 from ckptc.pricing.devices import memory_model
 
@@ -146,10 +147,10 @@ def _tensors(objects: Iterable[Any]) -> Iterable[torch.Tensor]:
             for p in obj.parameters():
                 yield p
                 if (grad := gradient_of(p)) is not None:
-                    yield grad
+                    yield from strided_parts(grad)  # a sparse embedding's gradient is sparse
             yield from obj.buffers()
         elif isinstance(obj, torch.Tensor):
-            yield obj
+            yield from strided_parts(obj)
         elif isinstance(obj, dict):
             yield from _tensors(obj.values())
         elif isinstance(obj, (list, tuple)):

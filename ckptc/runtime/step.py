@@ -60,7 +60,7 @@ from ckptc.planning.account import StepAccount, gradients_resident, unnamed_grad
 from ckptc.planning.replan import Replans, room_needed, settle
 from ckptc.records import GraphRecord
 from ckptc.runtime.lengths import LengthBuckets
-from ckptc.runtime.tracker import ResultLifetimes, StepEvents, StepTracker
+from ckptc.runtime.tracker import ResultLifetimes, StepEvents, StepTracker, warn_if_sparse_gradients_resident
 
 log = logging.getLogger("ckptc.runtime.step")
 
@@ -749,6 +749,8 @@ class StepRuntime:
         self._tracker.begin()
         self._lifetimes.begin()
         self._lifetimes.warn_if_last_step_held(self, (args, kwargs), stacklevel=7)
+        if gradients:
+            warn_if_sparse_gradients_resident(self, self.model.parameters(), stacklevel=7)
         self.active.clear()
         self._step_plans = []
         self._step_compiled = False
@@ -1049,8 +1051,8 @@ class ForwardState:
         tensor, _, value = self.saved[key]
         if internals.version_counter(tensor) != version:
             return True
-        if value is None or internals.is_storeless(tensor):
-            return False  # no values to compare
+        if value is None or internals.is_storeless(tensor) or tensor.layout != torch.strided:
+            return False  # no values to compare (torch.equal takes no sparse tensor)
         return not torch.equal(tensor, value)
 
     def inputs_as_given(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -48,7 +48,7 @@ import torch
 
 from ckptc import _torch_internals as internals
 from ckptc.errors import warn_once
-from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns, resident_bytes
+from ckptc.meter import MemoryMeasurement, StepMeter, after_backward_returns, gradient_of, resident_bytes
 from ckptc.records import GraphRecord
 
 V = TypeVar("V")
@@ -80,6 +80,30 @@ class StepEvents(Protocol):
     def saved_by_eager_code(self, inputs: Sequence[Any], model: torch.nn.Module | None) -> int:
         """Bytes eager code of the open step saved for its backward upstream of a graph that plans on
         ``inputs`` (:meth:`ResultLifetimes.saved_by_eager_code`)."""
+
+
+def warn_if_sparse_gradients_resident(owner: Any, parameters: Iterable[Any], stacklevel: int) -> None:
+    """Warn once (per ``owner``) when a step begins with a sparse gradient resident (``nn.Embedding(sparse=True)``
+    under accumulation): a sparse gradient accumulates by concatenation, so each micro-batch starts with more
+    resident and adds more than the one before, while a verified state (gradients resident) is not measured
+    again."""
+    sparse = [
+        p for p in parameters if isinstance(p, torch.Tensor) and (g := gradient_of(p)) is not None and g.is_sparse
+    ]
+    if not sparse:
+        return
+    held = sum(resident_bytes(gradient_of(p)) for p in sparse)
+    warn_once(
+        owner,
+        "sparse-gradients",
+        f"ckptc: a step begins with sparse gradients resident ({len(sparse)} parameters, {held} bytes now: "
+        "nn.Embedding(sparse=True) or EmbeddingBag under gradient accumulation). A sparse gradient accumulates by "
+        "concatenating, so every micro-batch starts with more of it and adds more than the one before, while ckptc "
+        "verifies the first micro-batches only: later ones can exceed the budget by that growth. What to do: leave "
+        "room in the budget for the largest accumulation, accumulate fewer micro-batches, or use dense gradients "
+        "(sparse=False).",
+        stacklevel=stacklevel,
+    )
 
 
 class ResultLifetimes:

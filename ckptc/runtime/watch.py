@@ -55,7 +55,7 @@ from ckptc.meter import (
 from ckptc.planning.account import StepAccount, unnamed_gradient_bytes
 from ckptc.planning.replan import Replans
 from ckptc.records import GraphRecord
-from ckptc.runtime.tracker import ResultLifetimes, StepTracker
+from ckptc.runtime.tracker import ResultLifetimes, StepTracker, warn_if_sparse_gradients_resident
 
 log = logging.getLogger("ckptc.runtime.watch")
 
@@ -143,6 +143,8 @@ class BackendStepCheck:
         self._tracker.begin()
         self._lifetimes.begin()
         self._lifetimes.warn_if_last_step_held(self, args, stacklevel=4)
+        if state:
+            warn_if_sparse_gradients_resident(self, args, stacklevel=4)
         self._collected = False
         if index is not None:
             self._first_graphs.add(index)
