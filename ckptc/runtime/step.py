@@ -748,7 +748,7 @@ class StepRuntime:
         """Open a step of ``shape`` (``gradients``: it starts with gradients resident)."""
         self._tracker.begin()
         self._lifetimes.begin()
-        self._lifetimes.warn_if_last_step_held(self, (args, kwargs), stacklevel=7)
+        self._lifetimes.warn_if_last_step_held(self, (self.model, args, kwargs), stacklevel=7)
         if gradients:
             warn_if_sparse_gradients_resident(self, self.model.parameters(), stacklevel=7)
         self.active.clear()
