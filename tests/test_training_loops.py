@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -363,6 +364,42 @@ def test_the_last_steps_output_kept_until_the_next_forward_returns_is_told(entry
             assert f"{BATCH * 8 * WIDTH * 4} bytes" in told[0] and "del out" in told[0], told[0]
         else:
             assert told == []
+
+
+def test_a_call_that_compiles_again_leaves_no_cycle_holding_its_results() -> None:
+    """A Wav2Vec2 step compiles its frames again for a new SpecAugment mask, and a graph break is found by raising
+    and catching an exception inside Dynamo (its LayerDrop branch): that exception's traceback held the call's
+    finished frames, ckptc's with the call's results in their locals, until the garbage collector ran.  A loop
+    that dropped its output held it as the next step began, was told to drop it, and the memory stayed.  A call
+    that compiled collects that cycle before it returns."""
+    import gc
+    import weakref
+
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    torch.manual_seed(0)
+    numpy.random.seed(0)
+    config = Wav2Vec2Config(
+        vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16,), conv_stride=(5,), conv_kernel=(10,), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.3, mask_time_length=2,
+        mask_feature_prob=0.2, mask_feature_length=4, ctc_loss_reduction="mean",
+    )  # fmt: skip
+    model = Wav2Vec2ForCTC(config).train()
+    fast = ckptc.optimize(model, budget_gb=1, **NO_MILP)
+    batch = {"input_values": torch.randn(2, 200), "labels": torch.randint(1, 16, (2, 6))}
+    gc.disable()
+    try:
+        for _ in range(2):
+            _zero(model)
+            out = fast(**batch)
+            out.loss.backward()
+            logits = weakref.ref(out.logits)
+            del out
+            assert logits() is None, "the call's results outlived the loop's last reference"
+    finally:
+        gc.enable()
 
 
 def test_the_backend_trains_on_after_a_forward_that_raised_in_a_frame_compiled_for_it() -> None:

@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import random
@@ -496,6 +497,13 @@ class StepRuntime:
                 "budget is not verified. What to do: return the loss or the outputs as tensors, or in one of those "
                 "containers.",
             )
+        if self._step_compiled:
+            # A graph break raises and catches an exception inside Dynamo while it compiles: its traceback
+            # holds the frames of the call (ckptc's and Dynamo's, finished by now), which keep their locals
+            # (this call's results among them) in a reference cycle until the garbage collector runs.  The
+            # results outlived the caller's loop (told as the last step's results): a call that compiled
+            # collects that cycle now.
+            gc.collect()
         self._tracker.returned(returned)
         return output
 
