@@ -155,7 +155,7 @@ class BackendStepCheck:
         )
         self._state = (state, sizes)
         verified = self.verified[self._state] >= steps_to_verify(_device_of(args))
-        profiled = internals.profiler_active()
+        profiled = not verified and internals.profiler_active()  # looked for only when a step is to be measured
         self._measure = not verified and not profiled
         if not verified and profiled:
             # As ckptc.optimize says it (StepRuntime._measure): a loop profiled on every step would otherwise
