@@ -423,6 +423,14 @@ def size_recompiles() -> dict[str, tuple[int, str]]:
     return found
 
 
+def graph_breaks_found() -> int:
+    """How many graph breaks (and skipped frames) Dynamo has met since the process began: the sum of
+    :func:`graph_break_reasons`, without building it."""
+    from torch._dynamo.utils import counters
+
+    return sum(sum(counters[kind].values()) for kind in ("graph_break", "unimplemented"))
+
+
 def graph_break_reasons() -> dict[str, int]:
     """How often Dynamo broke a graph (or skipped a frame) for each reason, since the process began.
 
