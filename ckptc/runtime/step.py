@@ -621,11 +621,11 @@ class StepRuntime:
             f"ckptc: torch.compile compiled {type(self.model).__name__}'s step again {RECOMPILES_WARNED} times "
             "for inputs of the same shapes, and ckptc plans every new graph (seconds each)"
         )
-        before = shape.size_recompiles_before
+        before = {where: count for where, (count, _) in shape.size_recompiles_before.items()}
         grown = {
-            where: (count - before.get(where, (0, ""))[0], reason)
+            where: (count - before.get(where, 0), reason)
             for where, (count, reason) in internals.size_recompiles().items()
-            if count > before.get(where, (0, ""))[0]
+            if count > before.get(where, 0)
         }
         if grown:
             where, (_, reason) = max(grown.items(), key=lambda item: item[1][0])

@@ -87,16 +87,15 @@ def warn_if_sparse_gradients_resident(owner: Any, parameters: Iterable[Any], sta
     under accumulation): a sparse gradient accumulates by concatenation, so each micro-batch starts with more
     resident and adds more than the one before, while a verified state (gradients resident) is not measured
     again."""
-    sparse = [
-        p for p in parameters if isinstance(p, torch.Tensor) and (g := gradient_of(p)) is not None and g.is_sparse
-    ]
+    gradients = [gradient_of(p) for p in parameters if isinstance(p, torch.Tensor)]
+    sparse = [g for g in gradients if g is not None and g.is_sparse]
     if not sparse:
         return
-    held = sum(resident_bytes(gradient_of(p)) for p in sparse)
+    held = resident_bytes(sparse)
     warn_once(
         owner,
         "sparse-gradients",
-        f"ckptc: a step begins with sparse gradients resident ({len(sparse)} parameters, {held} bytes now: "
+        f"ckptc: a step begins with sparse gradients resident ({len(sparse)} gradients, {held} bytes now: "
         "nn.Embedding(sparse=True) or EmbeddingBag under gradient accumulation). A sparse gradient accumulates by "
         "concatenating, so every micro-batch starts with more of it and adds more than the one before, while ckptc "
         "verifies the first micro-batches only: later ones can exceed the budget by that growth. What to do: leave "
