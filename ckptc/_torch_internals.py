@@ -423,12 +423,15 @@ def size_recompiles() -> dict[str, tuple[int, str]]:
     return found
 
 
+_BREAK_COUNTERS = ("graph_break", "unimplemented")  # Dynamo's counters of graph breaks and skipped frames
+
+
 def graph_breaks_found() -> int:
     """How many graph breaks (and skipped frames) Dynamo has met since the process began: the sum of
     :func:`graph_break_reasons`, without building it."""
     from torch._dynamo.utils import counters
 
-    return sum(sum(counters[kind].values()) for kind in ("graph_break", "unimplemented"))
+    return sum(sum(counters[kind].values()) for kind in _BREAK_COUNTERS)
 
 
 def graph_break_reasons() -> dict[str, int]:
@@ -440,7 +443,7 @@ def graph_break_reasons() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     reasons: dict[str, int] = {}
-    for kind in ("graph_break", "unimplemented"):
+    for kind in _BREAK_COUNTERS:
         for reason, count in counters[kind].items():
             reasons[reason] = reasons.get(reason, 0) + count
     return reasons

@@ -489,9 +489,8 @@ class StepRuntime:
             if opened:
                 self._tracker.abort()
             raise
-        if (
-            internals.graph_breaks_found() > breaks and sys.getrefcount(output) > 2
-        ):  # beside ``output`` and the argument
+        # More references than ``output`` and getrefcount's argument, after a graph break met in this call:
+        if sys.getrefcount(output) > 2 and internals.graph_breaks_found() > breaks:
             # Dynamo meets a graph break by raising and catching an exception while it compiles: its traceback
             # holds the frames of the call (ckptc's and Dynamo's, finished by now), which keep their locals
             # (this call's results among them) in a reference cycle until the garbage collector runs.  The
