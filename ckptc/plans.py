@@ -686,6 +686,24 @@ def _has_symbolic_size(inputs: list[list[Any]]) -> bool:
     )
 
 
+_ALIASED_INPUTS = (
+    "the extra input is shaped like another one, as when one side passed one tensor as two arguments: "
+    "`input_ids=ids, labels=ids` is a single graph input, two tensors (`labels=ids.clone()`, a data loader's "
+    "batch) are two; pass the arguments as the plan was made with them, or plan with the inputs you train with"
+)
+
+
+def _an_extra_input_repeats_another(planned: list[list[Any]], captured: list[list[Any]]) -> bool:
+    """Whether the side with more inputs has only extras shaped like an input both sides have: the same
+    tensor passed twice on one side (Dynamo makes one graph input of it) and two tensors on the other."""
+    more, fewer = (planned, captured) if len(planned) > len(captured) else (captured, planned)
+    extra = list(more)
+    for described in fewer:
+        if described in extra:
+            extra.remove(described)
+    return bool(extra) and all(described in fewer for described in extra)
+
+
 def _input_differences(planned: list[list[Any]], captured: list[list[Any]]) -> list[str]:
     """The inputs one side has and the other has not (aligned on the rest), by position and shape."""
     import difflib
@@ -881,6 +899,8 @@ def plan_source_for(
             if len(inputs) != len(expected.inputs):
                 diffs = [f"plan has {len(expected.inputs)} inputs, model has {len(inputs)}"]
                 diffs += _input_differences(expected.inputs, inputs)
+                if _an_extra_input_repeats_another(expected.inputs, inputs):
+                    diffs.insert(1, _ALIASED_INPUTS)
             if _has_symbolic_size(inputs) and not _has_symbolic_size(expected.inputs):
                 # torch.compile made a size dynamic once it saw a second one: the inputs no longer line up
                 diffs = [

@@ -289,3 +289,13 @@ def test_code_reading_a_tensors_value_between_graphs_is_named_when_planning_offl
         ckptc.capture(meta, (x,), device="cpu")
     real = _LayerDrop()
     ckptc.capture(real, (torch.zeros(4, 16),))  # with values, the same code captures
+
+
+def test_a_plan_made_with_one_tensor_passed_twice_names_that_when_the_model_gets_two() -> None:
+    """Planned offline with ``input_ids=ids, labels=ids`` (one graph input), trained with a batch whose labels
+    are their own tensor (two): refused, saying that one tensor passed twice is one input (before: only "input
+    30 only in the model", which does not say what to change)."""
+    ids, on_meta = _ids(), _ids("meta")
+    planned = ckptc.plan(_llama("meta"), (), {"input_ids": on_meta, "labels": on_meta}, budget_gb=1)
+    with pytest.raises(ckptc.PlanMismatchError, match=r"one side passed one tensor as two arguments"):
+        ckptc.optimize(_llama(), plan=planned)(input_ids=ids, labels=ids.clone())
