@@ -331,6 +331,7 @@ class StepTracker:
         self._ended_backward: int | None = None  # the autograd graph task that ended the last step
         self._meter_stopped = False  # a meter of the open step stopped before its end: none starts again
         self._backward_running = False  # a backward reaching the open step's results began and has not ended
+        self._backward_differentiable = False  # that backward runs with create_graph=True
         self._meter_to_stop: StepMeter | None = None  # one a backward ended under a Python profiler
 
     def __repr__(self) -> str:
@@ -470,6 +471,7 @@ class StepTracker:
 
     def _backward_began(self) -> None:
         self._backward_running = self.open
+        self._backward_differentiable = self.open and torch.is_grad_enabled()  # the engine's create_graph
 
     def backward_raised(self) -> bool:
         """Whether the open step's backward began and never ended, seen from outside any backward (the
@@ -487,6 +489,12 @@ class StepTracker:
         if self._end_scheduled:
             return
         self._ended_backward = task
+        if self._backward_differentiable:
+            # A gradient penalty's autograd.grad(create_graph=True): torch.compile's graphs have no double
+            # backward (torch raises at the next backward), so this is no step the budget plans for, and
+            # what it measured (the gradients' own autograd graph) is not counted against later steps.
+            self._end_after_engine(self.abort)
+            return
         self.results_held = self._results_alive()
         if not self._end_after_engine(self._end_scheduled_step):
             self._under_python_profiler()  # not disturbed, and the step is not verified
