@@ -327,6 +327,41 @@ def test_the_backend_trains_on_after_a_step_whose_caller_raised() -> None:
 
 
 @pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_step_refused_for_its_resident_gradients_does_not_refuse_steps_without_them(entry: str) -> None:
+    """A budget near the floor of steps that start from ``None`` gradients; one step zeroes them in place
+    instead (``zero_grad(set_to_none=False)``), and its floor, counting them resident, is above the budget:
+    refused, the message saying to zero them with ``set_to_none=True``.  The loop does so, and before, every
+    later step was refused all the same (the refusal was kept for the input shape, the backend's account
+    kept counting the gradients): tiny Llama at its halfway budget, every step after the one refused.  Now
+    a step without resident gradients plans afresh and trains within the budget with eager's gradients; one
+    with them is refused again."""
+    torch.manual_seed(0)
+    reference = _Net()
+    captured = ckptc.capture(copy.deepcopy(reference), (_batches(0)[0],), loss_fn=_loss)
+    budget = captured.floor_bytes + (captured.unoptimized_peak_bytes - captured.floor_bytes) // 4
+    if entry == "optimize":
+        eager, model, fast = _eager_and_optimized(reference, budget, **NO_MILP)
+    else:
+        eager, model, _, fast = _eager_and_compiled(reference, budget, **NO_MILP)
+
+    def zeroed_in_place(step: int) -> None:
+        for p in model.parameters():
+            p.grad.zero_()
+        _loss(fast(_batches(step)[0])).backward()
+
+    for step in range(6):
+        if step in (2, 4):
+            with pytest.raises(ckptc.InfeasibleBudgetError, match="set_to_none=True"):
+                zeroed_in_place(step)
+            continue
+        plain(fast, _batches(step))
+        plain(eager, _batches(step))
+        _assert_same_gradients(model, eager)
+    assert _peak(plain, fast, model, _batches(9)) <= budget
+    assert not internals.profiler_active()
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
 def test_a_gradient_penalty_step_torch_refuses_leaves_later_steps_within_the_budget(entry: str) -> None:
     """A loop that tries a gradient penalty once (``autograd.grad(..., create_graph=True)``, then backward
     through it: torch.compile's graphs have no double backward, so PyTorch raises) and goes on with plain

@@ -345,7 +345,7 @@ class CheckpointCompiler:
                     # Not run on its old plan, made for an account the step showed wrong: every later
                     # call plans again, and is refused again unless the account changed.
                     if check is not None:
-                        check.abort()
+                        check.refused()
                     refusal = self.replans.refusal(error)
                     if refusal is error:
                         raise

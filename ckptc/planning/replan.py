@@ -466,6 +466,19 @@ class Replans:
         )
         return True
 
+    def not_counting_gradients(self) -> bool:
+        """Plan as before gradients were counted resident (whether the account changed): a step starts
+        without them after plans counting them were refused (a loop that zeroed in place once, then sets
+        them to None, as the refusal suggests)."""
+        if not self.account.gradients_resident:
+            return False
+        self._measured = None
+        self._room_made = 0
+        self.account = self.account.replace(
+            gradients_resident=False, accumulate_in_backward=False, gradients_summed_by_autograd=False, graph_budgets={}
+        )
+        return True
+
     def counting_outside_baselines(self, outside: Mapping[int, tuple[int, int]]) -> bool:
         """A step showed, by graph index, what it holds beside the graph at its first and last run that
         its baseline does not count (:attr:`StepAccount.outside_baseline_bytes`): count it, never less

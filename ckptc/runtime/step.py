@@ -359,7 +359,8 @@ class StepRuntime:
         self.max_plans = max_plans
         self.plans: OrderedDict[tuple, ShapePlan] = OrderedDict()
         self.signatures_seen: set[int] = set()
-        self._refused: dict[tuple, BaseException] = {}  # shapes refused after steps of them ran (see _forget)
+        # Shapes refused after steps of them ran, and whether that refusal counted gradients resident (_forget).
+        self._refused: dict[tuple, tuple[BaseException, bool]] = {}
         self.active: list[GraphRecord] = []  # every graph run in the current step, in order
         self.last: ShapePlan | None = None
         self._tracker = StepTracker(self._end_step, self._second_backward)
@@ -709,10 +710,12 @@ class StepRuntime:
         """Drop ``shape``'s plans after ``refusal``.  Once steps of it ran (a measured step's
         :class:`BudgetExceededError`, or any refusal after a step of it ended), what they showed stands:
         a later call of the shape raises the refusal again rather than planning afresh without that
-        evidence (which would run a step over the budget before refusing again)."""
+        evidence (which would run a step over the budget before refusing again).  A refusal counting
+        gradients resident (accumulation, ``zero_grad(set_to_none=False)``) does not refuse a step that starts
+        without them, as its message suggests: that step plans afresh from what was measured."""
         self.plans.pop(shape.key, None)
         if shape.last_records or isinstance(refusal, BudgetExceededError):
-            self._refused[shape.key] = refusal
+            self._refused[shape.key] = (refusal, shape.account.gradients_resident)
             _LEARNED.setdefault(self.model, {})[shape.key] = shape.account
 
     def _plan_for(self, key: tuple, *, gradients: bool) -> ShapePlan:
@@ -722,9 +725,9 @@ class StepRuntime:
         Raises:
             BudgetExceededError, solvers.InfeasibleBudgetError: ``key`` was refused after steps of it ran.
         """
-        refused = self._refused.get(key)
-        if refused is not None:
-            raise refused.with_traceback(None)
+        refusal, with_gradients = self._refused.get(key, (None, False))
+        if refusal is not None and (gradients or not with_gradients):
+            raise refusal.with_traceback(None)
         shape = self.plans.get(key)
         if shape is None:
             digest = hash(key)

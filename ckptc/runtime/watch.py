@@ -98,6 +98,7 @@ class BackendStepCheck:
         self.fixed_plans = False
         self._first_runs_again = False  # a step ran the graph that began it again (left_behind)
         self._collected = False  # the open step collected garbage once (left_behind)
+        self._refused_counting_gradients = False  # planning was refused with gradients counted resident
         self._first_graphs: set[int] = set()  # the graphs that began steps (left_behind)
 
     @property
@@ -132,6 +133,10 @@ class BackendStepCheck:
         if self._tracker.open and not self.left_behind(index):
             return False
         state = any(isinstance(a, torch.nn.Parameter) and gradient_of(a) is not None for a in args)
+        if not state and self._refused_counting_gradients and self.replans.not_counting_gradients():
+            log.info("torch.compile(backend='ckptc'): a step starts without the gradients refused; planning again")
+            self._replanned()
+        self._refused_counting_gradients = False
         if state and not self.account.gradients_resident:
             log.info("torch.compile(backend='ckptc'): a step starts with gradients resident; planning again")
             # What the last step showed the baselines miss, now with the parameters' gradients resident.
@@ -250,6 +255,12 @@ class BackendStepCheck:
     def abort(self) -> None:
         """Forget the step in progress (its call failed)."""
         self._tracker.abort()
+
+    def refused(self) -> None:
+        """Planning a graph of the step in progress was refused: the step is over, and a refusal made
+        counting gradients resident does not refuse a step that starts without them (:meth:`begin`)."""
+        self._refused_counting_gradients = self.account.gradients_resident
+        self.abort()
 
     def backward_failed(self) -> None:
         """A graph's backward raised (StepEvents): the step ends unmeasured."""
