@@ -463,7 +463,10 @@ def _check_model(model: Any) -> None:
     check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise InvalidArgumentError(
-            f"{type(model).__name__} has no trainable parameters (none requires grad); there is nothing to checkpoint"
+            f"{type(model).__name__} has no trainable parameters (none requires grad), and ckptc.optimize plans "
+            "steps that train parameters.\nWhat to do: set requires_grad on the parameters to train; for "
+            "gradients of the inputs alone (adversarial examples, attribution), use torch.compile(model, "
+            "backend=ckptc.backend(budget_gb=..., model=model)), which plans every graph that needs gradients"
         )
 
 

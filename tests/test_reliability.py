@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import ckptc
+from ckptc.meter import measure_peak, resident_bytes
 from tests.helpers import assert_same_training, budget_bounds, get_case, step
 
 
@@ -42,10 +43,30 @@ def test_not_a_module() -> None:
         ckptc.optimize(lambda x: x, budget_gb=1)
 
 
-def test_no_trainable_parameters() -> None:
-    model = nn.Linear(4, 4).requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameters"):
-        ckptc.optimize(model, budget_gb=1)
+def test_no_trainable_parameters_is_refused_pointing_at_the_backend_which_plans_input_gradients() -> None:
+    """A frozen model trained for its inputs' gradients (adversarial examples): ``optimize`` refuses it, and
+    the backend it points to plans the step within a budget below eager's peak, with eager's gradients."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(128, 128), nn.Tanh()))).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no trainable parameters.*\n.*backend=ckptc\.backend"):
+        ckptc.optimize(reference, budget_gb=1)
+    x = torch.randn(256, 128)
+
+    def step(net: nn.Module, leaf: torch.Tensor) -> torch.Tensor:
+        net(leaf).square().mean().backward()
+        return leaf.grad
+
+    def peak(net: nn.Module) -> int:
+        leaf = x.clone().requires_grad_(True)
+        return measure_peak(lambda: step(net, leaf), baseline_bytes=resident_bytes(net, leaf))[1].peak_bytes
+
+    budget = int(0.8 * peak(reference))
+    model = copy.deepcopy(reference)
+    compiled = torch.compile(model, backend=ckptc.backend(budget_bytes=budget, model=model))
+    for _ in range(3):
+        leaves = [x.clone().requires_grad_(True) for _ in range(2)]
+        torch.testing.assert_close(step(compiled, leaves[0]), step(reference, leaves[1]))
+    assert peak(compiled) <= budget
 
 
 def test_budget_below_the_floor_names_the_smallest_feasible_budget() -> None:
