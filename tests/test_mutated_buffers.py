@@ -107,3 +107,54 @@ def test_an_input_written_back_after_the_forward_is_never_recomputed_from() -> N
 
     floor = ckptc.capture(copy.deepcopy(reference), (ids,), loss_fn=loss).floor_bytes
     assert_trains_like_eager_within(reference, floor, (ids,), loss=loss, steps=3)
+
+
+class _MemoryBank(nn.Module):
+    """Scores against a snapshot of a bank of keys (``bank.clone()``, as MoCo reads its queue); with
+    ``enqueue_inside``, the forward then writes new keys into the bank after a graph break (MoCo's enqueue
+    reads its pointer with ``int()``)."""
+
+    def __init__(self, enqueue_inside: bool) -> None:
+        super().__init__()
+        self.encode, self.head = nn.Linear(32, 16), nn.Linear(64, 8)
+        self.register_buffer("bank", torch.randn(64, 16))
+        self.enqueue_inside = enqueue_inside
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        keys = torch.tanh(self.encode(x))
+        loss = nn.functional.mse_loss(self.head(keys @ self.bank.clone().T), y)
+        if self.enqueue_inside:
+            torch._dynamo.graph_break()
+            self.bank[:8] = keys[:8].detach()
+        return loss
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+@pytest.mark.parametrize("update", ["inside after a graph break", "caller in place", "caller through .data"])
+def test_a_snapshot_of_a_buffer_updated_before_backward_is_kept_not_recomputed(update: str, entry: str) -> None:
+    """A copy of a buffer (or of any input that receives no gradient) is the value as it was: a later graph,
+    or the caller between forward and backward, may change the buffer.  It was recomputed from the buffer
+    in backward at every budget (a copy of a resident storage looked free to recompute): a raw autograd
+    error ("modified by an inplace operation"), or through ``.data`` silently wrong gradients.  Now such a
+    copy is saved, as eager autograd saves it, and training equals eager's."""
+    torch.manual_seed(0)
+    reference = _MemoryBank(enqueue_inside=update.startswith("inside"))
+    x, y = torch.randn(256, 32), torch.randn(256, 8)
+    model = copy.deepcopy(reference)
+    fast = (
+        ckptc.optimize(model, budget_gb=1)
+        if entry == "optimize"
+        else torch.compile(model, backend=ckptc.backend(budget_gb=1, model=model))
+    )
+    for step in range(3):
+        for net, call in ((reference, reference), (model, fast)):
+            net.zero_grad(set_to_none=True)
+            loss = call(x + step, y)
+            if update == "caller in place":
+                net.bank.mul_(0.5)
+            elif update == "caller through .data":
+                net.bank.data.mul_(0.5)
+            loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"step {step}: {name}")
+        torch.testing.assert_close(model.bank, reference.bank)

@@ -31,6 +31,7 @@ from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.pricing.routing import routed_sizes
 from ckptc.rewrite.lean_backward import in_place_targets
 from ckptc.rewrite.unused_grads import ZERO, Folding, foldable_tangents
+from solvers.graph import COPY_OPS
 
 log = logging.getLogger("ckptc.pricing.problem")
 
@@ -279,6 +280,8 @@ def joint_to_problem(
             # Inductor would not recompute it but reorder the input as unseen scratch (a ConvNet's first
             # step measured 4% over its prediction where a plan recomputed a weight's copy).
             policies[node.name] = "save"
+    for name in _snapshots_of_fixed_inputs(joint, output_node, num_fwd_outputs):
+        policies[name] = "save"
     differentiable = _differentiable_nodes(joint, output_node, num_fwd_outputs)
     unused = free_unused_grads and (own_loss or not hold_outputs)
     free_tangents: dict[str, Folding] = foldable_tangents(joint.graph) if unused else {}
@@ -439,6 +442,29 @@ def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_o
         if node.op == "call_function" and any(a in flowing for a in node.all_input_nodes):
             flowing.add(node)
     return flowing
+
+
+def _snapshots_of_fixed_inputs(joint: fx.GraphModule, output_node: fx.Node, num_fwd_outputs: int) -> set[str]:
+    """Copies (``clone``, ``contiguous``, ``_to_copy``...) of inputs that receive no gradient: buffers and
+    the caller's data.  Such a copy is a snapshot of a value that can change before backward, where this
+    graph cannot see it: a queue of keys the model updates after a graph break (MoCo), a buffer the
+    caller updates between forward and backward.  Recomputed in backward it would read the new value
+    (a raw autograd error where the change bumped the tensor's version, a silently wrong gradient
+    through ``.data``), so it is saved, as eager autograd saves it.  Copies of parameters (autocast's
+    low-precision weights) stay recomputable: nothing changes them before backward."""
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    grads = list(output_node.args[0][num_fwd_outputs:])
+    if len(grads) != len(primals):
+        return set()
+    fixed = {p for p, g in zip(primals, grads, strict=True) if g is None}
+    return {
+        node.name
+        for node in joint.graph.nodes
+        if node.op == "call_function"
+        and node.meta["ckptc"].op in COPY_OPS
+        and bool(node.all_input_nodes)
+        and node.all_input_nodes[0] in fixed
+    }
 
 
 def _outputs_read_by_later_regions(joint: fx.GraphModule) -> set[fx.Node]:
