@@ -158,3 +158,44 @@ def test_a_snapshot_of_a_buffer_updated_before_backward_is_kept_not_recomputed(u
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"step {step}: {name}")
         torch.testing.assert_close(model.bank, reference.bank)
+
+
+class _QuantizationAware(nn.Module):
+    """A net prepared for quantization-aware training: its per-channel observers' ``min_val``/``max_val``
+    buffers are empty until the first forward resizes them in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.dequant = torch.ao.quantization.QuantStub(), torch.ao.quantization.DeQuantStub()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.dequant(self.body(self.quant(x))), y)
+
+
+def _quantization_aware() -> nn.Module:
+    torch.manual_seed(0)
+    model = _QuantizationAware().train()
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    return torch.ao.quantization.prepare_qat(model)
+
+
+def test_a_buffer_the_first_forward_resizes_is_put_back_and_trains_like_eager() -> None:
+    """``ckptc.capture`` and the call that plans run the forward and put back what it changed; a buffer it
+    resized could not be copied back (a raw ``RuntimeError: The size of tensor a (64) must match the size
+    of tensor b (0)`` on a fresh quantization-aware model).  Now its shape comes back with its value: the
+    capture works, and training from the first step equals eager's, buffers included."""
+    x, y = torch.randn(512, 32), torch.randn(512, 8)
+    model = _quantization_aware()
+    assert any(b.numel() == 0 for b in model.buffers())  # observers not yet sized
+    assert ckptc.capture(copy.deepcopy(model), (x, y)).floor_bytes > 0
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_gb=1)
+    for step in range(3):
+        for net, call in ((reference, reference), (model, fast)):
+            net.zero_grad(set_to_none=True)
+            call(x + step, y).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"step {step}: {name}")
+        for (name, b), c in zip(model.named_buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(b, c, msg=f"step {step}: {name}")

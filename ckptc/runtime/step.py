@@ -1094,8 +1094,13 @@ class ForwardState:
                 tensor, version, value = entry
                 if value is not None and self._differs(key, version):
                     # Through ``.data``: the version stays, as the eager kernel that changed the value
-                    # (BatchNorm) may have saved the tensor for a backward still to run.
-                    tensor.data.copy_(value)
+                    # (BatchNorm) may have saved the tensor for a backward still to run.  A tensor the
+                    # forward resized (a quantization observer's min/max, empty until its first call)
+                    # gets its old shape back with its value.
+                    if tensor.shape == value.shape and tensor.stride() == value.stride():
+                        tensor.data.copy_(value)
+                    else:
+                        tensor.data = value.clone()
                     entry[1] = internals.version_counter(tensor)
         torch.random.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
