@@ -426,6 +426,16 @@ def _result_bytes(problem: solvers.Problem, forward_results: list[fx.Node]) -> d
     return results
 
 
+def _primal_gradients(
+    joint: fx.GraphModule, output_node: fx.Node, num_fwd_outputs: int
+) -> list[tuple[fx.Node, Any]] | None:
+    """Each primal input with the gradient the joint graph returns for it (None where it receives none),
+    or None where the outputs do not line up with the primals."""
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+    grads = list(output_node.args[0][num_fwd_outputs:])
+    return list(zip(primals, grads, strict=True)) if len(grads) == len(primals) else None
+
+
 def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_outputs: int) -> set[fx.Node]:
     """Nodes a gradient flows through: primals that receive a gradient, and what reads them.
 
@@ -433,11 +443,10 @@ def _differentiable_nodes(joint: fx.GraphModule, output_node: fx.Node, num_fwd_o
     none) after the forward results. Forward values that depend on no such
     primal (masks, rotary tables) are fixed data for the solvers, not decisions.
     """
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
-    grads = list(output_node.args[0][num_fwd_outputs:])
-    if len(grads) != len(primals):  # unexpected layout: treat everything as differentiable
+    gradients = _primal_gradients(joint, output_node, num_fwd_outputs)
+    if gradients is None:  # unexpected layout: treat everything as differentiable
         return set(joint.graph.nodes)
-    flowing = {p for p, g in zip(primals, grads, strict=False) if g is not None}
+    flowing = {p for p, g in gradients if g is not None}
     for node in joint.graph.nodes:
         if node.op == "call_function" and any(a in flowing for a in node.all_input_nodes):
             flowing.add(node)
@@ -452,11 +461,8 @@ def _snapshots_of_fixed_inputs(joint: fx.GraphModule, output_node: fx.Node, num_
     (a raw autograd error where the change bumped the tensor's version, a silently wrong gradient
     through ``.data``), so it is saved, as eager autograd saves it.  Copies of parameters (autocast's
     low-precision weights) stay recomputable: nothing changes them before backward."""
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
-    grads = list(output_node.args[0][num_fwd_outputs:])
-    if len(grads) != len(primals):
-        return set()
-    fixed = {p for p, g in zip(primals, grads, strict=True) if g is None}
+    gradients = _primal_gradients(joint, output_node, num_fwd_outputs)
+    fixed = {p for p, g in gradients or () if g is None}
     return {
         node.name
         for node in joint.graph.nodes
