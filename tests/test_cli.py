@@ -224,6 +224,7 @@ def test_python_dash_m_help() -> None:
     "argv, expected",
     [
         (["plan", "missing.py:make"], "no such file"),
+        (["plan", "mypackage.models:make"], "names a Python file, not a module"),
         (["plan", str(FACTORIES)], "is not FILE.py:FACTORY"),
         (["plan", f"{FACTORIES}:"], "is not FILE.py:FACTORY"),
         (["plan", f"{FACTORIES}:no_such_factory"], "has no 'no_such_factory'"),
