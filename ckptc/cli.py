@@ -119,7 +119,7 @@ def split_factory_spec(spec: str) -> tuple[Path, str]:
         raise UsageError(f"'{spec}': '{factory}' is not a Python name")
     path = Path(path_text)
     if not path.exists():
-        hint = " (FACTORY names a Python file, not a module: models.py:make_model)" if not path.suffix else ""
+        hint = " (FACTORY names a Python file, not a module: models.py:make_model)" if path.suffix != ".py" else ""
         raise CliError(f"{path}: no such file{hint}")
     if not path.is_file():
         raise CliError(f"{path}: not a file")
