@@ -504,6 +504,12 @@ def observe_ops(callback: Callable[[Any, tuple, dict, Any], None]) -> Any:
     return _Observer()
 
 
+def dynamo_traces_rnns() -> bool:
+    """Whether the caller's Dynamo configuration traces ``nn.LSTM``/``GRU``/``RNN`` (``allow_rnn``; off by
+    default, when Dynamo runs them eagerly)."""
+    return bool(torch._dynamo.config.allow_rnn)
+
+
 def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> None:
     """Let ``tensor``'s dimension ``dim`` take any size in ``[low, high]`` without capturing again.
 

@@ -26,7 +26,8 @@ import torch.fx as fx
 
 from ckptc import _torch_internals as internals
 from ckptc.capture.compiler import CheckpointCompiler
-from ckptc.errors import CkptcError, InvalidArgumentError
+from ckptc.capture.coverage import recurrent_modules
+from ckptc.errors import CkptcError, InvalidArgumentError, warn_once
 from ckptc.options import CheckpointOptions
 from ckptc.plans import ModelPlan, applied_plan
 
@@ -67,6 +68,8 @@ def backend(
         >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP
     """
     checked = CheckpointOptions.from_user(options, budget_gb=budget_gb)
+    if model is not None:
+        _warn_if_recurrent_modules_run_eagerly(model)
     source = None
     if plan is not None:
         chosen = [name for name in ("strategy", "solver", "must_save", "must_recompute") if options.get(name)]
@@ -79,6 +82,24 @@ def backend(
         source, budget = applied_plan(plan, checked.budget_bytes)
         checked = checked.replace(budget_bytes=budget)
     return CheckpointCompiler(checked, model=model, plan_source=source, progress=progress)
+
+
+def _warn_if_recurrent_modules_run_eagerly(model: torch.nn.Module) -> None:
+    """The backend runs under the caller's Dynamo configuration, where recurrent modules are not traced
+    by default: they run eagerly, neither planned nor counted, and the budget does not hold."""
+    rnns = [name for name, _ in recurrent_modules(model)]
+    if rnns and not internals.dynamo_traces_rnns():
+        warn_once(
+            model,
+            "backend-rnn-eager",
+            f"ckptc: {type(model).__name__}'s {', '.join(rnns[:3])} ({type(model.get_submodule(rnns[0])).__name__}) "
+            "will run eagerly under torch.compile: Dynamo does not trace recurrent modules unless "
+            "torch._dynamo.config.allow_rnn is True, so their activations are neither planned nor counted "
+            "and the budget does not hold (a tagger with a 2-layer LSTM measured 1.8x its budget). What to do: "
+            "set torch._dynamo.config.allow_rnn = True before compiling, or train the model through "
+            "ckptc.optimize, which traces them.",
+            stacklevel=3,
+        )
 
 
 def ckptc_backend(

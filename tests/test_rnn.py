@@ -9,6 +9,7 @@ exact case (no inter-layer dropout, padded inputs) and refuses the others.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -132,3 +133,17 @@ def test_a_forward_an_earlier_plain_torch_compile_skipped_is_captured_by_ckptc()
     assert fast.plan is not None and len(fast.plan.graphs) == 1
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_backend_given_a_model_whose_rnn_dynamo_runs_eagerly_says_so_once() -> None:
+    """Under the caller's Dynamo configuration (``allow_rnn`` off by default) the recurrent module runs eagerly
+    under ``torch.compile``: unplanned and uncounted, a tagger measured 1.8x its budget without a word.  A
+    backend told the model warns once, naming the module and what to do; with ``allow_rnn`` on it is quiet."""
+    model = Tagger(nn.LSTM, dropout=0.0)
+    with pytest.warns(ckptc.CkptcWarning, match=r"(?s)encoder\.rnn \(LSTM\) will run eagerly.*allow_rnn = True"):
+        ckptc.backend(budget_gb=1, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckptc.CkptcWarning)
+        ckptc.backend(budget_gb=1, model=model)  # once per model
+        with torch._dynamo.config.patch(allow_rnn=True):
+            ckptc.backend(budget_gb=1, model=Tagger(nn.GRU, dropout=0.0))
