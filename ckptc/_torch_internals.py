@@ -510,6 +510,21 @@ def dynamo_traces_rnns() -> bool:
     return bool(torch._dynamo.config.allow_rnn)
 
 
+#: Higher-order control flow whose branches or body are subgraphs: ckptc's rewrite cannot split their
+#: subgraphs into forward and recomputation (AOTAutograd then fails compiling the backward: "KeyError: 'val'").
+_CONTROL_FLOW_OPS = ("cond", "while_loop")
+
+
+def control_flow_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The higher-order control-flow operators (``torch.cond``, ``while_loop``) Dynamo's graph ``gm`` calls."""
+    found = []
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and name in _CONTROL_FLOW_OPS:
+            found.append(f"torch.{name}")
+    return sorted(set(found))
+
+
 def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> None:
     """Let ``tensor``'s dimension ``dim`` take any size in ``[low, high]`` without capturing again.
 

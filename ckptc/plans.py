@@ -694,14 +694,18 @@ _ALIASED_INPUTS = (
 
 
 def _an_extra_input_repeats_another(planned: list[list[Any]], captured: list[list[Any]]) -> bool:
-    """Whether the side with more inputs has only extras shaped like an input both sides have: the same
-    tensor passed twice on one side (Dynamo makes one graph input of it) and two tensors on the other."""
+    """Whether the side with more inputs has one or two extras, each shaped like an input both sides have
+    and holding integers (token ids, labels): the same tensor passed twice on one side (Dynamo makes one
+    graph input of it) and two tensors on the other.  (A layer added or removed changes floating-point
+    inputs, its parameters.)"""
     more, fewer = (planned, captured) if len(planned) > len(captured) else (captured, planned)
     extra = list(more)
     for described in fewer:
         if described in extra:
             extra.remove(described)
-    return bool(extra) and all(described in fewer for described in extra)
+    return 0 < len(extra) <= 2 and all(
+        described in fewer and not str(described[-1]).startswith(("float", "bfloat", "complex")) for described in extra
+    )
 
 
 def _input_differences(planned: list[list[Any]], captured: list[list[Any]]) -> list[str]:

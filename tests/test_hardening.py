@@ -1166,3 +1166,36 @@ def test_sparse_gradients_accumulated_train_like_eager_and_are_told_once(entry: 
             for p, q in zip(model.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense())
     assert len([w for w in told if "sparse gradients" in str(w.message)]) == 1
+
+
+class _Branching(nn.Module):
+    """A branch written with ``torch.cond``: both branches are subgraphs of one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x).relu()
+        x = torch.cond(x.sum() > 0, lambda t: self.b(t).sin(), lambda t: self.c(t).cos(), (x,))
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_torch_cond_is_refused_saying_what_to_do_through_both_entry_points(entry: str) -> None:
+    """``torch.cond`` (higher-order control flow): ckptc's rewrite cannot split its branch subgraphs, and
+    AOTAutograd failed compiling the backward: ``optimize`` raised ``KeyError: 'val'`` advising to try
+    ``aot_eager`` (which trains it), the backend a raw ``BackendCompilerFailed``.  Now both refuse it by name
+    with what to do, the model left as it was."""
+    torch.manual_seed(0)
+    model = _Branching()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = (
+        ckptc.optimize(model, budget_gb=1)
+        if entry == "optimize"
+        else torch.compile(model, backend="ckptc", options={"budget_gb": 1})
+    )
+    with pytest.raises(ckptc.UntraceableModelError, match=r"(?s)calls torch\.cond.*What to do: write the branch"):
+        fast(torch.randn(64, 64)).backward()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())

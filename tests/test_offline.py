@@ -299,3 +299,17 @@ def test_a_plan_made_with_one_tensor_passed_twice_names_that_when_the_model_gets
     planned = ckptc.plan(_llama("meta"), (), {"input_ids": on_meta, "labels": on_meta}, budget_gb=1)
     with pytest.raises(ckptc.PlanMismatchError, match=r"one side passed one tensor as two arguments"):
         ckptc.optimize(_llama(), plan=planned)(input_ids=ids, labels=ids.clone())
+
+
+def test_a_plan_for_fewer_layers_does_not_blame_an_argument_passed_twice() -> None:
+    """A layer more than the plan: extra floating-point inputs (its parameters), not one tensor passed twice."""
+    x = torch.randn(8, 16)
+
+    def mlp(layers: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(layers)))
+
+    planned = ckptc.plan(mlp(3), (x,), budget_gb=1, loss_fn=lambda out: out.square().mean())
+    with pytest.raises(ckptc.PlanMismatchError, match="only in the model") as refused:
+        ckptc.optimize(mlp(4), plan=planned)(x).square().mean().backward()
+    assert "two arguments" not in str(refused.value)

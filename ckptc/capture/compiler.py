@@ -35,7 +35,7 @@ from ckptc import _torch_internals as internals
 from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
-from ckptc.errors import ArgumentTypeError, CkptcError
+from ckptc.errors import ArgumentTypeError, CkptcError, UntraceableModelError
 from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED, GRAPH_STARTS
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
@@ -278,6 +278,14 @@ class CheckpointCompiler:
         return internals.called_weakly(run)
 
     def _plan_dynamo_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        control_flow = internals.control_flow_ops(gm)
+        if control_flow:
+            raise UntraceableModelError(
+                f"ckptc cannot plan a graph that calls {', '.join(control_flow)}: its branches are subgraphs "
+                "that ckptc's rewrite does not split into what backward keeps and what it recomputes.\n"
+                "What to do: write the branch as a plain Python `if` (Dynamo compiles the branch taken, and "
+                "again when the other is), or train this model with plain torch.compile."
+            )
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
             if self.model is None:
