@@ -278,7 +278,10 @@ class CheckpointCompiler:
         return internals.called_weakly(run)
 
     def _plan_dynamo_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        control_flow = internals.control_flow_ops(gm)
+        training = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        )
+        control_flow = internals.control_flow_ops(gm) if training else []
         if control_flow:
             raise UntraceableModelError(
                 f"ckptc cannot plan a graph that calls {', '.join(control_flow)}: its branches are subgraphs "
