@@ -326,6 +326,31 @@ def test_the_backend_trains_on_after_a_step_whose_caller_raised() -> None:
     assert not internals.profiler_active()
 
 
+def _entry(entry: str, reference: nn.Module, budget: int) -> tuple[nn.Module, nn.Module, Any, Any]:
+    """Eager and ckptc copies of ``reference`` through ``entry`` ("optimize" or "backend"): the eager model,
+    ckptc's model, its check (``.plan``) and what to call."""
+    if entry == "optimize":
+        eager, model, fast = _eager_and_optimized(reference, budget, **NO_MILP)
+        return eager, model, fast, fast
+    return _eager_and_compiled(reference, budget, **NO_MILP)
+
+
+def _plain_steps_around(
+    fast: Any, eager: nn.Module, model: nn.Module, budget: int, unusual: dict[int, Callable[[int], None]]
+) -> None:
+    """Six plain steps on both copies, but where ``unusual`` runs a step of its own (ckptc's copy only): eager's
+    gradients on every plain step; then a later step within the budget, measured here, and no profiler left."""
+    for step in range(6):
+        if step in unusual:
+            unusual[step](step)
+            continue
+        plain(fast, _batches(step))
+        plain(eager, _batches(step))
+        _assert_same_gradients(model, eager)
+    assert _peak(plain, fast, model, _batches(9)) <= budget
+    assert not internals.profiler_active()
+
+
 @pytest.mark.parametrize("entry", ["optimize", "backend"])
 def test_a_step_refused_for_its_resident_gradients_does_not_refuse_steps_without_them(entry: str) -> None:
     """A budget near the floor of steps that start from ``None`` gradients; one step zeroes them in place
@@ -339,26 +364,15 @@ def test_a_step_refused_for_its_resident_gradients_does_not_refuse_steps_without
     reference = _Net()
     captured = ckptc.capture(copy.deepcopy(reference), (_batches(0)[0],), loss_fn=_loss)
     budget = captured.floor_bytes + (captured.unoptimized_peak_bytes - captured.floor_bytes) // 4
-    if entry == "optimize":
-        eager, model, fast = _eager_and_optimized(reference, budget, **NO_MILP)
-    else:
-        eager, model, _, fast = _eager_and_compiled(reference, budget, **NO_MILP)
+    eager, model, _, fast = _entry(entry, reference, budget)
 
     def zeroed_in_place(step: int) -> None:
         for p in model.parameters():
             p.grad.zero_()
-        _loss(fast(_batches(step)[0])).backward()
+        with pytest.raises(ckptc.InfeasibleBudgetError, match="set_to_none=True"):
+            _loss(fast(_batches(step)[0])).backward()
 
-    for step in range(6):
-        if step in (2, 4):
-            with pytest.raises(ckptc.InfeasibleBudgetError, match="set_to_none=True"):
-                zeroed_in_place(step)
-            continue
-        plain(fast, _batches(step))
-        plain(eager, _batches(step))
-        _assert_same_gradients(model, eager)
-    assert _peak(plain, fast, model, _batches(9)) <= budget
-    assert not internals.profiler_active()
+    _plain_steps_around(fast, eager, model, budget, {2: zeroed_in_place, 4: zeroed_in_place})
 
 
 @pytest.mark.parametrize("entry", ["optimize", "backend"])
@@ -373,31 +387,19 @@ def test_a_gradient_penalty_step_torch_refuses_leaves_later_steps_within_the_bud
     torch.manual_seed(0)
     reference = _Net()
     budget = _budget(plain, reference)
-    if entry == "optimize":
-        eager, model, fast = _eager_and_optimized(reference, budget, **NO_MILP)
-        check = fast
-    else:
-        eager, model, check, fast = _eager_and_compiled(reference, budget, **NO_MILP)
+    eager, model, check, fast = _entry(entry, reference, budget)
 
-    def penalty_step(x: torch.Tensor) -> None:
+    def penalty_step(step: int) -> None:
         _zero(model)
-        x = x.clone().requires_grad_(True)
+        x = _batches(step)[0].requires_grad_(True)
         loss = _loss(fast(x))
         (gradient,) = torch.autograd.grad(loss, x, create_graph=True)
-        (loss + gradient.square().sum()).backward()
+        with pytest.raises(RuntimeError, match="double backward"):
+            (loss + gradient.square().sum()).backward()
+        measured = check.plan.measured_peak_bytes  # not the penalty step's (_Net: 1,448,976 B, 1.36x)
+        assert measured is None or measured <= budget, (measured, budget)
 
-    for step in range(6):
-        if step == 1:
-            with pytest.raises(RuntimeError, match="double backward"):
-                penalty_step(_batches(step)[0])
-            measured = check.plan.measured_peak_bytes  # not the penalty step's (_Net: 1,448,976 B, 1.36x)
-            assert measured is None or measured <= budget, (measured, budget)
-            continue
-        plain(fast, _batches(step))
-        plain(eager, _batches(step))
-        _assert_same_gradients(model, eager)
-    assert _peak(plain, fast, model, _batches(9)) <= budget
-    assert not internals.profiler_active()
+    _plain_steps_around(fast, eager, model, budget, {1: penalty_step})
 
 
 @pytest.mark.parametrize("entry", ["optimize", "backend"])
