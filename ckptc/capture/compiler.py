@@ -278,11 +278,12 @@ class CheckpointCompiler:
         return internals.called_weakly(run)
 
     def _plan_dynamo_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        training = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
-        )
-        control_flow = internals.control_flow_ops(gm) if training else []
-        if control_flow:
+        control_flow = internals.control_flow_ops(gm)
+        if (
+            control_flow
+            and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+        ):  # a graph that trains (an inference graph runs as compiled)
             raise UntraceableModelError(
                 f"ckptc cannot plan a graph that calls {', '.join(control_flow)}: its branches are subgraphs "
                 "that ckptc's rewrite does not split into what backward keeps and what it recomputes.\n"
