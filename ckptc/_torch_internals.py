@@ -504,6 +504,27 @@ def observe_ops(callback: Callable[[Any, tuple, dict, Any], None]) -> Any:
     return _Observer()
 
 
+def dynamo_disabled() -> bool:
+    """Whether Dynamo compiles nothing in this process (``TORCH_COMPILE_DISABLE=1`` sets
+    ``torch._dynamo.config.disable``): ``torch.compile`` then runs every call eagerly."""
+    return bool(torch._dynamo.config.disable)
+
+
+def frame_compiles() -> tuple[int, int] | None:
+    """While Dynamo compiles a frame (inside a backend): how many compiled entries its code holds already
+    (the graphs compiled for it before, for any model of its class), and Dynamo's recompile limit
+    (``torch._dynamo.config.recompile_limit``, or the ``torch.compile`` call's own, which Dynamo patches
+    in while compiling).  None outside a compile.  Once the entries reach the limit Dynamo compiles the
+    code no more: a call none of their guards pass runs eagerly, with a log line only."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = getattr(torch._dynamo.symbolic_convert.tls, "current_tx", None)
+    if not isinstance(tx, InstructionTranslator):
+        return None
+    return len(_debug_get_cache_entry_list(tx.f_code)), int(torch._dynamo.config.recompile_limit)
+
+
 def dynamo_traces_rnns() -> bool:
     """Whether the caller's Dynamo configuration traces ``nn.LSTM``/``GRU``/``RNN`` (``allow_rnn``; off by
     default, when Dynamo runs them eagerly)."""
@@ -727,14 +748,43 @@ def compile_module(model: torch.nn.Module, backend: Any) -> Any:
     return compiled
 
 
-def module_being_compiled() -> torch.nn.Module | None:
-    """The module whose call Dynamo is compiling now, found on the Python stack; None if there is none.
+@contextlib.contextmanager
+def compiled_code_forgotten() -> Iterator[None]:
+    """Drop, at the block's end, what Dynamo compiled in it for code that held nothing compiled before.
+
+    Dynamo keeps a compiled entry on each code object it compiles (a model class's ``forward``, its
+    layers' after a graph break) for the whole process, whichever backend made it, and stops compiling a
+    code once its entries reach the recompile limit: a one-off capture left an entry that no call can run
+    again (its backend is gone) and that took one of the caller's later ``torch.compile`` of the class.
+    Code the caller compiled before keeps every entry (Dynamo cannot drop one alone)."""
+    from torch._C._dynamo.eval_frame import reset_code
+    from torch._dynamo import convert_frame
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def holding() -> dict[int, Any]:
+        codes = (ref() for ref in convert_frame.input_codes.seen)
+        return {id(code): code for code in codes if code is not None and _debug_get_cache_entry_list(code)}
+
+    before = holding()
+    try:
+        yield
+    finally:
+        with convert_frame.compile_lock:
+            for key, code in holding().items():
+                if key not in before:
+                    reset_code(code)
+
+
+def compiled_module_called() -> torch.nn.Module | None:
+    """The module whose compiled call is on the Python stack (Dynamo compiling it, or running the graphs it
+    compiled for it); None if there is none.
 
     ``torch.compile(model, backend=...)`` returns an ``OptimizedModule`` whose call is on the stack
-    while Dynamo hands a backend each of the model's graphs (after a graph break too); ``model.compile(...)``
-    compiles the model's own call, which its ``_wrapped_call_impl`` runs.  The innermost one is the model
-    being compiled.  A compiled function (``torch.compile(train_step)``) has none: the one module among the
-    arguments it was called with stands for the model (none, or several: None).
+    while Dynamo hands a backend each of the model's graphs (after a graph break too) and while they
+    run; ``model.compile(...)`` compiles the model's own call, which its ``_wrapped_call_impl`` runs.
+    The innermost one is the model being compiled or run.  A compiled function
+    (``torch.compile(train_step)``) has none: the one module among the arguments it was called with
+    stands for the model (none, or several: None).
     """
     import sys
 

@@ -534,6 +534,7 @@ def capture(
     shape = ShapePlan.first((), template, ranks)
     ran: list[GraphRecord] = []  # the step's graphs in the order they ran (a graph repeats for layers compiled once)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(internals.compiled_code_forgotten())  # nothing runs the capture's graphs again
         inputs, kwargs = example_inputs, example_kwargs
         if target is not None:
             inputs, kwargs = stack.enter_context(offline_step(model, inputs, kwargs, target))

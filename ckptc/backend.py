@@ -68,6 +68,15 @@ def backend(
         >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP
     """
     checked = CheckpointOptions.from_user(options, budget_gb=budget_gb)
+    if internals.dynamo_disabled():
+        warn_once(
+            CheckpointCompiler,
+            "dynamo-disabled",
+            "ckptc: torch.compile is turned off in this process (TORCH_COMPILE_DISABLE=1, or "
+            "torch._dynamo.config.disable = True): it runs every call eagerly and never calls this backend, "
+            "so nothing is planned and the budget does not hold. What to do: unset TORCH_COMPILE_DISABLE.",
+            stacklevel=2,
+        )
     if model is not None:
         _warn_if_recurrent_modules_run_eagerly(model)
     source = None

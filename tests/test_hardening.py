@@ -1204,3 +1204,75 @@ def test_torch_cond_is_refused_saying_what_to_do_through_both_entry_points(entry
         fast(torch.randn(64, 64)).backward()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_backend_compiling_a_frame_for_the_last_time_says_later_calls_would_run_without_a_plan() -> None:
+    """Past Dynamo's recompile limit a call none of the compiled graphs' guards pass runs eagerly, without the
+    backend, unplanned and unmeasured, with only Dynamo's log line: a budget sweep compiling a fresh model per
+    trial, each with its own backend, ran its ninth trial at 1.115x its budget.  The backend says so once,
+    when Dynamo compiles the frame for the last time."""
+
+    class Sweep(nn.Module):  # its own class: the warning is given once per model class
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x).square().mean()
+
+    torch.compiler.reset()
+    x = torch.randn(64, 32)
+    captured = ckptc.capture(Sweep(), (x,))
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    told = []
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for trial in range(3):
+            torch.compile(Sweep(), backend=ckptc.backend(budget_bytes=budget + trial))(x).backward()
+            told.append([str(w.message) for w in seen if issubclass(w.category, ckptc.CkptcWarning)])
+    assert told[0] == [], told
+    assert len(told[1]) == 1 and "recompile limit" in told[1][0] and "torch.compiler.reset()" in told[1][0], told
+    assert told[2] == told[1], told  # once: the third trial runs eagerly, never reaching a backend
+
+
+def test_torch_compile_turned_off_is_said_by_both_entry_points() -> None:
+    """``TORCH_COMPILE_DISABLE=1`` (``torch._dynamo.config.disable``): ``torch.compile`` never calls the backend,
+    so the step ran eagerly over the budget without a word (1.18x), and ``optimize`` refused the model blaming
+    the recompile limit or ``torch.compiler.disable``.  The backend now warns when it is made, and ``optimize``
+    names the setting."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
+    before = copy.deepcopy(model.state_dict())
+    with torch._dynamo.config.patch(disable=True):
+        with pytest.warns(ckptc.CkptcWarning, match="TORCH_COMPILE_DISABLE"):
+            ckptc.backend(budget_bytes=1 << 20)
+        with pytest.raises(ckptc.UntraceableModelError, match="TORCH_COMPILE_DISABLE"):
+            ckptc.optimize(model, budget_bytes=1 << 20)(torch.randn(8, 32)).sum().backward()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_capture_leaves_no_compiled_code_that_counts_against_the_callers_recompile_limit() -> None:
+    """Dynamo keeps every compiled entry of a code object, whichever backend made it, and compiles a code no
+    more once they reach its recompile limit: ``ckptc.capture`` left one on the model class's ``forward``
+    that nothing could run again, and a later ``torch.compile`` of the class at ``recompile_limit=1`` ran
+    eagerly instead of compiling."""
+
+    class Captured(nn.Module):  # its own class: no other test compiled its forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x).mean()
+
+    x = torch.randn(8, 16)
+    ckptc.capture(Captured(), (x,))
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        torch.compile(Captured(), backend=counting)(x).backward()
+    assert len(graphs) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import io
 import pickle
 import warnings
@@ -1589,3 +1590,61 @@ def test_a_block_compiled_once_for_every_layer_keeps_more_where_the_budget_leave
     _trains_like_eager_within(budget, compiled, model, copy.deepcopy(reference), ids)  # each replan is a step
     assert check.plan.recompute_percent < 1, check.plan
     assert check.plan.measured_peak_bytes is not None and check.plan.measured_peak_bytes <= budget
+
+
+class _Classifier(nn.Module):
+    """Residual blocks with dropout and a cross-entropy loss inside: the model of a budget sweep."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(3)
+        )
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + self.drop(block(h))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("earlier", ["freed", "alive"])
+def test_one_backend_compiling_a_fresh_model_per_trial_counts_the_model_its_graphs_run_for(earlier: str) -> None:
+    """A budget sweep builds a fresh model per trial and compiles it with the same backend; Dynamo runs the
+    graphs it compiled for the first model for the next (their guards hold), and the backend's check
+    counted the model found when they compiled: once freed, none, so the new model's parameters were
+    counted outside every graph and the budget the first model met at 0.99 was refused for the second
+    (naming a floor 1.13x it).  The check now counts the model whose call runs the graphs, whether the
+    earlier one was freed or is still alive."""
+    torch.compiler.reset()
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, 32, generator=data), torch.randint(0, 10, (8, 16), generator=data)
+    torch.manual_seed(0)
+    captured = ckptc.capture(_Classifier(), (x, y))
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    backend = ckptc.backend(budget_bytes=budget)
+    kept = []
+    for trial in range(2):
+        torch.manual_seed(trial)
+        model = _Classifier()
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend=backend)
+        for seed in range(3):
+            for net, params in ((compiled, model), (eager, eager)):
+                params.zero_grad(set_to_none=True)
+                torch.manual_seed(seed)
+                net(x, y).backward()
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        model.zero_grad(set_to_none=True)
+        run = functools.partial(lambda net: net(x, y).backward(), compiled)
+        _, measured = measure_peak(run, baseline_bytes=resident_bytes(model, x, y))
+        assert measured.peak_bytes <= budget, (trial, measured.peak_bytes, budget)
+        if earlier == "alive":
+            kept.append(model)
+        del model, compiled, run
+        gc.collect()

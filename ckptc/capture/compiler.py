@@ -35,7 +35,7 @@ from ckptc import _torch_internals as internals
 from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
-from ckptc.errors import ArgumentTypeError, CkptcError, UntraceableModelError
+from ckptc.errors import ArgumentTypeError, CkptcError, UntraceableModelError, warn_once
 from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED, GRAPH_STARTS
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
@@ -119,6 +119,7 @@ class CheckpointCompiler:
             options = options.replace(**option_values)
         self.options = options
         self.model = model  # held weakly: see the property
+        self._model_given = model is not None  # by the caller, not found on the stack (follow_the_called_model)
         self.plan_source = plan_source
         self.progress = progress
         self.generate_kernels = generate_kernels
@@ -295,7 +296,8 @@ class CheckpointCompiler:
             if self.model is None:
                 # torch.compile(model, backend="ckptc") names no model: the one being compiled is found, so
                 # the baselines count what its graphs do not take (eager code's parameters, frozen ones).
-                self.model = internals.module_being_compiled()
+                self.model = internals.compiled_module_called()
+            self._warn_at_the_recompile_limit()
         events = self.step_check or self.step_events
         if events is not None:
             events.planned(new_graph=True)  # planning profiles ops
@@ -333,6 +335,8 @@ class CheckpointCompiler:
 
         def run(*args: Any) -> Any:
             nonlocal compiled, record, planned_under, plans
+            if check is not None and not check.step_open:
+                self._follow_the_called_model(check)
             if check is not None and check.begin(args, index):
                 self.active.clear()  # a new step: no graph of it has run yet
             account = self.account
@@ -383,6 +387,45 @@ class CheckpointCompiler:
             return outputs
 
         return run
+
+    def _warn_at_the_recompile_limit(self) -> None:
+        """Say once, when Dynamo compiles a frame for the last time, that later calls its graphs do not
+        cover will run eagerly: past its recompile limit Dynamo compiles that code no more and runs such a
+        call without the backend, unplanned and unmeasured, with only a log line (a budget sweep compiling
+        a fresh model per trial, each with its own backend, ran its ninth trial at 1.115x its budget)."""
+        compiles = internals.frame_compiles()
+        if compiles is None or compiles[0] + 1 < compiles[1]:  # (the one compiling now makes an entry too)
+            return
+        name = type(self.model).__name__ if self.model is not None else "the compiled function"
+        warn_once(
+            type(self.model) if self.model is not None else self,
+            "recompile-limit",
+            f"ckptc: Dynamo compiled {name}'s code {compiles[0] + 1} times now, its recompile limit "
+            f"(torch._dynamo.config.recompile_limit = {compiles[1]}): a later call that none of those graphs' "
+            "guards pass (a new input shape, another model of this class compiled with another backend) runs "
+            "eagerly, without ckptc's plan and unmeasured, so the budget does not hold for it.\n"
+            "What to do: in a sweep, call torch.compiler.reset() before compiling each trial's model; else "
+            "raise torch._dynamo.config.recompile_limit, or train through ckptc.optimize, whose compiles do "
+            "not count against the limit.",
+            stacklevel=2,
+        )
+
+    def _follow_the_called_model(self, check: BackendStepCheck) -> None:
+        """Count the model whose call runs this step's graphs, where it is not the one found before.
+
+        Dynamo runs a compiled graph for any module whose call passes its guards: another instance of the
+        model's class (a budget sweep building a fresh model per trial with one backend object, or with a
+        new one that Dynamo took for the last, freed one).  Counting the earlier model, or none once it
+        was freed, put the new one's parameters outside every graph (a budget the first model met at 0.99
+        was refused for the second).  A model given as ``model=`` is followed only once it was freed."""
+        known = self.model
+        if self._model is None or (self._model_given and known is not None):
+            return
+        called = internals.compiled_module_called()
+        if called is None or called is known:
+            return
+        log.info("torch.compile(backend='ckptc'): the graphs run for another %s now", type(called).__name__)
+        self.model = check.model = called
 
     def _plan_graph(
         self,

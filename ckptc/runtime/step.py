@@ -978,6 +978,13 @@ def refuse_unplanned(
             "What to do: remove that construct from the forward (TORCH_LOGS=graph_breaks shows its line), "
             "or train without ckptc."
         )
+    if not ran and internals.dynamo_disabled():
+        raise UntraceableModelError(
+            f"ckptc could not run the training step of {type(model).__name__} under a plan: torch.compile is "
+            "turned off in this process (TORCH_COMPILE_DISABLE=1, or torch._dynamo.config.disable = True), so "
+            "Dynamo captured no graph, nothing would be checkpointed and the budget would not hold.\n"
+            "What to do: unset TORCH_COMPILE_DISABLE (ckptc captures the step through Dynamo), or train without ckptc."
+        )
     if not ran:
         raise UntraceableModelError(
             f"ckptc could not run the training step of {type(model).__name__} under a plan: "

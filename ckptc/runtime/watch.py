@@ -105,6 +105,10 @@ class BackendStepCheck:
     def model(self) -> torch.nn.Module | None:
         return self._model() if self._model is not None else None
 
+    @model.setter
+    def model(self, model: torch.nn.Module | None) -> None:
+        self._model = weakref.ref(model) if model is not None else None
+
     @property
     def account(self) -> StepAccount:
         return self.replans.account
