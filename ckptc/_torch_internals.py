@@ -510,6 +510,14 @@ def dynamo_disabled() -> bool:
     return bool(torch._dynamo.config.disable)
 
 
+def dynamo_runs_eagerly_after(error: BaseException) -> bool:
+    """Whether Dynamo, its backend having raised ``error``, breaks the graph there and runs that code
+    eagerly instead of raising (fake-tensor errors: data-dependent output sizes, unsupported operators)."""
+    from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+
+    return isinstance(error, exceptions_allowed_to_be_fallback)
+
+
 def frame_compiles() -> tuple[int, int] | None:
     """While Dynamo compiles a frame (inside a backend): how many compiled entries its code holds already
     (the graphs compiled for it before, for any model of its class), and Dynamo's recompile limit
@@ -813,6 +821,27 @@ def compiled_module_called() -> torch.nn.Module | None:
                 return owner
         frame = frame.f_back
     return arguments[0] if arguments is not None and len(arguments) == 1 else None
+
+
+def compiled_call_inputs() -> list[torch.Tensor]:
+    """The tensors among the arguments of the innermost ``torch.compile``d call on the Python stack (the
+    compiled model's or function's call, whose graphs run or compile now); empty if there is none.
+
+    The caller holds them through the step, but a graph sees only those it takes: an input the model's
+    eager code alone reads (an augmentation run under ``torch.compiler.disable`` before the first graph)
+    reaches no graph."""
+    import sys
+
+    from torch._dynamo import eval_frame
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename == eval_frame.__file__:
+            call = frame.f_locals
+            leaves = tree_leaves((call.get("args", ()), call.get("kwargs", {})))
+            return [t for t in leaves if isinstance(t, torch.Tensor)]
+        frame = frame.f_back
+    return []
 
 
 def called_weakly(target: Callable) -> Callable:

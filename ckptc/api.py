@@ -187,7 +187,9 @@ class OptimizedModule(torch.nn.Module):
 
     @_model_signature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return outside_dynamo(self._ckptc_call, args, kwargs, torch.compiler.is_compiling())
+        # (is_dynamo_compiling: Dynamo folds it to True in the code it traces; is_compiling reads a flag
+        # every thread shares, set while another thread compiles.)
+        return outside_dynamo(self._ckptc_call, args, kwargs, torch.compiler.is_dynamo_compiling())
 
     def _ckptc_call(self, args: tuple, kwargs: dict, traced: bool = False) -> Any:
         """One call of the model (``traced``: an outer ``torch.compile`` traced the caller)."""
@@ -605,7 +607,8 @@ def training_state_restored(model: torch.nn.Module, *inputs: Any) -> Iterator[No
     """Run trial steps on ``model`` and then put back its gradients, buffers
     (BatchNorm statistics) and the global random state, and the gradients of the
     tensors in ``inputs`` that are leaves requiring one (an input the caller
-    differentiates, as in adversarial training), so nothing is lost."""
+    differentiates, as in adversarial training), so nothing is lost.  An input the
+    forward updates in place keeps the one update a call makes."""
     leaves = [t for t in internals.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
     saved_grads = {p: p.grad for p in [*model.parameters(), *leaves]}
     for leaf in leaves:

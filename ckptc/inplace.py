@@ -57,7 +57,8 @@ class AppliedCall:
         self.optimized = optimized
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return outside_dynamo(self._call, args, kwargs, torch.compiler.is_compiling())
+        # (is_dynamo_compiling, not is_compiling: see ckptc.api.OptimizedModule.forward)
+        return outside_dynamo(self._call, args, kwargs, torch.compiler.is_dynamo_compiling())
 
     def _call(self, args: tuple, kwargs: dict, traced: bool) -> Any:
         set_module_call_override(self.model, None)

@@ -1276,3 +1276,56 @@ def test_a_capture_leaves_no_compiled_code_that_counts_against_the_callers_recom
     with torch._dynamo.config.patch(recompile_limit=1):
         torch.compile(Captured(), backend=counting)(x).backward()
     assert len(graphs) == 1
+
+
+def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_compile() -> None:
+    """``torch.compiler.is_compiling()`` reads a flag every thread shares: an optimized model trained in one
+    thread while another thread compiled was told to drop an outer ``torch.compile`` it never had."""
+    import threading
+
+    compiling, release = threading.Event(), threading.Event()
+
+    def waiting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        compiling.set()
+        release.wait(timeout=5)  # Dynamo's compile lock: ckptc's own compile below waits for this one
+        return gm.forward
+
+    other = threading.Thread(target=lambda: torch.compile(lambda t: t.sin() + 1, backend=waiting)(torch.randn(4)))
+    other.start()
+    try:
+        assert compiling.wait(timeout=60)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ckptc.optimize(model, budget_bytes=1 << 30)(torch.randn(8, 16)).sum().backward()
+    finally:
+        release.set()
+        other.join()
+    assert not [w for w in seen if "outer torch.compile" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_a_graph_dynamo_runs_eagerly_after_the_backend_failed_on_it_is_said_once() -> None:
+    """Boolean-mask assignment traces ``nonzero``, whose output size depends on the data; under the caller's
+    Dynamo settings the backend's trace of it fails and Dynamo runs that code eagerly instead, with only its
+    own log line: the backend planned nothing and every step ran 1.25x over the budget without a word."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 128), nn.Linear(128, 32)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            h = self.b(torch.relu(self.a(x[mask])))
+            out = torch.zeros_like(x)
+            out[mask] = h
+            return (out + x).square().mean()
+
+    x, mask = torch.randn(8, 64, 32), torch.rand(8, 64, generator=torch.Generator().manual_seed(0)) > 0.3
+    model = Masked()
+    compiled = torch.compile(model, backend=ckptc.backend(budget_bytes=1 << 20, model=model))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled(x, mask).backward()
+    told = [str(w.message) for w in seen if issubclass(w.category, ckptc.CkptcWarning)]
+    assert len([m for m in told if "could not be planned" in m and "eagerly" in m]) == 1, told

@@ -1648,3 +1648,50 @@ def test_one_backend_compiling_a_fresh_model_per_trial_counts_the_model_its_grap
             kept.append(model)
         del model, compiled, run
         gc.collect()
+
+
+@torch.compiler.disable
+def _augmented(x: torch.Tensor) -> torch.Tensor:
+    return x * 1.5 + 0.1
+
+
+class _AugmentedInput(nn.Module):
+    """Eager code before the first graph (an input augmentation Dynamo does not trace) reads the call's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = _augmented(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_the_backends_check_counts_the_compiled_calls_input_that_only_eager_code_reads() -> None:
+    """The backend sees only the tensors its graphs take: the caller's batch, read by an augmentation under
+    ``torch.compiler.disable`` before the first graph, was counted by neither the plan nor the check, and
+    every step ran over the budget by its bytes while the check verified it (1.124x at 0.65x eager's peak).
+    The check now counts the compiled call's own inputs: the first measured step shows the miss, the graphs
+    plan again counting it, and the steps after are within the budget, measured independently too."""
+    torch.compiler.reset()
+    data = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1024, 64, generator=data), torch.randint(0, 10, (1024,), generator=data)
+    torch.manual_seed(0)
+    reference = _AugmentedInput()
+    eager = copy.deepcopy(reference)
+    budget = int(
+        0.7 * measure_peak(lambda: eager(x, y).backward(), baseline_bytes=resident_bytes(eager, x, y))[1].peak_bytes
+    )
+    model = copy.deepcopy(reference)
+    backend = ckptc.backend(budget_bytes=budget, model=model)
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        compiled(x, y).backward()
+    model.zero_grad(set_to_none=True)
+    _, measured = measure_peak(lambda: compiled(x, y).backward(), baseline_bytes=resident_bytes(model, x, y))
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+    assert backend.plan.measured_peak_bytes == measured.peak_bytes

@@ -272,6 +272,18 @@ class CheckpointCompiler:
             if isinstance(error, CkptcError):
                 # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
                 raise internals.raised_through_dynamo(error) from error.__cause__
+            if not self.track_steps and internals.dynamo_runs_eagerly_after(error):
+                name = type(self.model).__name__ if self.model is not None else "the compiled function"
+                warn_once(
+                    self,
+                    "graph-run-eagerly",
+                    f"ckptc: a graph of {name} could not be planned ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:200] if str(error) else 'no message'}), and Dynamo runs its "
+                    "code eagerly instead (its 'Backend compiler exception' log): unplanned and unmeasured, so "
+                    "the budget does not hold for it. What to do: train the model through ckptc.optimize, whose "
+                    "graphs keep data-dependent ops (nonzero, boolean-mask indexing, .item()), or remove them.",
+                    stacklevel=2,
+                )
             raise
         # Dynamo keeps what a backend returns in the compiled frame's module globals for the whole
         # process; what it runs reaches this compiler, its step and the model (weights on the device).
