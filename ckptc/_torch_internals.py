@@ -796,17 +796,12 @@ def compiled_module_called() -> torch.nn.Module | None:
     """
     import sys
 
-    from torch._dynamo import eval_frame
     from torch._dynamo.eval_frame import OptimizedModule
 
     frame = sys._getframe(1)
     arguments: list[torch.nn.Module] | None = None
     while frame is not None:
-        if (
-            arguments is None
-            and frame.f_code.co_name == "compile_wrapper"
-            and frame.f_code.co_filename == eval_frame.__file__
-        ):
+        if arguments is None and _is_compiled_call(frame):
             call = frame.f_locals
             values = [*call.get("args", ()), *call.get("kwargs", {}).values()]
             arguments = list({id(v): v for v in values if isinstance(v, torch.nn.Module)}.values())
@@ -832,16 +827,21 @@ def compiled_call_inputs() -> list[torch.Tensor]:
     reaches no graph."""
     import sys
 
-    from torch._dynamo import eval_frame
-
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename == eval_frame.__file__:
+        if _is_compiled_call(frame):
             call = frame.f_locals
             leaves = tree_leaves((call.get("args", ()), call.get("kwargs", {})))
             return [t for t in leaves if isinstance(t, torch.Tensor)]
         frame = frame.f_back
     return []
+
+
+def _is_compiled_call(frame: Any) -> bool:
+    """Whether ``frame`` is the function ``torch.compile`` wraps a callable in, called with its arguments."""
+    from torch._dynamo import eval_frame
+
+    return frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename == eval_frame.__file__
 
 
 def called_weakly(target: Callable) -> Callable:
