@@ -766,14 +766,14 @@ def compiled_code_forgotten() -> Iterator[None]:
     again (its backend is gone) and that took one of the caller's later ``torch.compile`` of the class.
     Code the caller compiled before keeps every entry (Dynamo cannot drop one alone)."""
     from torch._C._dynamo.eval_frame import reset_code
-    from torch._dynamo import convert_frame
+    from torch._dynamo import convert_frame, pgo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     def holding() -> dict[int, Any]:
         codes = (ref() for ref in convert_frame.input_codes.seen)
         return {id(code): code for code in codes if code is not None and _debug_get_cache_entry_list(code)}
 
-    before = holding()
+    before, sizes_seen = holding(), set(pgo.get_code_state())
     try:
         yield
     finally:
@@ -781,6 +781,11 @@ def compiled_code_forgotten() -> Iterator[None]:
             for key, code in holding().items():
                 if key not in before:
                     reset_code(code)
+                    # The sizes it was compiled for too: the caller's first compile at another batch size
+                    # would otherwise make them dynamic (Dynamo's automatic dynamic shapes, kept per code).
+                    code_id = pgo.CodeId.make(code)
+                    if code_id not in sizes_seen:
+                        pgo.get_code_state().pop(code_id, None)
 
 
 def compiled_module_called() -> torch.nn.Module | None:

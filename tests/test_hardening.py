@@ -1255,7 +1255,9 @@ def test_a_capture_leaves_no_compiled_code_that_counts_against_the_callers_recom
     """Dynamo keeps every compiled entry of a code object, whichever backend made it, and compiles a code no
     more once they reach its recompile limit: ``ckptc.capture`` left one on the model class's ``forward``
     that nothing could run again, and a later ``torch.compile`` of the class at ``recompile_limit=1`` ran
-    eagerly instead of compiling."""
+    eagerly instead of compiling.  It also left the batch size it captured in Dynamo's per-code sizes, so
+    the caller's compile at another batch size made that dimension symbolic (under ckptc's backend, a graph
+    that cannot be planned again: an accumulation loop was refused after one step over the budget)."""
 
     class Captured(nn.Module):  # its own class: no other test compiled its forward
         def __init__(self) -> None:
@@ -1274,8 +1276,11 @@ def test_a_capture_leaves_no_compiled_code_that_counts_against_the_callers_recom
         return gm.forward
 
     with torch._dynamo.config.patch(recompile_limit=1):
-        torch.compile(Captured(), backend=counting)(x).backward()
+        torch.compile(Captured(), backend=counting)(x[:4]).backward()
     assert len(graphs) == 1
+    # Nor the sizes it was compiled for: Dynamo would take a second batch size for a dynamic one.
+    sizes = [d for node in graphs[0].graph.find_nodes(op="placeholder") for d in node.meta["example_value"].shape]
+    assert all(isinstance(d, int) for d in sizes), sizes
 
 
 def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_compile() -> None:

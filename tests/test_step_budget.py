@@ -1612,14 +1612,19 @@ class _Classifier(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
-@pytest.mark.parametrize("earlier", ["freed", "alive"])
-def test_one_backend_compiling_a_fresh_model_per_trial_counts_the_model_its_graphs_run_for(earlier: str) -> None:
+@pytest.mark.parametrize(
+    "earlier, width", [("freed", 64), ("alive", 64), ("alive", 48)], ids=["freed", "alive", "another-width"]
+)
+def test_one_backend_compiling_a_fresh_model_per_trial_counts_the_model_its_graphs_run_for(
+    earlier: str, width: int
+) -> None:
     """A budget sweep builds a fresh model per trial and compiles it with the same backend; Dynamo runs the
     graphs it compiled for the first model for the next (their guards hold), and the backend's check
     counted the model found when they compiled: once freed, none, so the new model's parameters were
     counted outside every graph and the budget the first model met at 0.99 was refused for the second
-    (naming a floor 1.13x it).  The check now counts the model whose call runs the graphs, whether the
-    earlier one was freed or is still alive."""
+    (naming a floor 1.13x it).  A second model of another width compiles graphs of its own, which were
+    planned counting the first model's parameters (refused, naming a floor above the budget, at 0.58x of
+    which it trains alone).  The backend now counts the model whose call compiles or runs the graphs."""
     torch.compiler.reset()
     data = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 16, 32, generator=data), torch.randint(0, 10, (8, 16), generator=data)
@@ -1630,7 +1635,7 @@ def test_one_backend_compiling_a_fresh_model_per_trial_counts_the_model_its_grap
     kept = []
     for trial in range(2):
         torch.manual_seed(trial)
-        model = _Classifier()
+        model = _Classifier(64 if trial == 0 else width)
         eager = copy.deepcopy(model)
         compiled = torch.compile(model, backend=backend)
         for seed in range(3):

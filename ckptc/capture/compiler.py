@@ -305,10 +305,10 @@ class CheckpointCompiler:
             )
         if not self.track_steps:
             check_backend_context()  # torch.compile(DDP(model), backend="ckptc") is refused
-            if self.model is None:
-                # torch.compile(model, backend="ckptc") names no model: the one being compiled is found, so
-                # the baselines count what its graphs do not take (eager code's parameters, frozen ones).
-                self.model = internals.compiled_module_called()
+            # torch.compile(model, backend="ckptc") names no model: the one being compiled is found, so the
+            # baselines count what its graphs do not take (eager code's parameters, frozen ones); a backend
+            # compiling several models plans each one's graphs counting that one.
+            self._follow_the_called_model()
             self._warn_at_the_recompile_limit()
         events = self.step_check or self.step_events
         if events is not None:
@@ -348,7 +348,7 @@ class CheckpointCompiler:
         def run(*args: Any) -> Any:
             nonlocal compiled, record, planned_under, plans
             if check is not None and not check.step_open:
-                self._follow_the_called_model(check)
+                self._follow_the_called_model()
             if check is not None and check.begin(args, index):
                 self.active.clear()  # a new step: no graph of it has run yet
             account = self.account
@@ -422,22 +422,26 @@ class CheckpointCompiler:
             stacklevel=2,
         )
 
-    def _follow_the_called_model(self, check: BackendStepCheck) -> None:
-        """Count the model whose call runs this step's graphs, where it is not the one found before.
+    def _follow_the_called_model(self) -> None:
+        """Count the model whose call compiles or runs the graphs now, where it is not the one known.
 
-        Dynamo runs a compiled graph for any module whose call passes its guards: another instance of the
-        model's class (a budget sweep building a fresh model per trial with one backend object, or with a
-        new one that Dynamo took for the last, freed one).  Counting the earlier model, or none once it
-        was freed, put the new one's parameters outside every graph (a budget the first model met at 0.99
-        was refused for the second).  A model given as ``model=`` is followed only once it was freed."""
+        One backend may compile several models (two models sharing a backend object), and Dynamo runs a
+        compiled graph for any module whose call passes its guards: another instance of the model's class
+        (a budget sweep building a fresh model per trial with one backend object, or with a new one that
+        Dynamo took for the last, freed one).  Counting the earlier model, or none once it was freed, put
+        the new one's parameters outside every graph, or the other model's beside them (budgets each model
+        met alone were refused).  A model given as ``model=`` is followed only once it was freed."""
         known = self.model
-        if self._model is None or (self._model_given and known is not None):
+        if self._model_given and known is not None:
             return
         called = internals.compiled_module_called()
         if called is None or called is known:
             return
-        log.info("torch.compile(backend='ckptc'): the graphs run for another %s now", type(called).__name__)
-        self.model = check.model = called
+        if known is not None or self._model_given:
+            log.info("torch.compile(backend='ckptc'): the graphs run for another %s now", type(called).__name__)
+        self.model = called
+        if self.step_check is not None:
+            self.step_check.model = called
 
     def _plan_graph(
         self,
