@@ -382,6 +382,7 @@ def optimize(
     if not isinstance(verify, bool):
         raise InvalidArgumentError(f"verify must be True or False, got {verify!r}")
     _check_model(model)
+    _refuse_weightless(model)
     compiler_ = backend(
         budget_gb,
         budget_bytes=budget_bytes,
@@ -438,6 +439,21 @@ def example_call(example_inputs: Any, example_kwargs: Any) -> tuple[tuple[Any, .
             "of names to values"
         )
     return tuple(example_inputs), dict(example_kwargs)
+
+
+def _refuse_weightless(model: torch.nn.Module) -> None:
+    """Refuse to train a model whose parameters hold no values (built on ``meta`` or under fake tensors):
+    capturing its step failed later with an error about devices or fake tensors and advice about graph breaks."""
+    weightless = next((p for p in model.parameters() if p.is_meta or internals.is_fake(p)), None)
+    if weightless is not None:
+        where = "on the meta device" if weightless.is_meta else "fake tensors"
+        raise InvalidArgumentError(
+            f"{type(model).__name__}'s parameters are {where}: they hold no values, so it cannot train. "
+            "What to do: to plan it without its weights, call ckptc.plan(model, example_inputs, budget_gb=..., "
+            "device=...) or run `ckptc plan FACTORY --device ...` (see 'Planning a model that does not fit "
+            "here'), then apply the plan file to the model with its weights loaded (model.to_empty(device=...) "
+            "and load_state_dict)."
+        )
 
 
 def _check_model(model: Any) -> None:

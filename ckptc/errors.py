@@ -11,11 +11,12 @@ that guards a call with ``except ValueError`` keeps working:
   (quoted); ``ArgumentTypeError`` (also a :class:`TypeError`) for a wrong type;
   ``UnknownOptionError`` (both) for a keyword ckptc does not know (the message
   lists the valid names);
-* ``InfeasibleBudgetError``: the budget is below the smallest feasible one;
+* ``InfeasibleBudgetError``: the budget is below the smallest feasible one, or below the peak a plan
+  file given with it predicts;
 * ``CorruptPlanError``: the plan file's content is not a valid plan;
   ``PlanFileNotFoundError`` (also a :class:`FileNotFoundError`): there is no file at the path;
-* ``PlanMismatchError``: the plan belongs to another model, other inputs,
-  another torch version, or does not fit the budget given with it.
+* ``PlanMismatchError``: the plan belongs to another model, other inputs or
+  another torch version.
 
 ``UntraceableModelError`` is not: the model's code, not an argument's value,
 is what capture could not handle.

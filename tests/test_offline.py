@@ -313,3 +313,15 @@ def test_a_plan_for_fewer_layers_does_not_blame_an_argument_passed_twice() -> No
     with pytest.raises(ckptc.PlanMismatchError, match="only in the model") as refused:
         ckptc.optimize(mlp(4), plan=planned)(x).square().mean().backward()
     assert "two arguments" not in str(refused.value)
+
+
+@pytest.mark.parametrize("entry", ["optimize", "apply"])
+def test_training_a_model_without_weights_is_refused_pointing_at_offline_planning(entry: str) -> None:
+    """A model built on ``meta`` holds no values: training it through ckptc failed while capturing, naming a
+    missing ``torch.meta`` module and advising about graph breaks (a T5: a raw fake-tensor assertion)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    call = ckptc.optimize if entry == "optimize" else ckptc.apply
+    with pytest.raises(ckptc.InvalidArgumentError, match=r"meta device.*ckptc\.plan\(model"):
+        call(model, budget_bytes=1 << 20)
+    assert ckptc.applied(model) is None and all(p.is_meta for p in model.parameters())
