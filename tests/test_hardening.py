@@ -1292,7 +1292,7 @@ def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_co
 
     def waiting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         compiling.set()
-        release.wait(timeout=5)  # Dynamo's compile lock: ckptc's own compile below waits for this one
+        release.wait(timeout=2)  # Dynamo's compile lock: ckptc's own compile below waits for this one
         return gm.forward
 
     other = threading.Thread(target=lambda: torch.compile(lambda t: t.sin() + 1, backend=waiting)(torch.randn(4)))
