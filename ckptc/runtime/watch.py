@@ -219,8 +219,10 @@ class BackendStepCheck:
             self._counted = set()
             self._tracker.measure(_device_of(args), 0)
             resident = [*args] if self.model is None else [self.model, *args]
-            # The compiled call's own inputs, which the caller holds: only eager code may read one.
-            resident += internals.compiled_call_inputs()
+            # The compiled call's own inputs on the measured device, which the caller holds: only eager code
+            # may read one (a batch on the host that the forward moves counts where it is moved to).
+            device = _device_of(args)
+            resident += [t for t in internals.compiled_call_inputs() if t.device == device]
             # Eager code before the step's first graph (Dynamo ran it outside every graph: a convolution
             # stem, an embedding) holds what autograd saved for its backward through the whole step, and
             # the parameters it used (with their gradients, when resident) are resident.
