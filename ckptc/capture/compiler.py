@@ -273,7 +273,7 @@ class CheckpointCompiler:
                 # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
                 raise internals.raised_through_dynamo(error) from error.__cause__
             if not self.track_steps and internals.dynamo_runs_eagerly_after(error):
-                name = type(self.model).__name__ if self.model is not None else "the compiled function"
+                name = self._model_name("the compiled function")
                 warn_once(
                     self,
                     "graph-run-eagerly",
@@ -313,7 +313,7 @@ class CheckpointCompiler:
         events = self.step_check or self.step_events
         if events is not None:
             events.planned(new_graph=True)  # planning profiles ops
-        refuse_oversized(gm, type(self.model).__name__ if self.model is not None else "the model")
+        refuse_oversized(gm, self._model_name("the model"))
         if self.step_check is not None and self.step_check.left_behind():
             log.info("torch.compile(backend='ckptc'): the last step's results died without a backward")
         if self.step_check is not None and not self.step_check.step_open:
@@ -408,7 +408,7 @@ class CheckpointCompiler:
         compiles = internals.frame_compiles()
         if compiles is None or compiles[0] + 1 < compiles[1]:  # (the one compiling now makes an entry too)
             return
-        name = type(self.model).__name__ if self.model is not None else "the compiled function"
+        name = self._model_name("the compiled function")
         warn_once(
             type(self.model) if self.model is not None else self,
             "recompile-limit",
@@ -421,6 +421,10 @@ class CheckpointCompiler:
             "not count against the limit.",
             stacklevel=2,
         )
+
+    def _model_name(self, unknown: str) -> str:
+        """The class name of the model this compiler counts, for messages (``unknown`` when none is known)."""
+        return type(self.model).__name__ if self.model is not None else unknown
 
     def _follow_the_called_model(self) -> None:
         """Count the model whose call compiles or runs the graphs now, where it is not the one known.
@@ -439,9 +443,7 @@ class CheckpointCompiler:
             return
         if known is not None or self._model_given:
             log.info("torch.compile(backend='ckptc'): the graphs run for another %s now", type(called).__name__)
-        self.model = called
-        if self.step_check is not None:
-            self.step_check.model = called
+        self.model = called  # (its step check reads it from here)
 
     def _plan_graph(
         self,
@@ -584,7 +586,7 @@ class CheckpointCompiler:
         if not self._checks_own_steps(self.budget_bytes):
             return None
         if self.step_check is None:
-            self.step_check = BackendStepCheck(self.replans, self.model)
+            self.step_check = BackendStepCheck(self.replans, lambda: self.model)
         return self.step_check
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

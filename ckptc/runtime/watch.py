@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import weakref
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -79,11 +78,12 @@ class BackendStepCheck:
             :func:`ckptc.meter.steps_to_verify` of them).
     """
 
-    def __init__(self, replans: Replans, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, replans: Replans, model_of: Callable[[], torch.nn.Module | None] = lambda: None) -> None:
         assert replans.budget_bytes is not None
         self.replans = replans
-        # Weakly, as its compiler holds it (CheckpointCompiler.model): Dynamo keeps backends for good.
-        self._model = weakref.ref(model) if model is not None else None
+        # Its compiler's (CheckpointCompiler.model, held weakly there: Dynamo keeps backends for good), which
+        # follows the model whose call runs the graphs.
+        self._model_of = model_of
         self.measured_peak_bytes: int | None = None
         self.verified: Counter[tuple[bool, tuple]] = Counter()
         self._state: tuple[bool, tuple] = (False, ())
@@ -103,11 +103,7 @@ class BackendStepCheck:
 
     @property
     def model(self) -> torch.nn.Module | None:
-        return self._model() if self._model is not None else None
-
-    @model.setter
-    def model(self, model: torch.nn.Module | None) -> None:
-        self._model = weakref.ref(model) if model is not None else None
+        return self._model_of()
 
     @property
     def account(self) -> StepAccount:
@@ -217,11 +213,11 @@ class BackendStepCheck:
         self._runs.add(record, args)
         if self._measure and not self._tracker.measuring:
             self._counted = set()
-            self._tracker.measure(_device_of(args), 0)
+            device = _device_of(args)
+            self._tracker.measure(device, 0)
             resident = [*args] if self.model is None else [self.model, *args]
             # The compiled call's own inputs on the measured device, which the caller holds: only eager code
             # may read one (a batch on the host that the forward moves counts where it is moved to).
-            device = _device_of(args)
             resident += [t for t in internals.compiled_call_inputs() if t.device == device]
             # Eager code before the step's first graph (Dynamo ran it outside every graph: a convolution
             # stem, an embedding) holds what autograd saved for its backward through the whole step, and
