@@ -478,6 +478,36 @@ def test_a_call_that_compiles_again_leaves_no_cycle_holding_its_results() -> Non
         gc.enable()
 
 
+def test_a_planning_call_that_imports_the_milp_backends_leaves_its_results_and_inputs_to_the_caller() -> None:
+    """pulp keeps exceptions it caught while importing (probing optional backends), and their tracebacks
+    hold every frame above the import.  The first call that plans imports it (and HiGHS) on a thread of its
+    own, so the training call's frames, with its inputs and results, are not among them (on the calling
+    thread, both stayed alive for the rest of the process).  A fresh interpreter: pulp is imported once."""
+    script = textwrap.dedent(
+        """
+        import gc, sys, weakref
+        import torch, ckptc
+        assert "pulp" not in sys.modules
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32)) for _ in range(3)
+        ])
+        fast = ckptc.optimize(model, budget_gb=1, solver="ilp")
+        x = torch.randn(16, 32)
+        out = fast(x)
+        out.sum().backward()
+        assert "pulp" in sys.modules, "the planning call did not import pulp: this test tests nothing"
+        refs = {"result": weakref.ref(out), "input": weakref.ref(x)}
+        del out, x
+        gc.collect()
+        print("alive:", sorted(name for name, ref in refs.items() if ref() is not None))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "alive: []" in done.stdout, done.stdout
+
+
 def test_the_backend_trains_on_after_a_forward_that_raised_in_a_frame_compiled_for_it() -> None:
     """As above, the error raised inside the forward (a hook on a layer, its flag guarded by Dynamo): the failing
     step compiles a variant of the forward, and the next step compiles or runs graphs while the failed step is
