@@ -139,6 +139,45 @@ def test_a_model_that_needs_the_exact_length_is_planned_per_length(caplog: pytes
     assert not [r for r in caplog.records if r.name == "torch._guards" and r.levelno >= logging.ERROR]
 
 
+def test_a_model_that_pins_the_length_and_updates_buffers_is_planned_per_length() -> None:
+    """As above, the size pinned by a view over pairs of positions (``L // 2``, an Enformer-style
+    pooling) in a model whose BatchNorm updates its running statistics: the failed capture of the
+    bucket ran the forward (and, to tell the model's error from the capture's, once eagerly), and
+    put the statistics back, so the call runs again for its exact length (before: refused with
+    ``UntraceableModelError`` saying eager raises the error too, which it does not)."""
+
+    class PairPooling(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv1d(4, 8, 3, padding=1)
+            self.norm = torch.nn.BatchNorm1d(8)
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.nn.functional.gelu(self.norm(self.conv(x)))
+            batch, channels, length = h.shape
+            h = h.view(batch, channels, length // 2, 2).softmax(-1).sum(-1)
+            return self.head(h.transpose(1, 2)).square().mean()
+
+    torch.manual_seed(0)
+    model = PairPooling()
+    reference = copy.deepcopy(model)
+    fast = ckptc.optimize(model, budget_bytes=10**8)
+    for length in (20, 24, 24, 28):
+        x = torch.randn(2, 4, length)
+        for net in (model, reference):
+            net.zero_grad(set_to_none=True)
+        loss, ref_loss = fast(x), reference(x)
+        loss.backward()
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad)
+        for b, c in zip(model.buffers(), reference.buffers(), strict=True):
+            assert torch.equal(b, c)
+    assert fast._ckptc_runtime.lengths.refused  # the bucket (16, 32] fell back to exact lengths
+
+
 def test_a_bucket_planned_again_under_accumulation_runs_every_length_of_it() -> None:
     """Gradient accumulation over micro-batches of varying lengths: a bucket's plan (symbolic sizes) made
     from None gradients is made again when a micro-batch starts with gradients resident.  Planned again in

@@ -218,6 +218,7 @@ class ShapePlan:
         kwargs: dict,
         *,
         reference: bool = True,
+        started: ForwardState | None = None,
     ) -> Any:
         """Run a call that plans (the compiler has planned nothing yet, or the account changed), again
         until the plans of its graphs fit together (:func:`ckptc.planning.replan.settle`); the graphs that ran
@@ -231,7 +232,8 @@ class ShapePlan:
         the random state are undone and the call runs again (each graph plans again as it runs).  ``reference``:
         also make the coverage report's reference (:class:`ckptc.capture.coverage.EagerForward`) and, when
         the call fails, run the forward eagerly to tell the model's own error (raised as it is) from a
-        failure of the captured step (:class:`UntraceableModelError`).
+        failure of the captured step (:class:`UntraceableModelError`).  ``started``: the caller's record of
+        the call's state (versions only), told what a failed call put back (:meth:`ForwardState.put_back_by`).
         """
         known = self.changed_in_forward
         saved = ForwardState(model, copied=lambda key: known is None or key in known)
@@ -241,6 +243,10 @@ class ShapePlan:
         self.planning = True
         try:
             return self._plan_call(model, template, step, args, kwargs, saved, reference=reference)
+        except Exception:
+            if started is not None:
+                started.put_back_by(saved)
+            raise
         finally:
             self.planning = False
             self.changed_in_forward = (known or set()) | saved.changed()
@@ -698,7 +704,15 @@ class StepRuntime:
         before = len(self.active)
         try:
             # No reference forward under DDP/FSDP2: it would run collectives and leave FSDP2 expecting a backward.
-            output = shape.plan_call(self.model, self.template, self.active, args, kwargs, reference=self.ranks is None)
+            output = shape.plan_call(
+                self.model,
+                self.template,
+                self.active,
+                args,
+                kwargs,
+                reference=self.ranks is None,
+                started=self._bucketed_call,
+            )
         except solvers.InfeasibleBudgetError as error:
             self._forget(shape, error)  # no half-made plan stays behind
             raise
@@ -1061,6 +1075,25 @@ class ForwardState:
             elif isinstance(leaf, torch.Generator):
                 self.generators.setdefault(id(leaf), (leaf, leaf.get_state()))
         self.versions_at_start = {key: entry[1] for key, entry in self.saved.items()}
+
+    def put_back_by(self, other: ForwardState) -> None:
+        """Count the tensors ``other`` put back (:meth:`restore`) as unchanged since this state was saved.
+
+        ``other`` saved them at the versions this state did and holds copies: its restore wrote their
+        values back through ``.data``, which leaves the versions the forward moved, so the versions alone
+        (all this state keeps when it copies nothing) would call them changed.  A tensor changed again
+        after the restore still counts as changed.
+        """
+        for key, (tensor, version, value) in other.saved.items():
+            mine = self.saved.get(key)
+            if (
+                mine is not None
+                and mine[0] is tensor
+                and value is not None
+                and other.versions_at_start[key] == self.versions_at_start[key]
+                and internals.version_counter(tensor) == version
+            ):
+                self.versions_at_start[key] = version
 
     def changed(self) -> set[str]:
         """The keys of the buffers and inputs changed in place since they were saved."""
