@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import subprocess
+import sys
+import textwrap
 import warnings
 from typing import Any
 
@@ -1307,6 +1310,62 @@ def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_co
         release.set()
         other.join()
     assert not [w for w in seen if "outer torch.compile" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_a_graph_dynamo_runs_eagerly_between_planned_graphs_leaves_the_step_open_and_the_process_whole() -> None:
+    """A graph the backend fails on (boolean-mask indexing) between two it plans: Dynamo runs its code
+    eagerly and the call goes on, so the step does too, unmeasured.  It used to end there, and the next
+    graph opened a step whose profiler started inside the record-function scopes of the one just stopped;
+    torch 2.13 wrote their late ends through freed memory and the next garbage collection crashed the
+    process (exit 139, four runs in four), after a warning about the "last step's results" on the first
+    step.  A fresh interpreter: a crash is the test's failure."""
+    script = textwrap.dedent(
+        """
+        import copy, gc, warnings
+        import torch, torch.nn.functional as F
+        from torch import nn
+        import ckptc
+
+        class Masked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+                self.h = nn.Linear(64, 10)
+
+            def block(self, h):
+                return h + F.gelu(self.c(F.layer_norm(h, h.shape[-1:])))
+
+            def forward(self, x, y):
+                h = self.b(self.a(x))
+                mask = x[..., 0] > 0
+                chosen = torch.zeros_like(h)
+                chosen[mask] = self.c(h[mask]) * 2
+                return F.cross_entropy(self.h(self.block(h + chosen)).reshape(-1, 10), y.reshape(-1))
+
+        torch.manual_seed(0)
+        model = Masked()
+        eager = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 32, 32, generator=g), torch.randint(0, 10, (16, 32), generator=g)
+        compiled = torch.compile(model, backend=ckptc.backend(budget_bytes=3_000_000, model=model))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                gc.collect()
+                for net, owner in ((compiled, model), (eager, eager)):
+                    owner.zero_grad(set_to_none=True)
+                    net(x, y).backward()
+                    gc.collect()
+                for p, q in zip(model.parameters(), eager.parameters()):
+                    assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        told = [str(w.message) for w in seen if issubclass(w.category, ckptc.CkptcWarning)]
+        assert not [m for m in told if "still alive" in m], told
+        print("trained")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert "trained" in done.stdout
 
 
 def test_a_graph_dynamo_runs_eagerly_after_the_backend_failed_on_it_is_said_once() -> None:

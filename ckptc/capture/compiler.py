@@ -265,14 +265,21 @@ class CheckpointCompiler:
         try:
             run = self._plan_dynamo_graph(gm, example_inputs)
         except BaseException as error:
-            if self.step_check is not None:
+            runs_eagerly = not isinstance(error, CkptcError) and internals.dynamo_runs_eagerly_after(error)
+            if self.step_check is not None and runs_eagerly:
+                # Dynamo breaks the graph there and the call goes on, its code run eagerly: so does the
+                # step, unmeasured.  Ended here, the next graph of the call would open a step and start a
+                # profiler inside the record-function scopes opened under the one stopped now, and
+                # torch 2.13 writes their late ends through freed memory (a crash at the next step).
+                self.step_check.planned()
+            elif self.step_check is not None:
                 # The step this graph was compiled in fails with it.  Left open, it would count as another
                 # model's open step for every later model's (none of them then measured).
                 self.step_check.abort()
             if isinstance(error, CkptcError):
                 # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
                 raise internals.raised_through_dynamo(error) from error.__cause__
-            if not self.track_steps and internals.dynamo_runs_eagerly_after(error):
+            if not self.track_steps and runs_eagerly:
                 name = self._model_name("the compiled function")
                 warn_once(
                     self,
