@@ -1102,6 +1102,30 @@ def test_a_refusal_counting_results_only_assumed_held_says_how_to_plan_without_t
         loss(fast(ids)).backward()
 
 
+def test_a_refusal_of_a_model_returning_only_its_loss_names_no_held_results() -> None:
+    """A model that returns only its scalar loss holds no results: holding it or not changes no floor, so a
+    budget below the floor is refused without naming results "assumed held" or ``hold_outputs=False``
+    (before: both were named, and the suggested option gave the same floor)."""
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.GELU())
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.head(self.body(x)).flatten(0, 1), y.flatten())
+
+    torch.manual_seed(0)
+    model = WithLoss()
+    x, y = torch.randn(8, 16, 32), torch.randint(0, 10, (8, 16))
+    floor = ckptc.capture(copy.deepcopy(model), (x, y)).floor_bytes
+    with pytest.raises(ckptc.InfeasibleBudgetError) as refused:
+        ckptc.optimize(model, budget_bytes=floor - 2000)(x, y).backward()
+    assert refused.value.min_feasible_bytes == floor
+    assert "hold_outputs" not in str(refused.value) and "logits" not in str(refused.value), str(refused.value)
+
+
 def test_an_input_of_a_shape_the_model_does_not_take_is_refused_quoting_pytorchs_error_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

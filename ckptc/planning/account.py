@@ -186,9 +186,11 @@ class StepAccount:
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)
 
-    def beyond_a_plain_step(self) -> list[str]:
+    def beyond_a_plain_step(self, held_result_bytes: int | None = None) -> list[str]:
         """What this account counts that a plain step (``capture``'s figures) does not, each with what
-        the caller can do about it, in words (empty for a plain step)."""
+        the caller can do about it, in words (empty for a plain step).  ``held_result_bytes``: what the
+        results counted held weigh in the graph refused, where known; 0 leaves them unsaid (a model
+        returning only its scalar loss: holding it changes no floor)."""
         said = []
         if self.gradients_resident:
             said.append(
@@ -212,7 +214,9 @@ class StepAccount:
                 "eagerly after a graph break): compute the loss inside the model, free them earlier, or "
                 "remove the graph break (the coverage report in ckptc.optimize(...).plan names it)"
             )
-        if self.result_gradients:
+        if held_result_bytes == 0:
+            pass
+        elif self.result_gradients:
             said.append(
                 "the forward's results (logits), held until backward ends with their gradients "
                 "(hold_outputs=True, or a loss that uses them beside the model's own loss)"
@@ -247,10 +251,13 @@ class StepAccount:
             )
         return said
 
-    def explained_refusal(self, error: solvers.InfeasibleBudgetError, lead: str) -> solvers.InfeasibleBudgetError:
-        """``error`` with what this account counts beyond a plain step (:meth:`beyond_a_plain_step`) and
-        what to do, after ``lead``; ``error`` itself when it counts nothing more or was explained already."""
-        held = self.beyond_a_plain_step()
+    def explained_refusal(
+        self, error: solvers.InfeasibleBudgetError, lead: str, held_result_bytes: int | None = None
+    ) -> solvers.InfeasibleBudgetError:
+        """``error`` with what this account counts beyond a plain step (:meth:`beyond_a_plain_step`, with
+        ``held_result_bytes``) and what to do, after ``lead``; ``error`` itself when it counts nothing more
+        or was explained already."""
+        held = self.beyond_a_plain_step(held_result_bytes)
         floor = error.min_feasible_bytes
         if floor is None or getattr(error, "_explained", False):
             return error

@@ -634,8 +634,9 @@ def decide_at(
             infeasible = True  # earlier graphs of the step (this call's or an earlier call's) may keep less
             plan = floor_plan
         else:
-            refusal = _refusal(error, step_floor, options, account, earlier)
+            refusal = _refusal(error, step_floor, options, account, earlier, jp.held_output_bytes)
             refusal.held_result_bytes = jp.droppable_output_bytes  # type: ignore[attr-defined]
+            refusal.held_output_bytes = jp.held_output_bytes  # type: ignore[attr-defined]
             raise refusal from None
     result = floor_result if plan is floor_plan else solvers.simulate(jp.problem, plan)
     record = GraphRecord(
@@ -680,6 +681,7 @@ def _refusal(
     options: CheckpointOptions,
     account: StepAccount | None = None,
     earlier: Sequence[GraphRecord] = (),
+    held_result_bytes: int | None = None,
 ) -> solvers.InfeasibleBudgetError:
     """The error for a graph that cannot fit: the step's floor (with what the step holds beyond a plain
     one, :meth:`StepAccount.beyond_a_plain_step`), or (when ckptc could plan the budget but the chosen
@@ -689,13 +691,16 @@ def _refusal(
     this one.  The budget named then holds this graph beside them keeping all they can keep
     (:attr:`GraphRecord.growth_bytes`): a budget retried plans them for it, without this graph, and a
     larger budget lets them keep more (the graph's own floor beside what they keep now was named
-    before, and a retry at it was refused again)."""
+    before, and a retry at it was refused again).  ``held_result_bytes``: what this graph's results
+    counted held weigh (0: the refusal does not name them)."""
     budget = error.budget_bytes
     if step_floor > budget:
         plain = solvers.InfeasibleBudgetError(budget, step_floor)
         if account is None:
             return below_the_floor(plain)
-        return account.explained_refusal(plain, "; its floor counts what the step holds beyond its graphs' activations")
+        return account.explained_refusal(
+            plain, "; its floor counts what the step holds beyond its graphs' activations", held_result_bytes
+        )
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
     if own is not None:
         own += sum(r.growth_bytes for r in earlier)

@@ -718,6 +718,7 @@ class Replans:
                 error,
                 "\nThis step was planned again counting what the calls before it showed it holds beyond a plain "
                 "step (so its floor is above ckptc.capture's floor_bytes)",
+                getattr(error, "held_output_bytes", None),
             )
         peak = self.over_budget_peak_bytes
         # Never below what the step measured (see count_measured): a budget retried starts uncorrected.
