@@ -167,6 +167,8 @@ def test_what_cannot_be_planned_offline_is_refused_with_what_to_do() -> None:
         ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="mps")
     with pytest.raises(ckptc.InvalidArgumentError, match="banana"):
         ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="banana")
+    with pytest.raises(ckptc.InvalidArgumentError, match="one CPU device"):  # was a capture error about devices
+        ckptc.plan(meta, (ids,), {"labels": ids}, budget_gb=1, device="cpu:1")
 
 
 def test_plan_files_ignore_the_local_build_suffix_and_refuse_another_release() -> None:

@@ -44,7 +44,8 @@ def offline_device(
     the real device of the fake tensors, else ``cpu``.
 
     Raises:
-        InvalidArgumentError: ``device`` is not a device, or not a CPU or CUDA device.
+        InvalidArgumentError: ``device`` is not a device, or not a CPU or CUDA device (or a CPU index
+            other than 0).
         UntraceableModelError: ``device`` is ``meta`` (no kernels there to plan
             for), or a CUDA device on a torch build without CUDA.
     """
@@ -70,6 +71,11 @@ def offline_device(
             f"ckptc plans offline for 'cpu' or 'cuda' devices, got {str(target)!r}: its memory model (allocator, "
             "kernel workspaces) covers those two.\nWhat to do: plan for device='cpu' or 'cuda', or plan on the "
             f"{target.type} machine itself with the model's real weights there."
+        )
+    if target.type == "cpu" and target.index not in (None, 0):
+        raise InvalidArgumentError(
+            f"device {str(target)!r}: PyTorch has one CPU device, 'cpu' (an index other than 0 fails in every "
+            "kernel).\nWhat to do: plan for device='cpu'."
         )
     if target.type == "meta":
         raise UntraceableModelError(
