@@ -199,3 +199,49 @@ def test_a_buffer_the_first_forward_resizes_is_put_back_and_trains_like_eager() 
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"step {step}: {name}")
         for (name, b), c in zip(model.named_buffers(), reference.buffers(), strict=True):
             torch.testing.assert_close(b, c, msg=f"step {step}: {name}")
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_batch_norm_called_twice_before_one_backward_is_recomputed_without_its_statistics(entry: str) -> None:
+    """A discriminator's loop: BatchNorm in training mode called on two batches, then one backward.  The
+    second call updates the running statistics in place before the first call's backward; a recomputation of
+    the first call's BatchNorm that read them had them saved for backward, and autograd refused that backward
+    ("modified by an inplace operation", a raw ``RuntimeError``) at budgets that recompute it.  Its
+    recomputation reads the batch alone (:func:`ckptc.rewrite.rewriter._batch_norm_without_statistics`)."""
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.norm = nn.Linear(32, 64), nn.BatchNorm1d(64)
+            self.body = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.GELU(), nn.Linear(64, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(torch.relu(self.norm(self.inp(x))))
+
+    class Twice(nn.Module):  # the step, for its budget range
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return (self.inner(a) - self.inner(b)).square().mean()
+
+    torch.manual_seed(0)
+    model = Normed()
+    real, fake = torch.randn(128, 32), torch.randn(128, 32) + 0.3
+    step = ckptc.capture(Twice(copy.deepcopy(model)), (real, fake))
+    budget = step.floor_bytes + 3 * (step.unoptimized_peak_bytes - step.floor_bytes) // 10
+    eager = copy.deepcopy(model)
+    fast = (
+        ckptc.optimize(model, budget_bytes=budget)
+        if entry == "optimize"
+        else torch.compile(model, backend=ckptc.backend(budget_bytes=budget, model=model))
+    )
+    for _ in range(3):
+        for net, owner in ((fast, model), (eager, eager)):
+            owner.zero_grad(set_to_none=True)
+            (net(real) - net(fake)).square().mean().backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        for b, c in zip(model.buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(b, c)

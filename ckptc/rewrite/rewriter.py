@@ -16,6 +16,7 @@ forward (see :mod:`ckptc.capture.rng`), so they reproduce the same masks.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Sequence
 
 import torch
@@ -71,6 +72,8 @@ def rewrite(
         state = node.meta.get("ckptc_rng_state")
         if is_recompute and state is not None:
             copy = _replay_node(new, node, current(state), current)
+        elif is_recompute and _batch_norm_reading_statistics(node):
+            copy = _batch_norm_without_statistics(new, node, current)
         else:
             copy = new.node_copy(node, current)
         if is_recompute:
@@ -133,6 +136,37 @@ def _replay_node(graph: fx.Graph, node: fx.Node, state: fx.Node, current) -> fx.
     replay = graph.call_function(replay_with_rng_state, (state, device, node.target, *args), kwargs)
     replay.meta = dict(node.meta)
     return replay
+
+
+def _batch_norm_reading_statistics(node: fx.Node) -> bool:
+    """Whether ``node`` is BatchNorm in training mode whose recomputation would read the running statistics
+    and no backward node reads the new statistics it returns (outputs 3 and 4)."""
+    if node.target is not torch.ops.aten._native_batch_norm_legit_functional.default or node.args[5] is not True:
+        return False
+    return all(user.target is not operator.getitem or user.args[1] < 3 for user in node.users if _in_backward(user))
+
+
+def _in_backward(node: fx.Node) -> bool:
+    cost = node.meta.get("ckptc")
+    return cost is not None and cost.kind != FORWARD
+
+
+def _batch_norm_without_statistics(graph: fx.Graph, node: fx.Node, current) -> fx.Node:
+    """The recomputation of training-mode BatchNorm ``node`` without its running statistics.
+
+    In training mode its output, mean and inverse deviation (outputs 0-2) come from the batch alone; the
+    statistics go in only to be updated, which the forward did.  Read in backward, they would be saved for it,
+    and a later call of the step updates them in place before this backward runs (a discriminator called on
+    real and fake data, then one backward): autograd then refused the backward ("modified by an inplace
+    operation").  ``_native_batch_norm_legit.no_stats`` computes outputs 0-2 with the same kernel.
+    """
+    x, weight, bias, _mean, _var, training, momentum, eps = fx.node.map_arg(node.args, current)
+    copy = graph.call_function(
+        torch.ops.aten._native_batch_norm_legit.no_stats, (x, weight, bias, training, momentum, eps)
+    )
+    copy.meta = dict(node.meta)
+    copy.meta["val"] = tuple(node.meta["val"][:3])
+    return copy
 
 
 def _device_of(node: fx.Node) -> torch.device:
