@@ -93,7 +93,9 @@ class LengthBuckets:
         for (i, d), bucket in buckets.items():
             entry = described[i + 1]
             shape = list(entry[0])
-            shape[d] = bucket
+            # A size that is its own bucket stays a size: the key of a shape planned before another
+            # dimension began to vary (a bucket of lengths at batch 2, before a batch of 3) is unchanged.
+            shape[d] = bucket if bucket[0] < bucket[1] else bucket[0]
             described[i + 1] = (tuple(shape), *entry[1:])
         bucketed = tuple(described)
         if bucketed in self.refused:
