@@ -524,17 +524,13 @@ def frame_compiles() -> tuple[int, int] | None:
     (``torch._dynamo.config.recompile_limit``, or the ``torch.compile`` call's own, which Dynamo patches
     in while compiling).  None outside a compile.  Once the entries reach the limit Dynamo compiles the
     code no more: a call none of their guards pass runs eagerly, with a log line only."""
-    from torch._C._dynamo.eval_frame import get_eval_frame_isolate_recompiles_id
-    from torch._dynamo.eval_frame import _get_cache_entries_for_region
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     tx = getattr(torch._dynamo.symbolic_convert.tls, "current_tx", None)
     if not isinstance(tx, InstructionTranslator):
         return None
-    # The limit counts the entries of the compiling torch.compile's region only (ckptc.optimize's
-    # compiles are isolated: :func:`compile_module`).
-    entries = _get_cache_entries_for_region(tx.f_code, get_eval_frame_isolate_recompiles_id())
-    return len(entries), int(torch._dynamo.config.recompile_limit)
+    return len(_debug_get_cache_entry_list(tx.f_code)), int(torch._dynamo.config.recompile_limit)
 
 
 def dynamo_traces_rnns() -> bool:
@@ -747,17 +743,12 @@ def compile_module(model: torch.nn.Module, backend: Any) -> Any:
 
     Frameworks may wrap ``torch.compile`` when imported (Lightning's wrapper deep-copies
     every argument, which for ckptc's backend means its model and planned graphs, and fails
-    on fake tensors); ckptc's own compiles are internal and skip such wrappers.  Their entries
-    are kept apart (``isolate_recompiles``): Dynamo counts a code's compiled entries against the
-    recompile limit of every ``torch.compile`` of it, and eight ``ckptc.optimize`` runs of a model
-    class (a budget sweep) left the caller's next ``torch.compile`` of it running eagerly.
+    on fake tensors); ckptc's own compiles are internal and skip such wrappers.
     """
     import inspect
 
     marked = "_is_torch_compile" in model.__dict__
-    compiled = inspect.unwrap(torch.compile)(
-        model, backend=called_weakly(backend), dynamic=False, isolate_recompiles=True
-    )
+    compiled = inspect.unwrap(torch.compile)(model, backend=called_weakly(backend), dynamic=False)
     if not marked and model.__dict__.pop("_is_torch_compile", None) is not None:
         # Dynamo marks its result, and OptimizedModule sets attributes on the module it wraps: the
         # user's model kept the mark after ckptc was removed.  The mark goes on the wrapper itself.

@@ -1310,34 +1310,6 @@ def test_a_capture_leaves_no_compiled_code_that_counts_against_the_callers_recom
     assert all(isinstance(d, int) for d in sizes), sizes
 
 
-def test_models_ckptc_trains_leave_no_compiled_code_that_counts_against_the_callers_recompile_limit() -> None:
-    """As above, for models ``ckptc.optimize`` trains (a budget sweep: a fresh model per budget).  Their
-    compiled entries must stay while the models train, so they are kept in a region of their own
-    (``isolate_recompiles``); in the class's shared entries, eight runs left the caller's next
-    ``torch.compile`` of the class running eagerly at the default limit (a backend model 1.19x its budget)."""
-
-    class Swept(nn.Module):  # its own class: no other test compiled its forward
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layers(x).mean()
-
-    x = torch.randn(8, 16)
-    graphs = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return gm.forward
-
-    with torch._dynamo.config.patch(recompile_limit=2):
-        for _ in range(2):
-            ckptc.optimize(Swept(), budget_gb=1)(x).backward()
-        torch.compile(Swept(), backend=counting)(x).backward()
-    assert len(graphs) == 1
-
-
 def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_compile() -> None:
     """``torch.compiler.is_compiling()`` reads a flag every thread shares: an optimized model trained in one
     thread while another thread compiled was told to drop an outer ``torch.compile`` it never had."""
