@@ -1310,6 +1310,46 @@ def test_a_capture_leaves_no_compiled_code_that_counts_against_the_callers_recom
     assert all(isinstance(d, int) for d in sizes), sizes
 
 
+def test_a_submodules_hook_that_raised_once_leaves_later_calls_training_under_plans() -> None:
+    """A forward pre-hook on a layer raises on one call, which the loop catches (a bad batch): the calls after
+    it train under plans with eager's gradients (found when ckptc's compiles were moved to an isolated
+    recompile region, where Dynamo's mark on the frame that raised could not be undone: every later call was
+    refused, "ran the call without any captured graph"; that change was reverted)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.b(nn.functional.gelu(self.a(x)))))
+
+    failing = {"now": False}
+
+    def check(module: nn.Module, args: Any) -> None:
+        if failing["now"]:
+            raise ValueError("a bad batch")
+
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    for net in (model, eager):
+        net.b.register_forward_pre_hook(check)
+    fast = ckptc.optimize(model, budget_gb=1)
+    x = torch.randn(128, 32)
+    for step in range(4):
+        failing["now"] = step == 1
+        for net, owner in ((fast, model), (eager, eager)):
+            owner.zero_grad(set_to_none=True)
+            try:
+                net(x).square().mean().backward()
+            except ValueError:
+                assert step == 1
+        if step != 1:
+            for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_compile() -> None:
     """``torch.compiler.is_compiling()`` reads a flag every thread shares: an optimized model trained in one
     thread while another thread compiled was told to drop an outer ``torch.compile`` it never had."""
