@@ -508,6 +508,59 @@ def test_a_planning_call_that_imports_the_milp_backends_leaves_its_results_and_i
     assert "alive: []" in done.stdout, done.stdout
 
 
+def test_a_step_left_behind_that_ends_inside_a_compiled_call_starts_no_profiler_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under the backend, a forward that raises after its first graph ran (caught by the loop) leaves its step
+    open, its meter running, until the next call's first graph collects the garbage and ends it: inside that
+    call, whose record-function scopes opened under the meter's profiler.  A profiler started there gets their
+    late ends through freed memory in torch 2.13 (a crash at a later garbage collection, or corrupted tensors):
+    the step opening there is not measured (before: a new meter started right after the old one stopped)."""
+    from ckptc.meter import StepMeter
+
+    events: list[tuple[str, int]] = []
+    call = [0]
+    for name in ("start", "stop"):
+        method = getattr(StepMeter, name)
+
+        def logged(self: StepMeter, *args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
+            events.append((_name, call[0]))
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(StepMeter, name, logged)
+
+    class Breaking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+            self.fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = nn.functional.gelu(self.a(x))
+            torch._dynamo.graph_break()
+            if self.fail:
+                raise ValueError("a bad batch")
+            return self.head(torch.tanh(self.b(h)))
+
+    torch.manual_seed(0)
+    model = Breaking()
+    compiled = torch.compile(model, backend=ckptc.backend(budget_bytes=10**8, model=model))
+    x = torch.randn(128, 32)
+    for step in range(5):
+        call[0] = step
+        model.fail = step % 2 == 1
+        model.zero_grad(set_to_none=True)
+        try:
+            compiled(x).square().mean().backward()
+        except ValueError as error:
+            error.keep = error  # type: ignore[attr-defined]  # its frames, holding the first graph's results: a cycle
+    assert ("stop", 2) in events, events  # the step left behind ended inside the next call
+    for step in range(5):
+        inside = [name for name, at in events if at == step]
+        after_a_stop = inside[inside.index("stop") + 1 :] if "stop" in inside else []
+        assert "start" not in after_a_stop, events
+
+
 def test_the_backend_trains_on_after_a_forward_that_raised_in_a_frame_compiled_for_it() -> None:
     """As above, the error raised inside the forward (a hook on a layer, its flag guarded by Dynamo): the failing
     step compiles a variant of the forward, and the next step compiles or runs graphs while the failed step is

@@ -130,6 +130,10 @@ class BackendStepCheck:
         """Before graph ``index`` runs on ``args`` (the real tensors Dynamo passes, parameters included):
         open a step if none is open, counting what the last one showed (or raising
         :class:`~ckptc.BudgetExceededError` when the replans are used up).  True when it opened one."""
+        # A step left behind that ends now, its meter running, ends inside this call, whose record-function
+        # scopes opened under that meter's profiler: one started before they close gets their late ends
+        # through freed memory (torch 2.13, :mod:`ckptc.runtime.tracker`), so the step opening now is not measured.
+        unsafe_to_measure = self._tracker.measuring
         if self._tracker.open and not self.left_behind(index):
             return False
         state = any(isinstance(a, torch.nn.Parameter) and gradient_of(a) is not None for a in args)
@@ -161,7 +165,7 @@ class BackendStepCheck:
         self._state = (state, sizes)
         verified = self.verified[self._state] >= steps_to_verify(_device_of(args))
         profiled = not verified and internals.profiler_active()  # looked for only when a step is to be measured
-        self._measure = not verified and not profiled
+        self._measure = not verified and not profiled and not unsafe_to_measure
         if not verified and profiled:
             # As ckptc.optimize says it (StepRuntime._measure): a loop profiled on every step would otherwise
             # run unverified plans (a size larger than any planned, say) over the budget without a word.
