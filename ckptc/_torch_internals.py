@@ -1381,6 +1381,19 @@ def is_flash_attention_backward(target: Any) -> bool:
     return target is torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 
 
+def is_training_batch_norm(target: Any, args: Sequence[Any]) -> bool:
+    """Whether ``target(*args)`` is BatchNorm in training mode as functionalized joint graphs hold it (``aten``'s
+    ``_native_batch_norm_legit_functional``, training set: outputs 0-2 from the batch, 3-4 the new running
+    statistics)."""
+    return target is torch.ops.aten._native_batch_norm_legit_functional.default and args[5] is True
+
+
+def batch_norm_without_statistics() -> Any:
+    """``aten``'s BatchNorm taking no running statistics (``_native_batch_norm_legit.no_stats``): in training
+    mode outputs 0-2 of :func:`is_training_batch_norm`'s op, computed by the same kernel."""
+    return torch.ops.aten._native_batch_norm_legit.no_stats
+
+
 def trainable_leaf_or_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a leaf that requires a gradient (a parameter) or a view of one (``weight.t()``,
     which eager code saves for a product's backward): the parameter's storage, not memory the step made."""

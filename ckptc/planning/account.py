@@ -186,11 +186,11 @@ class StepAccount:
     def replace(self, **changes: Any) -> "StepAccount":
         return dataclasses.replace(self, **changes)
 
-    def beyond_a_plain_step(self, held_result_bytes: int | None = None) -> list[str]:
+    def beyond_a_plain_step(self, held_output_bytes: int | None = None) -> list[str]:
         """What this account counts that a plain step (``capture``'s figures) does not, each with what
-        the caller can do about it, in words (empty for a plain step).  ``held_result_bytes``: what the
-        results counted held weigh in the graph refused, where known; 0 leaves them unsaid (a model
-        returning only its scalar loss: holding it changes no floor)."""
+        the caller can do about it, in words (empty for a plain step).  ``held_output_bytes``: what the
+        results counted held weigh in the graph refused (``JointProblem.held_output_bytes``), where known;
+        0 leaves them unsaid (a model returning only its scalar loss: holding it changes no floor)."""
         said = []
         if self.gradients_resident:
             said.append(
@@ -214,21 +214,20 @@ class StepAccount:
                 "eagerly after a graph break): compute the loss inside the model, free them earlier, or "
                 "remove the graph break (the coverage report in ckptc.optimize(...).plan names it)"
             )
-        if held_result_bytes == 0:
-            pass
-        elif self.result_gradients:
+        results_weigh = held_output_bytes != 0
+        if results_weigh and self.result_gradients:
             said.append(
                 "the forward's results (logits), held until backward ends with their gradients "
                 "(hold_outputs=True, or a loss that uses them beside the model's own loss)"
             )
-        elif self.hold_outputs and self.outputs_assumed_held:
+        elif results_weigh and self.hold_outputs and self.outputs_assumed_held:
             said.append(
                 "the forward's results (logits), assumed held until backward ends, as a caller that reads them "
                 "after backward would (no step has shown what this loop does yet): pass hold_outputs=False if the "
                 "loop drops them before backward (loss = loss_fn(model(x)), or loss = model(...).loss); a loss "
                 "computed outside the model is then measured on the first step and planned for"
             )
-        elif self.hold_outputs and not self.outputs_assumed_held:
+        elif results_weigh and self.hold_outputs and not self.outputs_assumed_held:
             said.append(
                 "the forward's results (logits), held until backward ends: drop them before backward "
                 "(loss = model(...).loss, or del the output object before loss.backward()); where the model "
@@ -252,12 +251,12 @@ class StepAccount:
         return said
 
     def explained_refusal(
-        self, error: solvers.InfeasibleBudgetError, lead: str, held_result_bytes: int | None = None
+        self, error: solvers.InfeasibleBudgetError, lead: str, held_output_bytes: int | None = None
     ) -> solvers.InfeasibleBudgetError:
         """``error`` with what this account counts beyond a plain step (:meth:`beyond_a_plain_step`, with
-        ``held_result_bytes``) and what to do, after ``lead``; ``error`` itself when it counts nothing more
+        ``held_output_bytes``) and what to do, after ``lead``; ``error`` itself when it counts nothing more
         or was explained already."""
-        held = self.beyond_a_plain_step(held_result_bytes)
+        held = self.beyond_a_plain_step(held_output_bytes)
         floor = error.min_feasible_bytes
         if floor is None or getattr(error, "_explained", False):
             return error

@@ -681,7 +681,7 @@ def _refusal(
     options: CheckpointOptions,
     account: StepAccount | None = None,
     earlier: Sequence[GraphRecord] = (),
-    held_result_bytes: int | None = None,
+    held_output_bytes: int | None = None,
 ) -> solvers.InfeasibleBudgetError:
     """The error for a graph that cannot fit: the step's floor (with what the step holds beyond a plain
     one, :meth:`StepAccount.beyond_a_plain_step`), or (when ckptc could plan the budget but the chosen
@@ -691,7 +691,7 @@ def _refusal(
     this one.  The budget named then holds this graph beside them keeping all they can keep
     (:attr:`GraphRecord.growth_bytes`): a budget retried plans them for it, without this graph, and a
     larger budget lets them keep more (the graph's own floor beside what they keep now was named
-    before, and a retry at it was refused again).  ``held_result_bytes``: what this graph's results
+    before, and a retry at it was refused again).  ``held_output_bytes``: what this graph's results
     counted held weigh (0: the refusal does not name them)."""
     budget = error.budget_bytes
     if step_floor > budget:
@@ -699,7 +699,7 @@ def _refusal(
         if account is None:
             return below_the_floor(plain)
         return account.explained_refusal(
-            plain, "; its floor counts what the step holds beyond its graphs' activations", held_result_bytes
+            plain, "; its floor counts what the step holds beyond its graphs' activations", held_output_bytes
         )
     own = error.min_feasible_bytes if error.min_feasible_bytes and error.min_feasible_bytes > budget else None
     if own is not None:

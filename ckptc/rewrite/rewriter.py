@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 import solvers
+from ckptc import _torch_internals as internals
 from ckptc._torch_internals import graph_module, split_joint_graph
 from ckptc.capture.rng import replay_with_rng_state
 from ckptc.pricing.costs import FORWARD
@@ -141,7 +142,7 @@ def _replay_node(graph: fx.Graph, node: fx.Node, state: fx.Node, current) -> fx.
 def _batch_norm_reading_statistics(node: fx.Node) -> bool:
     """Whether ``node`` is BatchNorm in training mode whose recomputation would read the running statistics
     and no backward node reads the new statistics it returns (outputs 3 and 4)."""
-    if node.target is not torch.ops.aten._native_batch_norm_legit_functional.default or node.args[5] is not True:
+    if not internals.is_training_batch_norm(node.target, node.args):
         return False
     return all(user.target is not operator.getitem or user.args[1] < 3 for user in node.users if _in_backward(user))
 
@@ -158,12 +159,11 @@ def _batch_norm_without_statistics(graph: fx.Graph, node: fx.Node, current) -> f
     statistics go in only to be updated, which the forward did.  Read in backward, they would be saved for it,
     and a later call of the step updates them in place before this backward runs (a discriminator called on
     real and fake data, then one backward): autograd then refused the backward ("modified by an inplace
-    operation").  ``_native_batch_norm_legit.no_stats`` computes outputs 0-2 with the same kernel.
+    operation").  :func:`ckptc._torch_internals.batch_norm_without_statistics` computes outputs 0-2 with the
+    same kernel.
     """
     x, weight, bias, _mean, _var, training, momentum, eps = fx.node.map_arg(node.args, current)
-    copy = graph.call_function(
-        torch.ops.aten._native_batch_norm_legit.no_stats, (x, weight, bias, training, momentum, eps)
-    )
+    copy = graph.call_function(internals.batch_norm_without_statistics(), (x, weight, bias, training, momentum, eps))
     copy.meta = dict(node.meta)
     copy.meta["val"] = tuple(node.meta["val"][:3])
     return copy
