@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -141,20 +142,7 @@ def test_a_model_that_needs_the_exact_length_is_planned_per_length(caplog: pytes
             return h.square().sum()
 
     torch.manual_seed(0)
-    model = PinsTheLength()
-    reference = copy.deepcopy(model)
-    fast = ckptc.optimize(model, budget_bytes=10**8)
-    for length in (20, 24, 28, 24):
-        x = torch.randn(2, length, 8)
-        for net in (model, reference):
-            for p in net.parameters():
-                p.grad = None
-        loss, ref_loss = fast(x), reference(x)
-        loss.backward()
-        ref_loss.backward()
-        assert torch.allclose(loss, ref_loss)
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.allclose(p.grad, q.grad)
+    fast = _trained_like_eager_at(PinsTheLength(), lambda length: torch.randn(2, length, 8), (20, 24, 28, 24))
     assert fast._ckptc_runtime.lengths.refused  # the bucket (16, 32] fell back to exact lengths
     assert not [r for r in caplog.records if r.name == "torch._guards" and r.levelno >= logging.ERROR]
 
@@ -180,22 +168,28 @@ def test_a_model_that_pins_the_length_and_updates_buffers_is_planned_per_length(
             return self.head(h.transpose(1, 2)).square().mean()
 
     torch.manual_seed(0)
-    model = PairPooling()
+    fast = _trained_like_eager_at(PairPooling(), lambda length: torch.randn(2, 4, length), (20, 24, 24, 28))
+    assert fast._ckptc_runtime.lengths.refused  # the bucket (16, 32] fell back to exact lengths
+
+
+def _trained_like_eager_at(model: torch.nn.Module, batch: Any, lengths: tuple[int, ...]) -> Any:
+    """``ckptc.optimize(model)`` trained on ``batch(length)`` for each of ``lengths`` beside an eager copy,
+    asserting the loss, every gradient and every buffer equal eager's at each; returns the optimized model."""
     reference = copy.deepcopy(model)
     fast = ckptc.optimize(model, budget_bytes=10**8)
-    for length in (20, 24, 24, 28):
-        x = torch.randn(2, 4, length)
+    for length in lengths:
+        x = batch(length)
         for net in (model, reference):
             net.zero_grad(set_to_none=True)
         loss, ref_loss = fast(x), reference(x)
         loss.backward()
         ref_loss.backward()
-        assert torch.equal(loss, ref_loss)
+        assert torch.allclose(loss, ref_loss)
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.allclose(p.grad, q.grad)
         for b, c in zip(model.buffers(), reference.buffers(), strict=True):
             assert torch.equal(b, c)
-    assert fast._ckptc_runtime.lengths.refused  # the bucket (16, 32] fell back to exact lengths
+    return fast
 
 
 def test_a_bucket_planned_again_under_accumulation_runs_every_length_of_it() -> None:
