@@ -141,10 +141,11 @@ def _replay_node(graph: fx.Graph, node: fx.Node, state: fx.Node, current) -> fx.
 
 def _batch_norm_reading_statistics(node: fx.Node) -> bool:
     """Whether ``node`` is BatchNorm in training mode whose recomputation would read the running statistics
-    and no backward node reads the new statistics it returns (outputs 3 and 4)."""
+    and no backward node reads the new statistics it returns (outputs 3 and 4, through their getitems)."""
     if not internals.is_training_batch_norm(node.target, node.args):
         return False
-    return all(user.target is not operator.getitem or user.args[1] < 3 for user in node.users if _in_backward(user))
+    statistics = [user for user in node.users if user.target is operator.getitem and user.args[1] >= 3]
+    return not any(_in_backward(reader) for getitem in statistics for reader in getitem.users)
 
 
 def _in_backward(node: fx.Node) -> bool:
