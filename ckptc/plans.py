@@ -708,6 +708,23 @@ def _an_extra_input_repeats_another(planned: list[list[Any]], captured: list[lis
     )
 
 
+def _floating_inputs_differ(planned: list[list[Any]], captured: list[list[Any]]) -> str | None:
+    """What to say when the sides differ by floating-point inputs only (parameters and buffers: a model
+    with more or fewer layers than the one planned, or another width), else None."""
+    more, fewer = (planned, captured) if len(planned) > len(captured) else (captured, planned)
+    extra = list(more)
+    for described in fewer:
+        if described in extra:
+            extra.remove(described)
+    if not extra or not all(str(described[-1]).startswith(("float", "bfloat", "complex")) for described in extra):
+        return None
+    side = "the model" if more is captured else "the plan"
+    return (
+        f"{side} has {len(extra)} floating-point input(s) more, as parameters or buffers: the model has other "
+        "layers or sizes than the one planned (a plan is for one model)"
+    )
+
+
 def _input_differences(planned: list[list[Any]], captured: list[list[Any]]) -> list[str]:
     """The inputs one side has and the other has not (aligned on the rest), by position and shape."""
     import difflib
@@ -905,6 +922,8 @@ def plan_source_for(
                 diffs += _input_differences(expected.inputs, inputs)
                 if _an_extra_input_repeats_another(expected.inputs, inputs):
                     diffs.insert(1, _ALIASED_INPUTS)
+                elif (weights := _floating_inputs_differ(expected.inputs, inputs)) is not None:
+                    diffs.insert(1, weights)
             if _has_symbolic_size(inputs) and not _has_symbolic_size(expected.inputs):
                 # torch.compile made a size dynamic once it saw a second one: the inputs no longer line up
                 diffs = [

@@ -304,7 +304,8 @@ def test_a_plan_made_with_one_tensor_passed_twice_names_that_when_the_model_gets
 
 
 def test_a_plan_for_fewer_layers_does_not_blame_an_argument_passed_twice() -> None:
-    """A layer more than the plan: extra floating-point inputs (its parameters), not one tensor passed twice."""
+    """A layer more than the plan: extra floating-point inputs (its parameters), not one tensor passed twice;
+    the message says the model differs from the one planned (before: only the input positions that differ)."""
     x = torch.randn(8, 16)
 
     def mlp(layers: int) -> torch.nn.Module:
@@ -315,6 +316,8 @@ def test_a_plan_for_fewer_layers_does_not_blame_an_argument_passed_twice() -> No
     with pytest.raises(ckptc.PlanMismatchError, match="only in the model") as refused:
         ckptc.optimize(mlp(4), plan=planned)(x).square().mean().backward()
     assert "two arguments" not in str(refused.value)
+    assert "the model has 2 floating-point input(s) more" in str(refused.value), refused.value
+    assert "other layers or sizes than the one planned" in str(refused.value), refused.value
 
 
 @pytest.mark.parametrize("entry", ["optimize", "apply"])
