@@ -470,6 +470,32 @@ def unskip_forwards(model: torch.nn.Module) -> None:
         set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
 
 
+def raised_running_eagerly(error: BaseException, entry: str) -> bool:
+    """Whether ``error`` was raised by code running eagerly below the frame of function ``entry`` (the
+    call into ``torch.compile``'s module): the model's own code, after Dynamo gave up tracing a frame and
+    ran it as Python, or between graphs.  False where any frame under ``entry`` is Dynamo tracing or
+    compiling, AOTAutograd, fake tensors, FX or a compiled graph (a capture failure there can look like
+    any error), or a part of torch other than module calls, so a doubtful case is never taken for the model's.
+    """
+    import os
+    import traceback
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    allowed = (os.path.join(torch_dir, "_dynamo", "eval_frame.py"), os.path.join(torch_dir, "nn", "modules", ""))
+    ckptc_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frames = traceback.extract_tb(error.__traceback__)
+    below = next((i for i, frame in enumerate(frames) if frame.name == entry), None)
+    if below is None or below == len(frames) - 1:
+        return False
+    for frame in frames[below + 1 :]:
+        name = os.path.abspath(frame.filename) if not frame.filename.startswith("<") else frame.filename
+        if name.startswith("<") or name.startswith(ckptc_dir):
+            return False  # a compiled graph's generated code, or ckptc's own
+        if name.startswith(torch_dir) and not name.startswith(allowed):
+            return False
+    return True
+
+
 def graph_break_after(gm: fx.GraphModule) -> str | None:
     """Why Dynamo ended the graph ``gm`` at a graph break, and where in the model's code; None if it did not.
 

@@ -1350,6 +1350,55 @@ def test_a_submodules_hook_that_raised_once_leaves_later_calls_training_under_pl
                 torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("entry", ["optimize", "apply"])
+@pytest.mark.parametrize("where", ["hook", "forward"])
+def test_the_models_own_error_on_the_planning_call_is_raised_as_eager_raises_it(entry: str, where: str) -> None:
+    """The model's code raises on the first call only (a hook rejecting a bad batch, a forward that fails once):
+    eager PyTorch raises it.  ckptc took it for a capture failure, since the forward run again to check did not
+    raise, and captured again with graph breaks: the call returned, backward filled the gradients, and the
+    hook had run four times.  Now the error is raised, the code ran once, no gradient is set, and the next
+    call trains under a plan with eager's gradients."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if where == "forward":
+                self.calls += 1
+                if self.calls == 1:
+                    raise RuntimeError("a bad batch")
+            return self.b(torch.relu(self.a(x))).square().mean()
+
+    def reject_first(module: nn.Module, args: Any, output: Any) -> None:
+        module.calls_seen = getattr(module, "calls_seen", 0) + 1
+        if module.calls_seen == 1:
+            raise RuntimeError("a bad batch")
+
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    if where == "hook":
+        for net in (model, eager):
+            net.a.register_forward_hook(reject_first)
+    fast = ckptc.optimize(model, budget_gb=1) if entry == "optimize" else ckptc.apply(model, budget_gb=1)
+    x = torch.randn(4, 16)
+    for net in (fast, eager):
+        with pytest.raises(RuntimeError, match="a bad batch"):
+            net(x).backward()
+    ran = model.a.calls_seen if where == "hook" else model.calls
+    assert ran == 1 and all(p.grad is None for p in model.parameters())
+    for _ in range(2):
+        for net, owner in ((fast, model), (eager, eager)):
+            owner.zero_grad(set_to_none=True)
+            net(x).backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert (ckptc.applied(model) if entry == "apply" else fast).plan is not None
+
+
 def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_compile() -> None:
     """``torch.compiler.is_compiling()`` reads a flag every thread shares: an optimized model trained in one
     thread while another thread compiled was told to drop an outer ``torch.compile`` it never had."""

@@ -284,6 +284,12 @@ class ShapePlan:
                 break
             except Exception as error:
                 saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
+                if internals.raised_running_eagerly(error, run_compiled.__name__):
+                    # The model's own code raised it, running as Python (a hook rejecting a batch, say):
+                    # raised as eager PyTorch raises it, not taken for a capture failure and tried again,
+                    # which ran the forward again and could go on without it (one that raises only once).
+                    internals.unskip_forwards(model)
+                    raise
                 if reference and not isinstance(error, (CkptcError, MemoryError, torch.OutOfMemoryError)):
                     if _eager_raises_too(model, saved, args, kwargs, error):
                         internals.unskip_forwards(model)
