@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from ckptc import _torch_internals as internals
-from ckptc.backend import backend
+from ckptc.backend import configured
 from ckptc.capture.compiler import CheckpointCompiler
 from ckptc.capture.coverage import Coverage
 from ckptc.capture.offline import offline_device, offline_step
@@ -383,7 +383,7 @@ def optimize(
         raise InvalidArgumentError(f"verify must be True or False, got {verify!r}")
     _check_model(model)
     _refuse_weightless(model)
-    compiler_ = backend(
+    compiler_ = configured(
         budget_gb,
         budget_bytes=budget_bytes,
         solver=solver,

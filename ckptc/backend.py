@@ -67,6 +67,23 @@ def backend(
     Example:
         >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP
     """
+    compiler = configured(budget_gb, plan=plan, model=model, progress=progress, **options)
+    if model is not None:
+        _warn_if_recurrent_modules_run_eagerly(model)
+    return compiler
+
+
+def configured(
+    budget_gb: float | None = None,
+    *,
+    plan: str | ModelPlan | None = None,
+    model: torch.nn.Module | None = None,
+    progress: Callable[[float, str], None] | None = None,
+    **options: Any,
+) -> CheckpointCompiler:
+    """The compiler :func:`backend` returns, without its warning about recurrent modules, which the
+    caller's Dynamo configuration leaves untraced: :func:`ckptc.optimize` compiles under its own, which
+    traces them (it warned every LSTM model trained through it that it would run eagerly)."""
     checked = CheckpointOptions.from_user(options, budget_gb=budget_gb)
     if internals.dynamo_disabled():
         warn_once(
@@ -75,10 +92,8 @@ def backend(
             "ckptc: torch.compile is turned off in this process (TORCH_COMPILE_DISABLE=1, or "
             "torch._dynamo.config.disable = True): it runs every call eagerly and never calls this backend, "
             "so nothing is planned and the budget does not hold. What to do: unset TORCH_COMPILE_DISABLE.",
-            stacklevel=2,
+            stacklevel=3,  # past configured() and backend() or ckptc.optimize
         )
-    if model is not None:
-        _warn_if_recurrent_modules_run_eagerly(model)
     source = None
     if plan is not None:
         chosen = [name for name in ("strategy", "solver", "must_save", "must_recompute") if options.get(name)]

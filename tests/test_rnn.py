@@ -147,3 +147,19 @@ def test_the_backend_given_a_model_whose_rnn_dynamo_runs_eagerly_says_so_once() 
         ckptc.backend(budget_gb=1, model=model)  # once per model
         with torch._dynamo.config.patch(allow_rnn=True):
             ckptc.backend(budget_gb=1, model=Tagger(nn.GRU, dropout=0.0))
+
+
+@pytest.mark.parametrize("entry", ["optimize", "apply"])
+def test_a_model_trained_through_optimize_is_not_told_its_rnn_will_run_eagerly(entry: str) -> None:
+    """ckptc.optimize compiles with ``allow_rnn`` on, so the recurrent module is traced and planned: it was told,
+    as the backend tells a model under the caller's configuration, that the module would run eagerly and
+    that it should train through ckptc.optimize, which it was doing."""
+    model = Tagger(nn.LSTM, dropout=0.0)
+    x, lengths = torch.randn(2, 6, 8), torch.tensor([6, 6])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fast = ckptc.optimize(model, budget_gb=1) if entry == "optimize" else ckptc.apply(model, budget_gb=1)
+        fast(x, lengths).backward()
+    told = [str(w.message) for w in seen if "will run eagerly" in str(w.message)]
+    assert told == [], told
+    assert (ckptc.applied(model) if entry == "apply" else fast).plan is not None
