@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -1397,6 +1397,68 @@ def test_the_models_own_error_on_the_planning_call_is_raised_as_eager_raises_it(
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad)
     assert (ckptc.applied(model) if entry == "apply" else fast).plan is not None
+
+
+@pytest.mark.parametrize("entry", ["optimize", "apply"])
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_the_models_own_error_on_the_planning_call_leaves_its_type_and_eagers_state(
+    entry: str, graph_break: bool
+) -> None:
+    """A bad batch indexes past a dimension on the first call, after dropout and BatchNorm ran: eager raises
+    IndexError, with the random state and running statistics advanced.  ckptc raised UntraceableModelError
+    (Dynamo's copy of the message adds "from user code", so the eager run's error did not compare equal), which
+    a caller's ``except IndexError`` misses, and put the random state and statistics back: every later loss
+    was eager's of one step before.  Now the type, the random state, the statistics and later losses are
+    eager's."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.a, self.drop, self.b = (
+                nn.BatchNorm1d(16),
+                nn.Linear(16, 32),
+                nn.Dropout(0.5),
+                nn.Linear(32, 8),
+            )
+            self.bad = False
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.drop(torch.tanh(self.a(self.norm(x.reshape(-1, 16)).reshape(x.shape))))
+            if graph_break:
+                torch._dynamo.graph_break()
+            if self.bad:
+                h = h[:, :, 40]
+            return nn.functional.cross_entropy(self.b(h).reshape(-1, 8), y.reshape(-1))
+
+    x, y = torch.randn(4, 16, 16), torch.randint(0, 8, (4, 16))
+
+    def run(wrap: Callable[[nn.Module], Any]) -> tuple[str, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = Net()
+        net = wrap(model)
+        torch.manual_seed(1)
+        model.bad = True
+        try:
+            net(x, y).backward()
+            raised = "nothing"
+        except IndexError:
+            raised = "IndexError"
+        model.bad = False
+        state, statistics = torch.get_rng_state(), model.norm.running_mean.clone()
+        losses = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = net(x, y)
+            loss.backward()
+            losses.append(loss.detach())
+        return raised, state, statistics, losses
+
+    entries = {"optimize": ckptc.optimize, "apply": ckptc.apply}
+    eager = run(lambda m: m)
+    ours = run(lambda m: entries[entry](m, budget_gb=1))
+    assert eager[0] == ours[0] == "IndexError", ours[0]
+    assert torch.equal(eager[1], ours[1]) and torch.equal(eager[2], ours[2])
+    torch.testing.assert_close(ours[3], eager[3])
 
 
 def test_a_call_while_another_thread_compiles_is_not_taken_for_an_outer_torch_compile() -> None:

@@ -283,17 +283,19 @@ class ShapePlan:
                 output = settle(run, self.replans, lambda ran: unnamed_gradient_bytes(model, ran))
                 break
             except Exception as error:
-                saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
                 if internals.raised_running_eagerly(error, run_compiled.__name__):
                     # The model's own code raised it, running as Python (a hook rejecting a batch, say):
                     # raised as eager PyTorch raises it, not taken for a capture failure and tried again,
                     # which ran the forward again and could go on without it (one that raises only once).
+                    # The buffers and random state stay as the code before the error left them, as eager's.
                     internals.unskip_forwards(model)
                     raise
+                saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
                 if reference and not isinstance(error, (CkptcError, MemoryError, torch.OutOfMemoryError)):
-                    if _eager_raises_too(model, saved, args, kwargs, error):
+                    own = _eager_error(model, saved, args, kwargs, error)
+                    if own is not None:
                         internals.unskip_forwards(model)
-                        raise  # the model's own error, as eager PyTorch raises it
+                        raise own from None  # the model's own error, as eager PyTorch raises it
                 if (_failed_to_trace(error) or isinstance(error, UnboundedSizeError)) and self.scalar_outputs:
                     # Dynamo fails on some models with .item() kept in the graph where plain
                     # torch.compile (which breaks the graph there) traces them, and a size read with
@@ -949,17 +951,21 @@ def run_compiled(
             raise
 
 
-def _eager_raises_too(model: torch.nn.Module, saved: ForwardState, args: tuple, kwargs: dict, error: Exception) -> bool:
-    """Whether the forward run eagerly on the inputs as given raises ``error`` too (its type and
-    message): then it is the model's own error, not the capture's.  Buffers and the random state
-    are put back (``saved``)."""
+def _eager_error(
+    model: torch.nn.Module, saved: ForwardState, args: tuple, kwargs: dict, error: Exception
+) -> Exception | None:
+    """The error the forward run eagerly on the inputs as given raises, where it is ``error``'s (its type,
+    and its message, which Dynamo extends with "from user code: ..." where it traced the line): then it is
+    the model's own error, not the capture's, and the buffers and random state stay as that eager run left
+    them, as after eager PyTorch's call (a later step draws eager's dropout masks).  None otherwise, with
+    them put back (``saved``)."""
     try:
         coverage.EagerForward.measure(model, *saved.inputs_as_given(args, kwargs))
     except Exception as eager_error:
-        return type(eager_error) is type(error) and str(eager_error) == str(error)
-    finally:
-        saved.restore()
-    return False
+        if type(eager_error) is type(error) and str(error).startswith(str(eager_error)):
+            return eager_error
+    saved.restore()
+    return None
 
 
 def _failed_to_trace(error: BaseException) -> bool:
