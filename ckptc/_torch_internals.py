@@ -496,6 +496,13 @@ def raised_running_eagerly(error: BaseException, entry: str) -> bool:
     return True
 
 
+def user_gradient_hook_count(tensor: torch.Tensor) -> int:
+    """How many hooks ``tensor.register_hook`` put on ``tensor`` other than torch's and ckptc's own (a multi-grad
+    hook watching for the end of backward); ``retain_grad()`` is not one of them."""
+    hooks = (tensor._backward_hooks or {}).values()
+    return sum(not str(getattr(hook, "__module__", None) or "").startswith(("torch", "ckptc")) for hook in hooks)
+
+
 def graph_break_after(gm: fx.GraphModule) -> str | None:
     """Why Dynamo ended the graph ``gm`` at a graph break, and where in the model's code; None if it did not.
 

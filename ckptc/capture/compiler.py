@@ -351,6 +351,7 @@ class CheckpointCompiler:
             return compiled
         planned_under = self.account
         events = check or self.step_events
+        read_inside = results_read_inside(gm)
 
         def run(*args: Any) -> Any:
             nonlocal compiled, record, planned_under, plans
@@ -401,6 +402,8 @@ class CheckpointCompiler:
             internals.profiler_mark(f"{FORWARD_RETURNED}:{record.index}")
             if no_zeros:
                 internals.pass_missing_grads_as_none(outputs, args)
+            if read_inside:
+                _tell_hooks_on_results_read_inside(self, outputs, read_inside, record.index)
             if events is not None:
                 events.graph_returned(record, outputs)
             return outputs
@@ -897,3 +900,59 @@ def _inductor_on_read_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
         return compiled(inputs)
 
     return internals.mark_boxed(run)
+
+
+# Reads of a result that pass no gradient back to it.
+_READS_WITHOUT_GRADIENT = frozenset({"size", "dim", "stride", "numel", "detach", "sym_size", "sym_numel", "sym_stride"})
+
+
+def results_read_inside(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Positions of ``gm``'s results that its own code reads too (a hidden state returned and fed on, logits
+    a loss computed inside the model reads): their gradient from that use is summed inside the compiled
+    backward, so a gradient hook or ``retain_grad()`` on the result sees only the part from outside."""
+    output = next((node for node in reversed(gm.graph.nodes) if node.op == "output"), None)
+    results = output.args[0] if output is not None and output.args else ()
+    if not isinstance(results, (tuple, list)):
+        results = (results,)
+
+    def passes_gradient(user: fx.Node) -> bool:
+        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", str(user.target))
+        return user.op != "output" and str(name).split(".")[0] not in _READS_WITHOUT_GRADIENT
+
+    return tuple(
+        i
+        for i, result in enumerate(results)
+        if isinstance(result, fx.Node) and result.op != "placeholder" and any(map(passes_gradient, result.users))
+    )
+
+
+def _tell_hooks_on_results_read_inside(owner: Any, outputs: Any, positions: tuple[int, ...], index: int) -> None:
+    """Warn once, when backward reaches them, if the caller put a gradient hook or ``retain_grad()`` on a result
+    the graph reads too (:func:`results_read_inside`): it sees only the gradient from outside the graph
+    (as under plain ``torch.compile``), where eager PyTorch's sees the sum."""
+    if not isinstance(outputs, (tuple, list)):
+        return
+    for i in positions:
+        result = outputs[i] if i < len(outputs) else None
+        if not isinstance(result, torch.Tensor) or result.grad_fn is None:
+            continue
+        ref = weakref.ref(result)
+
+        def check(grad: Any, ref: weakref.ref = ref, i: int = i) -> None:
+            tensor = ref()
+            if tensor is None or not (tensor.retains_grad or internals.user_gradient_hook_count(tensor)):
+                return
+            warn_once(
+                owner,
+                "hook-on-a-result-read-inside",
+                f"ckptc: a gradient hook or retain_grad() on result {i} of graph #{index + 1} "
+                f"({tuple(tensor.shape)}), which the graph's own code reads too (a hidden state a later layer "
+                "reads, logits a loss computed inside the model reads), receives only the gradient from outside "
+                "the graph: the compiled backward adds the part from the graph's own use inside, as under plain "
+                "torch.compile.  Its .grad, the hook's input, and the parameters' gradients where the hook "
+                "changes the gradient differ from eager PyTorch's, where the hook sees the sum.  What to do: "
+                "read the gradient of a result the model does not use itself (compute the loss outside the "
+                "model), or train this step without ckptc.",
+            )
+
+        result.register_hook(check)

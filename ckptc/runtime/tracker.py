@@ -493,6 +493,16 @@ class StepTracker:
             # A gradient penalty's autograd.grad(create_graph=True): torch.compile's graphs have no double
             # backward (torch raises at the next backward), so this is no step the budget plans for, and
             # what it measured (the gradients' own autograd graph) is not counted against later steps.
+            warn_once(
+                self,
+                "differentiable-backward",
+                "ckptc does not verify a step whose backward builds a graph of the gradients "
+                "(autograd.grad(..., create_graph=True), backward(create_graph=True)): the budget plans the "
+                "step's forward and first-order backward, not what that graph keeps, so such a step is not "
+                "measured and its peak can exceed the budget (a gradient-norm penalty on an MLP measured 1.26x "
+                "it). What to do: leave headroom for it in the budget, or compute the penalty without "
+                "create_graph=True.",
+            )
             self._end_after_engine(self.abort)
             return
         self.results_held = self._results_alive()
