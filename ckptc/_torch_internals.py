@@ -10,6 +10,8 @@ import contextlib
 import contextvars
 import gc
 import logging
+import os
+import traceback
 import weakref
 from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
@@ -477,9 +479,6 @@ def raised_running_eagerly(error: BaseException, entry: str) -> bool:
     compiling, AOTAutograd, fake tensors, FX or a compiled graph (a capture failure there can look like
     any error), or a part of torch other than module calls, so a doubtful case is never taken for the model's.
     """
-    import os
-    import traceback
-
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     allowed = (os.path.join(torch_dir, "_dynamo", "eval_frame.py"), os.path.join(torch_dir, "nn", "modules", ""))
     ckptc_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -698,27 +698,31 @@ def _an_extra_input_repeats_another(planned: list[list[Any]], captured: list[lis
     and holding integers (token ids, labels): the same tensor passed twice on one side (Dynamo makes one
     graph input of it) and two tensors on the other.  (A layer added or removed changes floating-point
     inputs, its parameters.)"""
+    extra, fewer = _extra_inputs(planned, captured)
+    return 0 < len(extra) <= 2 and all(described in fewer and not _floating(described) for described in extra)
+
+
+def _extra_inputs(planned: list[list[Any]], captured: list[list[Any]]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """The inputs the side with more has beyond the other's (as a multiset of descriptions), and the other side."""
     more, fewer = (planned, captured) if len(planned) > len(captured) else (captured, planned)
     extra = list(more)
     for described in fewer:
         if described in extra:
             extra.remove(described)
-    return 0 < len(extra) <= 2 and all(
-        described in fewer and not str(described[-1]).startswith(("float", "bfloat", "complex")) for described in extra
-    )
+    return extra, fewer
+
+
+def _floating(described: list[Any]) -> bool:
+    return str(described[-1]).startswith(("float", "bfloat", "complex"))
 
 
 def _floating_inputs_differ(planned: list[list[Any]], captured: list[list[Any]]) -> str | None:
     """What to say when the sides differ by floating-point inputs only (parameters and buffers: a model
     with more or fewer layers than the one planned, or another width), else None."""
-    more, fewer = (planned, captured) if len(planned) > len(captured) else (captured, planned)
-    extra = list(more)
-    for described in fewer:
-        if described in extra:
-            extra.remove(described)
-    if not extra or not all(str(described[-1]).startswith(("float", "bfloat", "complex")) for described in extra):
+    extra, fewer = _extra_inputs(planned, captured)
+    if not extra or not all(map(_floating, extra)):
         return None
-    side = "the model" if more is captured else "the plan"
+    side = "the plan" if fewer is captured else "the model"
     return (
         f"{side} has {len(extra)} floating-point input(s) more, as parameters or buffers: the model has other "
         "layers or sizes than the one planned (a plan is for one model)"
