@@ -305,6 +305,18 @@ def test_a_refusal_says_what_the_step_holds_beyond_its_activations() -> None:
     assert "What to do: give a budget of at least 1500 bytes" in str(plain) and "DDP" not in str(plain)
 
 
+def test_a_refusal_counting_eager_codes_bytes_names_the_callers_code_between_calls_as_well_as_a_break() -> None:
+    """What a measured step held between graphs comes from the model's code after a graph break or from the
+    caller's code between two calls of the model: an MLP called twice before one backward (no break) was told
+    "5056 bytes held by eager code between graphs (after a graph break)" and only to remove the break (found by
+    a probe)."""
+    from ckptc.planning.account import StepAccount
+
+    (said,) = StepAccount(budget_bytes=1000, eager_bytes_after={0: 5056}).beyond_a_plain_step()
+    assert "5056 bytes held by eager code between graphs" in said, said
+    assert "the caller's code between two calls of the model" in said and "remove the break" in said, said
+
+
 def test_graphs_that_cannot_fit_together_after_the_retries_name_the_budget_the_last_one_needs():
     """After its retries (the graphs before it keeping as little as they can) a graph still short of room
     was refused with "give a few percent more budget" and no number (Whisper and BART called twice before

@@ -203,9 +203,10 @@ class StepAccount:
             )
         if self.eager_bytes_after:
             said.append(
-                f"{max(self.eager_bytes_after.values())} bytes held by eager code between graphs (after a graph "
-                "break), beside what the graph before it keeps: remove the break (the coverage report in "
-                "ckptc.optimize(...).plan names it) to bring that code into a plan"
+                f"{max(self.eager_bytes_after.values())} bytes held by eager code between graphs (the model's own "
+                "code after a graph break, or the caller's code between two calls of the model), beside what the "
+                "graph before it keeps: remove the break (the coverage report in ckptc.optimize(...).plan names "
+                "it) to bring that code into a plan, or free what the caller's code holds before the next call"
             )
         if self.loss_bytes:
             said.append(
