@@ -133,6 +133,41 @@ def test_the_floor_a_refusal_names_trains_in_a_loop_holding_its_output_object() 
     assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
 
 
+class _ReturnsItsLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.mix = nn.Parameter(torch.randn(32, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(x))
+        h = torch.tanh(h @ self.mix)
+        return self.l2(h).square().sum()
+
+
+def test_a_loop_at_the_captured_floor_is_not_refused_after_its_first_step_fitted() -> None:
+    """A model returning its loss, trained at ``ckptc.capture``'s ``floor_bytes``: the first step showed
+    the caller drops the results after its loss, and the plans made again without them (which may keep
+    more) were refused naming 41 bytes more (the lowest-peak plan kept twice the bytes at the same peak,
+    so its planning margin grew), although the step had measured 53,640 bytes within 54,700.  The plan
+    that step ran now stands where none made again fits."""
+    torch.manual_seed(0)
+    reference, x = _ReturnsItsLoss(), torch.randn(64, 32)
+    budget = ckptc.capture(copy.deepcopy(reference), (x,), loss_fn=lambda loss: loss).floor_bytes
+    eager, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = ckptc.optimize(model, budget_bytes=budget)
+    for _ in range(3):
+        for net, params in ((fast, model), (eager, eager)):
+            params.zero_grad(set_to_none=True)
+            net(x).backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert fast.plan.measured_peak_bytes is not None and fast.plan.measured_peak_bytes <= budget
+    model.zero_grad(set_to_none=True)
+    _, measured = measure_peak(lambda: fast(x).backward(), baseline_bytes=resident_bytes(model, (x,)))
+    assert measured.peak_bytes <= budget, (measured.peak_bytes, budget)
+
+
 def test_frozen_parameters_get_no_gradient() -> None:
     case = get_case("gpt2")
     for name, p in case.model.named_parameters():

@@ -378,14 +378,16 @@ class CheckpointCompiler:
                     else:
                         compiled, record, plans = self._plan_graph(gm, inputs, index, at_least=at_least)
                 except solvers.InfeasibleBudgetError as error:
-                    # Not run on its old plan, made for an account the step showed wrong: every later
-                    # call plans again, and is refused again unless the account changed.
-                    if check is not None:
-                        check.refused()
-                    refusal = self.replans.refusal(error)
-                    if refusal is error:
-                        raise
-                    raise refusal from error
+                    # Not run on its old plan, made for an account the step showed wrong (unless a step
+                    # measured within the budget ran it): every later call plans again, and is refused
+                    # again unless the account changed.
+                    if not self.replans.keeps_measured_plans(planned_under, error):
+                        if check is not None:
+                            check.refused()
+                        refusal = self.replans.refusal(error)
+                        if refusal is error:
+                            raise
+                        raise refusal from error
                 planned_under = account
             if events is not None:
                 # Results of earlier graphs the eager code between let go: not counted held from the next plan.

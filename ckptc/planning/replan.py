@@ -118,6 +118,9 @@ class Replans:
         self._fewest_dead: dict[tuple[int, int], int] = {}  # see observed_results_let_go
         # Plans made under the first account that stand under the second (see plans_stand).
         self._standing: tuple[StepAccount, StepAccount] | None = None
+        # Plans made under the first account that stand under the second where none made again fits
+        # (see keeps_measured_plans).
+        self._measured_plans: tuple[StepAccount, StepAccount] | None = None
 
     #: What steps showed that an account carries on to a later ``optimize`` of the same model
     #: (:meth:`starting_from`): measured evidence, not the budget, the gradients' state or the
@@ -571,6 +574,8 @@ class Replans:
             )
             self._standing = (before, self.account)
             return False
+        if changed and measured_within_budget:
+            self._measured_plans = (before, self.account)
         return changed
 
     def plans_stand(self, planned_under: StepAccount | None) -> bool:
@@ -579,6 +584,26 @@ class Replans:
         counts beyond ``planned_under`` (:meth:`observed_results`)."""
         standing = self._standing
         return standing is not None and standing[0] == planned_under and standing[1] == self.account
+
+    def keeps_measured_plans(self, planned_under: StepAccount | None, error: solvers.InfeasibleBudgetError) -> bool:
+        """Whether a graph planned under ``planned_under`` keeps its plan where the plan made again under the
+        current account cannot fit (``error``): a step measured within the budget ran it, and the account
+        changed only for what that step showed (:meth:`observed_results`: results let go after the caller's
+        loss).  The plans made again are tried first, as they may keep more; but the floor moves with what
+        the lowest-peak plan keeps (its margin, :func:`ckptc.planning.account.planning_margin`), which can
+        be a few bytes more under the new account at the same peak, and a loop whose steps fit was refused
+        at ``ckptc.capture``'s ``floor_bytes`` after its first step."""
+        measured = self._measured_plans
+        if measured is None or measured != (planned_under, self.account):
+            return False
+        release_frames(error)
+        self._standing, self._measured_plans = measured, None  # every graph's plan stands (plans_stand)
+        log.info(
+            "the plan made again for what the measured step showed cannot fit the budget (%s); "
+            "the plan that step ran within the budget stands",
+            error.min_feasible_bytes,
+        )
+        return True
 
     def _observed(
         self,
