@@ -201,6 +201,33 @@ def views_of(tensors: Iterable[torch.Tensor], state: Sequence[torch.Tensor]) -> 
     return found
 
 
+#: Autograd nodes that gather the gradients of several views into one buffer once all are in (``split``,
+#: ``chunk``, ``unbind``), or that an earlier compiled graph differentiates itself.
+_GATHERING_NODES = ("SplitBackward", "SplitWithSizesBackward", "UnbindBackward", "CompiledFunction")
+
+
+def gradient_scattered_into_own_buffer(view: torch.Tensor, owner: torch.Tensor) -> bool:
+    """Whether autograd writes the gradient of ``view``, a view of the leaf ``owner`` taken in eager code
+    (``table[1]``, ``weight[:, :k]``, ``weight.expand(...)``), into a buffer of ``owner``'s size of its own
+    as soon as that gradient arrives: each step back to ``owner``'s accumulator is a single-input view
+    backward and ``view`` is not the whole of ``owner`` reshaped.  Pieces of a ``split``/``chunk``/``unbind``
+    share one buffer made when all their gradients are in, and a view an earlier compiled graph made is
+    differentiated inside that graph: neither is."""
+    if not view.requires_grad or view.numel() == owner.numel():
+        return False
+    node = view.grad_fn
+    for _ in range(32):
+        if node is None or node.name().startswith(_GATHERING_NODES):
+            return False
+        if node.name().endswith("AccumulateGrad"):
+            return getattr(node, "variable", None) is owner
+        inputs = [f for f, _ in node.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
 def profiler_events(prof: Any) -> Iterable[Any]:
     """Every event of a finished ``torch.profiler.profile`` run, memory events included.
 

@@ -36,6 +36,10 @@ class GraphInputs:
             (counted by that graph, not by later ones).
         data_refs: weak references to the data inputs, by id: a data input freed since (a batch
             of an earlier step) has an id that can name a new tensor now.
+        view_gradient_bytes: what autograd allocates outside the graph, as its backward returns, for the
+            views of trainable parameters it takes (a slice of a weight taken by the caller or by eager
+            code between graphs): each view's gradient is written into a zero buffer of its parameter's
+            size, unless the view is the whole parameter reshaped.
     """
 
     data: Mapping[int, int] = field(default_factory=dict)
@@ -43,6 +47,7 @@ class GraphInputs:
     state: frozenset[int] = frozenset()
     handed: frozenset[int] = frozenset()
     data_refs: Mapping[int, weakref.ref] = field(default_factory=dict, compare=False)
+    view_gradient_bytes: int = 0
 
     @property
     def ids(self) -> frozenset[int]:

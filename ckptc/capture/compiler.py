@@ -735,9 +735,8 @@ class CheckpointCompiler:
             in_place_backward=self.options.compiler == "eager",
             accumulated_gradients=gradient_sink.positions if gradient_sink is not None else frozenset(),
             loss_bytes=max(self.account.loss_bytes, self.account.eager_bytes_after.get(index, 0)),
-            gradient_sum_bytes=max(inputs.parameters.values(), default=0)
-            if self.account.gradients_summed_by_autograd
-            else 0,
+            gradient_sum_bytes=inputs.view_gradient_bytes
+            + (max(inputs.parameters.values(), default=0) if self.account.gradients_summed_by_autograd else 0),
         )
         jp = with_later_results(jp, self.account.later_results_held.get(index, 0))
         account = self.account.replace(defer_infeasible=False) if final else self.account

@@ -54,7 +54,7 @@ from typing import Any, Collection, Mapping, Sequence
 import torch
 
 import solvers
-from ckptc._torch_internals import made_by_compiled_graph, views_of
+from ckptc._torch_internals import gradient_scattered_into_own_buffer, made_by_compiled_graph, views_of
 from ckptc.meter import allocated_bytes, gradient_of, resident_bytes
 from ckptc.pricing.devices import MemoryModel, graph_device, memory_model
 from ckptc.records import GraphInputs, GraphRecord
@@ -396,6 +396,14 @@ class StepAccount:
             state=frozenset({id(t) for t in tensors if id(t) in state_ids} | {id(t) for t in taken}),
             handed=frozenset(id(t) for t in tensors if id(t) not in state_ids and made_by_compiled_graph(t)),
             data_refs={id(t): weakref.ref(t) for t in tensors if id(t) not in state_ids},
+            view_gradient_bytes=sum(
+                allocated_bytes(owner)
+                for t in tensors
+                if (owner := viewed.get(id(t))) is not None
+                and id(owner) in params
+                and owner.requires_grad
+                and gradient_scattered_into_own_buffer(t, owner)
+            ),
         )
         outside = 0
         if model is not None:

@@ -252,9 +252,11 @@ def joint_to_problem(
         loss_bytes: memory the caller's loss takes between this graph's forward and backward
             (:attr:`ckptc.planning.account.StepAccount.loss_bytes`): a transient node at the end of
             forward, after the results are released, that no backward node reads.
-        gradient_sum_bytes: what autograd allocates when this graph's parameter gradients meet
-            another call's (:attr:`ckptc.planning.account.StepAccount.gradients_summed_by_autograd`):
-            a transient node after every backward node, while all the gradients are alive.
+        gradient_sum_bytes: what autograd allocates as this graph's backward returns: where its parameter
+            gradients meet another call's (:attr:`ckptc.planning.account.StepAccount.gradients_summed_by_autograd`),
+            and the parameter-sized buffers of the gradients of parameter views it takes
+            (:attr:`ckptc.records.GraphInputs.view_gradient_bytes`): a transient node after every backward
+            node, while all the gradients are alive.
     """
     policies = _spread_over_views(joint, dict(policies or {}))
     output_node = next(iter(joint.graph.find_nodes(op="output")))
