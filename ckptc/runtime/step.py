@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import itertools
 import logging
 import random
@@ -442,7 +443,8 @@ class StepRuntime:
             self._step_keys = []
         # A second call before backward gets its own plan, made while the first
         # call's graphs are in the step's account (what they keep is counted).
-        signature = self.lengths.key(args, kwargs, _signature(args, kwargs) + (_model_signature(self.model),))
+        called = _as_called(self.model, args, kwargs)
+        signature = self.lengths.key(*called, _signature(*called) + (_model_signature(self.model),))
         if self.lengths.last_bucket is not None:
             # A bucket that cannot be planned runs the call again for its exact sizes (``call``): what the
             # call changes, to run it as it was (versions only, no copy).
@@ -1258,14 +1260,47 @@ def _describe_inputs(args: tuple, kwargs: dict) -> str:
     return ", ".join(parts) or "without tensors at the top level"
 
 
+def _as_called(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` bound to ``model.forward``'s parameters, by name in their order (what a
+    ``**kwargs`` parameter collects after them, by sorted name): the same call spelled positionally or by
+    keyword, in any order, runs one compiled frame and selects one plan.  A call that does not bind (eager
+    raises for it) is left as it is."""
+    try:
+        signature = inspect.signature(model.forward)
+        parameters, bound = signature.parameters, signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update((f"*{name}[{i}]", v) for i, v in enumerate(value))
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(sorted(value.items()))
+        else:
+            named[name] = value
+    return (), named
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
-    """What selects a plan: structure, shapes, dtypes, devices of the inputs, and autocast."""
+    """What selects a plan: structure, shapes, dtypes, devices of the inputs, autocast, and the values of
+    the call's own Python numbers, strings and flags.  Such values inside a container (a batch dict's
+    example id, a list of names) count by type only: the model rarely reads them, and each new value
+    would otherwise be captured and planned afresh, its first step unverified (a per-batch id kept every
+    step 1.23x over the budget); where forward reads one, torch.compile guards on it and compiles again,
+    and that graph is planned in place."""
     leaves, spec = internals.tree_flatten((args, kwargs))
+    top_level: list[bool] = []
+    for value in (*args, *kwargs.values()):
+        inner, inner_spec = internals.tree_flatten(value)
+        top_level += [inner_spec.is_leaf()] * len(inner)
+    if len(top_level) != len(leaves):
+        top_level = [True] * len(leaves)
     described: list[Any] = [str(spec)]
-    for leaf in leaves:
+    for leaf, own in zip(leaves, top_level, strict=True):
         if isinstance(leaf, torch.Tensor):
             described.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
-        elif isinstance(leaf, (int, float, bool, str, type(None))):
+        elif own and isinstance(leaf, (int, float, bool, str, type(None))):
             described.append(leaf)
         else:
             described.append(type(leaf).__name__)
