@@ -656,8 +656,10 @@ class StepRuntime:
             )
         return (
             f"{head}: a guard on Python state keeps failing (a module attribute changed in forward, such as a "
-            "call counter, a global, a flag toggled between steps). What to do: run with TORCH_LOGS=recompiles "
-            "to see the guard, then keep that state in a tensor buffer or out of forward."
+            "call counter, a global, a flag toggled between steps, or a Python number or string inside the "
+            "inputs that forward reads, such as a batch dict's scale). What to do: run with "
+            "TORCH_LOGS=recompiles to see the guard, then keep that state in a tensor (a buffer, or "
+            "torch.tensor(value) in the batch) or out of forward."
         )
 
     def graph_starts(self, record: GraphRecord, args: Sequence[Any]) -> None:
