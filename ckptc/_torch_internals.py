@@ -201,6 +201,23 @@ def views_of(tensors: Iterable[torch.Tensor], state: Sequence[torch.Tensor]) -> 
     return found
 
 
+def leaves_reached(tensor: torch.Tensor, limit: int = 4096) -> list[torch.Tensor]:
+    """The leaf tensors (parameters, inputs that require grad) whose gradients ``tensor``'s autograd graph
+    accumulates, walking at most ``limit`` nodes back from it."""
+    leaves, seen = [], set()
+    stack = [tensor.grad_fn]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(f for f, _ in node.next_functions)
+    return leaves
+
+
 #: Autograd nodes that gather the gradients of several views into one buffer once all are in (``split``,
 #: ``chunk``, ``unbind``), or that an earlier compiled graph differentiates itself.
 _GATHERING_NODES = ("SplitBackward", "SplitWithSizesBackward", "UnbindBackward", "CompiledFunction")

@@ -1568,3 +1568,58 @@ def test_a_graph_dynamo_runs_eagerly_after_the_backend_failed_on_it_is_said_once
             compiled(x, mask).backward()
     told = [str(w.message) for w in seen if issubclass(w.category, ckptc.CkptcWarning)]
     assert len([m for m in told if "could not be planned" in m and "eagerly" in m]) == 1, told
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.linear(h)) + h
+
+
+class _EmbeddedLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["each layer, no model=", "each layer, model=", "the whole model"])
+def test_a_part_of_a_model_compiled_on_its_own_without_the_model_is_told_its_budget_misses_the_rest(how: str) -> None:
+    """Each layer compiled on its own with ``ckptc.backend(budget_bytes=...)`` (torchtitan-style) and no
+    ``model=``: the backend counts that layer's parameters only, the rest of the model's (embedding, head)
+    and their gradients nowhere, and its check read a tiny Llama's steps as within the budget while they
+    measured 1.04x it independently, without a word.  Told once, naming ``model=``; nothing said where the
+    whole model is given or compiled."""
+    torch.manual_seed(0)
+    model, ids = _EmbeddedLayers(), torch.randint(0, 100, (4, 16))
+    reference = copy.deepcopy(model)
+    torch.compiler.reset()
+    if how == "the whole model":
+        fast = torch.compile(model, backend=ckptc.backend(budget_gb=1))
+    else:
+        for layer in model.layers:
+            layer.compile(backend=ckptc.backend(budget_gb=1, model=model if how == "each layer, model=" else None))
+        fast = model
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for net in (fast, reference):
+                net.zero_grad(set_to_none=True)
+                net(ids).square().mean().backward()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    said = [str(w.message) for w in told if "part of a larger model" in str(w.message)]
+    if how == "each layer, no model=":
+        assert len(said) == 1 and "model=" in said[0] and "_Layer" in said[0], said
+    else:
+        assert not said, said

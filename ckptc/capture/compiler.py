@@ -317,6 +317,7 @@ class CheckpointCompiler:
             # compiling several models plans each one's graphs counting that one.
             self._follow_the_called_model()
             self._warn_at_the_recompile_limit()
+            self._warn_if_part_of_a_larger_model(example_inputs)
         events = self.step_check or self.step_events
         if events is not None:
             events.planned(new_graph=True)  # planning profiles ops
@@ -437,6 +438,42 @@ class CheckpointCompiler:
     def _model_name(self, unknown: str) -> str:
         """The class name of the model this compiler counts, for messages (``unknown`` when none is known)."""
         return type(self.model).__name__ if self.model is not None else unknown
+
+    def _warn_if_part_of_a_larger_model(self, example_inputs: Sequence[Any]) -> None:
+        """Say once when the model found for a backend given no ``model=`` takes, in its first graph, a
+        tensor that eager code made from parameters that are not its own: a part of a larger model compiled
+        on its own (each layer compiled separately, torchtitan-style).  The
+        budget is the whole step's, but only that part's parameters are counted: the rest of the model's
+        parameters and gradients are counted nowhere, and the check read a tiny Llama's steps as within
+        the budget while they measured 1.04x it independently."""
+        if self._model_given or self.model is None or self.records or not torch.is_grad_enabled():
+            return
+        own = {id(p) for p in self.model.parameters()}
+        made = [
+            t
+            for t in example_inputs
+            if isinstance(t, torch.Tensor)
+            and t.grad_fn is not None
+            and not internals.made_by_compiled_graph(t)
+            and any(
+                isinstance(leaf, torch.nn.Parameter) and id(leaf) not in own for leaf in internals.leaves_reached(t)
+            )
+        ]
+        if not made:
+            return
+        name = type(self.model).__name__
+        warn_once(
+            self.model,
+            "part-of-a-larger-model",
+            f"ckptc: the backend compiles {name} on a tensor made from parameters that are not {name}'s (its "
+            f"gradient node is {made[0].grad_fn.name()}): {name} looks like a part of a larger model compiled on "
+            f"its own (a layer compiled per block). The budget is the whole step's, but without model= this "
+            f"backend counts only {name}'s parameters: the rest of the model's parameters and gradients are "
+            "counted nowhere, and steps can run over the budget while ckptc's check reads them as within.\n"
+            "What to do: pass ckptc.backend(..., model=<the whole model>) to every compile of its parts, or "
+            "compile the whole model.",
+            stacklevel=4,
+        )
 
     def _follow_the_called_model(self) -> None:
         """Count the model whose call compiles or runs the graphs now, where it is not the one known.
