@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from ckptc import _torch_internals as internals
-from ckptc.capture.compiler import CheckpointCompiler
+from ckptc.capture.compiler import CheckpointCompiler, refuse_compile_args
 from ckptc.capture.coverage import recurrent_modules
 from ckptc.errors import CkptcError, InvalidArgumentError, warn_once
 from ckptc.options import CheckpointOptions
@@ -145,19 +145,3 @@ def ckptc_backend(
         # Dynamo would hand it to the caller wrapped in its BackendCompilerFailed: not a CkptcError.
         raise internals.raised_through_dynamo(error) from error.__cause__
     return entry[1](gm, example_inputs)
-
-
-def refuse_compile_args(compile_args: dict[str, Any]) -> None:
-    """Refuse ``torch.compile`` arguments that ckptc's backend cannot honour, naming what to pass instead."""
-    mode = compile_args.pop("mode", None)
-    if mode not in (None, "default"):
-        raise InvalidArgumentError(
-            f"torch.compile(..., backend='ckptc', mode={mode!r}): ckptc has no compile modes; they configure "
-            "Inductor. Pass options={'compiler': 'inductor', 'budget_gb': ...} to run ckptc's rewritten graphs "
-            "under Inductor, or drop mode="
-        )
-    if compile_args:
-        raise InvalidArgumentError(
-            f"torch.compile passed {sorted(compile_args)} to backend='ckptc', which takes only options={{...}} "
-            f"(valid names: {list(CheckpointOptions.user_names())})"
-        )

@@ -1021,6 +1021,12 @@ def test_torch_compile_backend_trains_like_eager_on_two_shapes(dynamic: bool) ->
         _assert_same_gradients(model, eager)
     with pytest.raises(Exception, match="ckptc has no compile modes"):
         torch.compile(copy.deepcopy(reference), backend="ckptc", mode="max-autotune")(torch.randn(4, WIDTH))
+    # The same through a backend object (before: a TypeError about __call__'s arguments, wrapped by Dynamo).
+    torch.compiler.reset()
+    with pytest.raises(ckptc.InvalidArgumentError, match="ckptc has no compile modes"):
+        torch.compile(copy.deepcopy(reference), backend=ckptc.backend(budget_gb=1), mode="reduce-overhead")(
+            torch.randn(4, WIDTH)
+        )
 
 
 class _PositionTable(nn.Module):

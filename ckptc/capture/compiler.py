@@ -35,7 +35,7 @@ from ckptc import _torch_internals as internals
 from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
-from ckptc.errors import ArgumentTypeError, CkptcError, UntraceableModelError, warn_once
+from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
 from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED, GRAPH_STARTS
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
@@ -68,6 +68,22 @@ def has_symbolic_sizes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> boo
     return any(isinstance(a, torch.SymInt) for a in example_inputs) or any(
         internals.binds_unbacked_symbols(n) for n in gm.graph.nodes
     )
+
+
+def refuse_compile_args(compile_args: dict[str, Any]) -> None:
+    """Refuse ``torch.compile`` arguments that ckptc's backend cannot honour, naming what to pass instead."""
+    mode = compile_args.pop("mode", None)
+    if mode not in (None, "default"):
+        raise InvalidArgumentError(
+            f"torch.compile(..., backend=<ckptc's>, mode={mode!r}): ckptc has no compile modes; they configure "
+            "Inductor. Pass options={'compiler': 'inductor', 'budget_gb': ...} to run ckptc's rewritten graphs "
+            "under Inductor, or drop mode="
+        )
+    if compile_args:
+        raise InvalidArgumentError(
+            f"torch.compile passed {sorted(compile_args)} to ckptc's backend, which takes only options={{...}} "
+            f"(valid names: {list(CheckpointOptions.user_names())})"
+        )
 
 
 class CheckpointCompiler:
@@ -261,8 +277,9 @@ class CheckpointCompiler:
         self.graph_plans.clear()
 
     # -- torch.compile backend entry point ---------------------------------
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_args: Any) -> Callable:
         try:
+            refuse_compile_args(compile_args)  # torch.compile(mode=...) reaches a backend object too
             run = self._plan_dynamo_graph(gm, example_inputs)
         except BaseException as error:
             runs_eagerly = not isinstance(error, CkptcError) and internals.dynamo_runs_eagerly_after(error)
