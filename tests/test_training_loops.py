@@ -2292,3 +2292,43 @@ def test_a_step_whose_backward_builds_a_graph_of_the_gradients_is_told_it_is_not
         ours = grads(fast, model)
     for a, b in zip(ours, grads(eager, eager), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_the_backends_refusal_for_held_logits_split_off_their_loss_names_them() -> None:
+    """OPT holding its output object through backward under the backend, at the halfway budget of
+    ``capture``'s figures: the logits, made by the graph before the loss (transformers' loss function breaks
+    the graph there), are held, while the graph that cannot fit holds none of its own.  The refusal said
+    "no plan of this training step ... peaks lower" and pointed at capture's floor, far below the budget
+    refused; it now names the held results and what to do, and the budget it names trains."""
+    from tests.zoo import get_case
+
+    case = get_case("opt", size="tiny")
+    args, kwargs = case.example_inputs, case.example_kwargs
+    captured = ckptc.capture(copy.deepcopy(case.model), args, kwargs, loss_fn=lambda out: out.loss)
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+
+    def train(budget: int) -> tuple[nn.Module, Callable[[], Any]]:
+        model = copy.deepcopy(case.model)
+        torch.compiler.reset()
+        fast = torch.compile(model, backend=ckptc.backend(budget_bytes=budget, model=model))
+
+        def step() -> Any:
+            out = fast(*args, **kwargs)  # held until backward ends
+            out.loss.backward()
+            return out
+
+        for seed in range(4):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            step()
+        return model, step
+
+    with pytest.raises(ckptc.InfeasibleBudgetError) as refused:
+        train(budget)
+    message = str(refused.value)
+    assert "the forward's results (logits), held until backward ends" in message, message
+    named = refused.value.min_feasible_bytes
+    model, step = train(named)
+    model.zero_grad(set_to_none=True)
+    _, measured = measure_peak(step, baseline_bytes=resident_bytes(model, args, kwargs))
+    assert measured.peak_bytes <= named, (measured.peak_bytes, named)

@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 import solvers
 from ckptc.errors import BudgetExceededError, release_frames
 from ckptc.meter import MemoryMeasurement
-from ckptc.planning.account import StepAccount, below_the_floor, budget_for_planning_floor
+from ckptc.planning.account import StepAccount, budget_for_planning_floor
 from ckptc.records import GraphRecord
 
 log = logging.getLogger("ckptc.planning.replan")
@@ -200,7 +200,18 @@ class Replans:
                     return True  # planned again before earlier graphs are asked to keep less
             if self._left_to_earlier_calls(ran):
                 return False  # run at its floor; the step runtime asks earlier calls to keep less
-            budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
+            try:
+                budgets = tighter_graph_budgets(ran, self.budget_bytes, self._tightened, self.account.graph_budgets)
+            except solvers.InfeasibleBudgetError as error:
+                if "What to do" in str(error):
+                    raise
+                # Say what the step holds beyond a plain one: the results another graph made (logits before a
+                # loss a graph break splits off) weigh in the floor although the graph refused holds none.
+                raise self.account.explained_refusal(
+                    error,
+                    "; its floor counts what the step holds beyond its graphs' activations",
+                    sum(r.held_output_bytes for r in ran),
+                ) from None
             # Where the graphs stood in this run, which did not fit: their budgets, or their peaks where
             # they had none (the upper end of the search back up, _loosened).
             peaks = {r.index: r.result.peak_bytes for r in ran}
@@ -817,7 +828,7 @@ def tighter_graph_budgets(
         mine = {id(r) for r in ran}
         earlier_calls = {id(e): e for r in short for e in r.earlier if id(e) not in mine}
         if not earlier_calls:
-            raise below_the_floor(solvers.InfeasibleBudgetError(budget_bytes, floor))
+            raise solvers.InfeasibleBudgetError(budget_bytes, floor)  # explained by the caller (Replans._judged)
         parameters: dict[int, int] = {}
         for record in [*ran, *earlier_calls.values()]:
             parameters.update(record.inputs.parameters)
