@@ -609,3 +609,5 @@ def test_a_call_spelled_with_keywords_runs_the_plan_of_the_same_call_spelled_pos
         lambda net: net(gate=gate, batch=batch),
     ]
     _trains_within(_budget_for_loss_outside(), spellings)
+    # And a default left out or passed: one plan.
+    _trains_within(_budget_for_loss_outside(), [lambda net: net(batch)] * 3 + [lambda net: net(batch, gate=None)])

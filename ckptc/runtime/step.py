@@ -1265,13 +1265,14 @@ def _describe_inputs(args: tuple, kwargs: dict) -> str:
 def _as_called(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` bound to ``model.forward``'s parameters, by name in their order (what a
     ``**kwargs`` parameter collects after them, by sorted name): the same call spelled positionally or by
-    keyword, in any order, runs one compiled frame and selects one plan.  A call that does not bind (eager
-    raises for it) is left as it is."""
+    keyword, in any order, with a default or without it, runs one compiled frame and selects one plan.  A call
+    that does not bind (eager raises for it) is left as it is."""
     try:
         signature = inspect.signature(model.forward)
         parameters, bound = signature.parameters, signature.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return args, kwargs
+    bound.apply_defaults()  # ``fast(x)`` is ``fast(x, gate=None)``
     named: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         kind = parameters[name].kind
