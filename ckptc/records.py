@@ -39,7 +39,8 @@ class GraphInputs:
         view_gradient_bytes: what autograd allocates outside the graph, as its backward returns, for the
             views of trainable parameters it takes (a slice of a weight taken by the caller or by eager
             code between graphs): each view's gradient is written into a zero buffer of its parameter's
-            size, unless the view is the whole parameter reshaped.
+            size (:func:`ckptc._torch_internals.gradient_scattered_into_own_buffer`: not for the whole
+            parameter reshaped, nor for split/chunk pieces, which share one buffer made once).
     """
 
     data: Mapping[int, int] = field(default_factory=dict)

@@ -77,7 +77,7 @@ def test_lengths_in_one_bucket_share_a_plan_within_the_budget_and_train_like_eag
     runtime = fast._ckptc_runtime
     assert len(runtime.plans) == 2  # length 24 exactly, then the bucket [17, 32] once
     assert [r.getMessage() for r in caplog.records if "new length bucket" in r.getMessage()] == [
-        "new length bucket: planning once for input 0 dim 1 in [17, 32], input 1 dim 1 in [17, 32]"
+        "new length bucket: planning once for input_ids dim 1 in [17, 32], labels dim 1 in [17, 32]"
     ]
 
 

@@ -107,9 +107,10 @@ class LengthBuckets:
         self.last_bucket = bucketed
         if bucketed not in self.buckets_planned:
             self.buckets_planned.add(bucketed)
+            names = _leaf_names(args, kwargs, len(leaves))
             log.info(
                 "new length bucket: planning once for %s",
-                ", ".join(f"input {i} dim {d} in [{lo}, {hi}]" for (i, d), (lo, hi) in buckets.items()),
+                ", ".join(f"{names[i]} dim {d} in [{lo}, {hi}]" for (i, d), (lo, hi) in buckets.items()),
             )
         return bucketed
 
@@ -129,3 +130,13 @@ class LengthBuckets:
         self.refused.add(bucket)
         log.info("length bucket planned one length at a time from now on: %s", error)
         return True
+
+
+def _leaf_names(args: tuple, kwargs: dict, count: int) -> list[str]:
+    """A name for each of the call's ``count`` leaves, for messages: its argument (``argument 0``, a keyword),
+    with the leaf's position inside it where the argument holds several."""
+    names: list[str] = []
+    for label, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        inner = len(internals.tree_leaves(value))
+        names += [label] if inner == 1 else [f"{label}[{j}]" for j in range(inner)]
+    return names if len(names) == count else [f"input {i}" for i in range(count)]
