@@ -145,6 +145,14 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     return _pytree.tree_flatten(tree)
 
 
+def call_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any, list[bool]]:
+    """The leaves of a call's ``(args, kwargs)``, a description of their structure (as :func:`tree_flatten`),
+    and for each leaf whether it is an argument itself rather than inside a container argument."""
+    leaves, spec = _pytree.tree_flatten((args, kwargs))
+    own = [child.is_leaf() for part in spec.children() for child in part.children() for _ in range(child.num_leaves)]
+    return leaves, spec, own
+
+
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``tree`` with ``fn`` applied to every leaf, structure unchanged."""
     return _pytree.tree_map(fn, tree)

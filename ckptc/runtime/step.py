@@ -1292,13 +1292,7 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
     would otherwise be captured and planned afresh, its first step unverified (a per-batch id kept every
     step 1.23x over the budget); where forward reads one, torch.compile guards on it and compiles again,
     and that graph is planned in place."""
-    leaves, spec = internals.tree_flatten((args, kwargs))
-    top_level: list[bool] = []
-    for value in (*args, *kwargs.values()):
-        inner, inner_spec = internals.tree_flatten(value)
-        top_level += [inner_spec.is_leaf()] * len(inner)
-    if len(top_level) != len(leaves):
-        top_level = [True] * len(leaves)
+    leaves, spec, top_level = internals.call_leaves(args, kwargs)
     described: list[Any] = [str(spec)]
     for leaf, own in zip(leaves, top_level, strict=True):
         if isinstance(leaf, torch.Tensor):
