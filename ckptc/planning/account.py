@@ -416,6 +416,9 @@ class StepAccount:
             grads = later = 0
             for i, p in params.items():
                 if not p.requires_grad:
+                    # Frozen after zero_grad(set_to_none=False): its zeroed gradient stays allocated.
+                    frozen_gradient = gradient_of(p)
+                    grads += allocated_bytes(frozen_gradient) if frozen_gradient is not None else 0
                     continue
                 if self.gradients_resident:
                     grads += allocated_bytes(_gradient_or(p))
