@@ -62,7 +62,7 @@ def backend(
     The backend plans and measures only what Dynamo hands it: code Dynamo runs
     eagerly (a skipped frame, say after a graph break inside a loop) is neither
     planned nor counted.  ``torch.compile(..., fullgraph=True)`` makes Dynamo raise
-    at a break instead; :func:`ckptc.optimize` refuses such a model naming the line.
+    at a break instead; :func:`ckptc.optimize` refuses such a model naming Dynamo's reason for the break.
 
     Example:
         >>> compiled = torch.compile(model, backend=ckptc.backend(budget_gb=40))  # doctest: +SKIP
