@@ -224,9 +224,10 @@ class StepAccount:
         elif results_weigh and self.hold_outputs and self.outputs_assumed_held:
             said.append(
                 "the forward's results (logits), assumed held until backward ends, as a caller that reads them "
-                "after backward would (no step has shown what this loop does yet): pass hold_outputs=False if the "
-                "loop drops them before backward (loss = loss_fn(model(x)), or loss = model(...).loss); a loss "
-                "computed outside the model is then measured on the first step and planned for"
+                "after backward would (no step of this input shape, dtype and set of trainable parameters has "
+                "shown what this loop does yet): pass hold_outputs=False if the loop drops them before backward "
+                "(loss = loss_fn(model(x)), or loss = model(...).loss); a loss computed outside the model is then "
+                "measured on the first step and planned for"
             )
         elif results_weigh and self.hold_outputs and not self.outputs_assumed_held:
             said.append(
