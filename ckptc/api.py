@@ -225,6 +225,7 @@ class OptimizedModule(torch.nn.Module):
         if not model.training:
             return _warn_on_backward_in_eval_mode(model, model(*args, **kwargs))
         check_call_order(self)
+        _refuse_optimized_submodules(model)  # a submodule optimized after the model was
         return self._ckptc_runtime.call(args, kwargs)
 
     def __repr__(self) -> str:
@@ -456,6 +457,38 @@ def _refuse_weightless(model: torch.nn.Module) -> None:
         )
 
 
+def _is_optimized(module: torch.nn.Module) -> bool:
+    """Whether ckptc runs ``module``: an :class:`OptimizedModule`, or a module ``ckptc.apply`` was called on."""
+    return isinstance(module, OptimizedModule) or isinstance(
+        getattr(internals.module_call_override(module), "optimized", None), OptimizedModule
+    )
+
+
+def _refuse_optimized_submodules(model: torch.nn.Module) -> None:
+    """Refuse a model one of whose submodules ckptc optimizes too, whichever was optimized first.
+
+    Raises:
+        ArgumentTypeError: naming the submodule and what to do.
+    """
+    # An explicit walk of the module tree: it runs on every training call, and named_modules builds
+    # every module's dotted name.
+    stack = list(model._modules.values())
+    while stack:
+        module = stack.pop()
+        if module is None:
+            continue
+        if _is_optimized(module):
+            name = next(n for n, m in model.named_modules() if m is module)
+            raise ArgumentTypeError(
+                f"{type(model).__name__}.{name} is optimized by ckptc, and so is {type(model).__name__}: a plan "
+                f"covers either the whole model or its submodules, not both (the model's plan would leave the "
+                f"submodule's budget unkept, or the submodule's call would split the model's plan). Optimize the "
+                f"whole model with the submodule restored (model.{name} = model.{name}.original_module, or "
+                "ckptc.remove on it), or keep only the submodules optimized and train the model as it is"
+            )
+        stack.extend(module._modules.values())
+
+
 def _check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ArgumentTypeError(f"ckptc.optimize expects an nn.Module, got {type(model).__name__}")
@@ -467,17 +500,7 @@ def _check_model(model: Any) -> None:
             f"ckptc.apply was already called on this {type(model).__name__}; train it as it is, "
             "or call ckptc.remove(model) first"
         )
-    for name, submodule in model.named_modules():
-        if name and (
-            isinstance(submodule, OptimizedModule)
-            or isinstance(getattr(internals.module_call_override(submodule), "optimized", None), OptimizedModule)
-        ):
-            raise ArgumentTypeError(
-                f"{type(model).__name__}.{name} is already optimized by ckptc: a plan covers either the whole "
-                f"model or its submodules, not both. Optimize the whole model with the submodule restored "
-                f"(model.{name} = model.{name}.original_module, or ckptc.remove on it), or keep only the "
-                "submodules optimized and train the model as it is"
-            )
+    _refuse_optimized_submodules(model)
     check_wrap_order(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise InvalidArgumentError(
