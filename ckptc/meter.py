@@ -172,17 +172,15 @@ def measure_peak(
 
 
 def _measure_cpu(fn: Callable[[], Any], baseline_bytes: int) -> tuple[Any, MemoryMeasurement]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # A StepMeter is quiet only while its session starts and stops: what ``fn`` prints to stderr (a
+    # warning, ckptc's among them) stays the caller's.
+    meter = StepMeter("cpu", baseline_bytes).start()
+    try:
         result = fn()
-    peak, level, timeline = _peak_of_events(cpu_allocations(prof)[0])
-    return result, MemoryMeasurement(
-        peak_bytes=baseline_bytes + peak,
-        baseline_bytes=baseline_bytes,
-        end_bytes=baseline_bytes + level,
-        timeline=timeline,
-    )
+    except BaseException:
+        meter.abort()
+        raise
+    return result, meter.stop()
 
 
 class StepMeter:
