@@ -470,13 +470,10 @@ def _refuse_optimized_submodules(model: torch.nn.Module) -> None:
     Raises:
         ArgumentTypeError: naming the submodule and what to do.
     """
-    # An explicit walk of the module tree: it runs on every training call, and named_modules builds
-    # every module's dotted name.
-    stack = list(model._modules.values())
+    # A walk by children: it runs on every training call, and named_modules builds every module's dotted name.
+    stack = list(model.children())
     while stack:
         module = stack.pop()
-        if module is None:
-            continue
         if _is_optimized(module):
             name = next(n for n, m in model.named_modules() if m is module)
             raise ArgumentTypeError(
@@ -486,7 +483,7 @@ def _refuse_optimized_submodules(model: torch.nn.Module) -> None:
                 f"whole model with the submodule restored (model.{name} = model.{name}.original_module, or "
                 "ckptc.remove on it), or keep only the submodules optimized and train the model as it is"
             )
-        stack.extend(module._modules.values())
+        stack.extend(module.children())
 
 
 def _check_model(model: Any) -> None:
