@@ -26,7 +26,14 @@ from ckptc.capture.compiler import CheckpointCompiler
 from ckptc.capture.coverage import Coverage
 from ckptc.capture.offline import offline_device, offline_step
 from ckptc.distributed import check_call_order, check_wrap_order, rank_context
-from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
+from ckptc.errors import (
+    ArgumentTypeError,
+    CkptcError,
+    InvalidArgumentError,
+    UntraceableModelError,
+    is_models_own,
+    warn_once,
+)
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planning.account import unnamed_gradient_bytes
 from ckptc.planning.planner import CapturedStep
@@ -700,6 +707,8 @@ def _capture_errors(model: torch.nn.Module) -> Iterator[None]:
     except (CkptcError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as error:
+        if is_models_own(error):
+            raise  # the model's own code raised it, as eager PyTorch does (inputs it rejects, say)
         raise UntraceableModelError.from_exception(model, error) from error
 
 

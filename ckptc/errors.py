@@ -226,6 +226,24 @@ def warn_once(owner: Any, key: str, message: str, stacklevel: int = 2) -> None:
     warnings.warn(message, CkptcWarning, stacklevel=stacklevel + 1)
 
 
+_MODELS_OWN = "_ckptc_models_own"  # set on an error the model's own code raised, running as in eager PyTorch
+
+
+def models_own(error: BaseException) -> BaseException:
+    """Mark ``error`` as the model's own (its code raised it as eager PyTorch would, not ckptc's capture):
+    every entry point raises it as it is.  Returns ``error``."""
+    try:
+        setattr(error, _MODELS_OWN, True)
+    except AttributeError:  # an exception type without a __dict__: taken for a capture failure
+        pass
+    return error
+
+
+def is_models_own(error: BaseException) -> bool:
+    """Whether ``error`` was marked by :func:`models_own`."""
+    return bool(getattr(error, _MODELS_OWN, False))
+
+
 def release_frames(error: BaseException) -> None:
     """Clear the local variables of the finished frames in ``error``'s traceback and its causes'.
 

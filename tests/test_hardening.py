@@ -1431,6 +1431,41 @@ def test_the_models_own_error_on_the_planning_call_is_raised_as_eager_raises_it(
     assert (ckptc.applied(model) if entry == "apply" else fast).plan is not None
 
 
+class _NeedsAMask(nn.Module):
+    """Rejects a call without its mask, as transformers' encoder-decoders reject one without decoder inputs."""
+
+    def __init__(self, graph_break: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.graph_break = nn.Linear(16, 32), nn.Linear(32, 8), graph_break
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        if mask is None:
+            raise ValueError("You have to specify a mask")
+        return self.b(h * mask).square().mean()
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_capture_raises_the_models_own_error_as_eager_and_optimize_do(graph_break: bool) -> None:
+    """mT5 called without decoder inputs raises its own ValueError, eagerly and through ``ckptc.optimize``;
+    ``ckptc.capture`` raised UntraceableModelError, advising ``aot_eager``, which a caller's ``except
+    ValueError`` misses.  Now every entry raises the model's error as it is, the model left as it was."""
+    torch.manual_seed(0)
+    model, x = _NeedsAMask(graph_break), torch.randn(4, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for call in (lambda: model(x), lambda: ckptc.optimize(model, budget_gb=1)(x), lambda: ckptc.capture(model, (x,))):
+        torch.compiler.reset()
+        with pytest.raises(ValueError, match="You have to specify a mask") as raised:
+            call()
+        assert not isinstance(raised.value, ckptc.CkptcError), type(raised.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    step = ckptc.capture(model, (x, torch.ones(4, 32)))  # and with its mask it is captured
+    assert step.floor_bytes <= step.unoptimized_peak_bytes
+
+
 @pytest.mark.parametrize("entry", ["optimize", "apply"])
 @pytest.mark.parametrize("graph_break", [False, True])
 def test_the_models_own_error_on_the_planning_call_leaves_its_type_and_eagers_state(

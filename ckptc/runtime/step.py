@@ -54,6 +54,7 @@ from ckptc.errors import (
     InvalidArgumentError,
     UnboundedSizeError,
     UntraceableModelError,
+    models_own,
     release_frames,
     warn_once,
 )
@@ -290,13 +291,13 @@ class ShapePlan:
                     # which ran the forward again and could go on without it (one that raises only once).
                     # The buffers and random state stay as the code before the error left them, as eager's.
                     internals.unskip_forwards(model)
-                    raise
+                    raise models_own(error)  # noqa: B904 (the same error, as it was raised)
                 saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
                 if reference and not isinstance(error, (CkptcError, MemoryError, torch.OutOfMemoryError)):
                     own = _eager_error(model, saved, args, kwargs, error)
                     if own is not None:
                         internals.unskip_forwards(model)
-                        raise own from None  # the model's own error, as eager PyTorch raises it
+                        raise models_own(own) from None  # the model's own error, as eager PyTorch raises it
                 if (_failed_to_trace(error) or isinstance(error, UnboundedSizeError)) and self.scalar_outputs:
                     # Dynamo fails on some models with .item() kept in the graph where plain
                     # torch.compile (which breaks the graph there) traces them, and a size read with
