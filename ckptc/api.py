@@ -483,11 +483,13 @@ def _refuse_optimized_submodules(model: torch.nn.Module) -> None:
         module = stack.pop()
         if _is_optimized(module):
             name = next(n for n, m in model.named_modules() if m is module)
+            # As Python spells it: model.blocks[0], not model.blocks.0.
+            spelled = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split("."))
             raise ArgumentTypeError(
                 f"{type(model).__name__}.{name} is optimized by ckptc, and so is {type(model).__name__}: a plan "
                 f"covers either the whole model or its submodules, not both (the model's plan would leave the "
                 f"submodule's budget unkept, or the submodule's call would split the model's plan). Optimize the "
-                f"whole model with the submodule restored (model.{name} = model.{name}.original_module, or "
+                f"whole model with the submodule restored (model{spelled} = model{spelled}.original_module, or "
                 "ckptc.remove on it), or keep only the submodules optimized and train the model as it is"
             )
         stack.extend(module.children())
