@@ -375,6 +375,54 @@ def test_a_step_refused_for_its_resident_gradients_does_not_refuse_steps_without
     _plain_steps_around(fast, eager, model, budget, {2: zeroed_in_place, 4: zeroed_in_place})
 
 
+class _NormedNet(nn.Module):
+    """Two blocks of Linear, BatchNorm and GELU: its ``eval()`` forward is a graph of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            *[m for _ in range(2) for m in (nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.GELU())]
+        )
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_a_validation_forward_with_gradients_enabled_leaves_the_next_training_step_its_budget(entry: str) -> None:
+    """After every second step, a validation pass in ``eval()`` mode without ``torch.no_grad()``, before the
+    next ``zero_grad`` (the gradients still resident; its output dropped at once).  Through the backend, that
+    pass (a graph of its own) made every plan count the gradients resident, and the next training step, from
+    ``None`` gradients, was planned again counting them and refused naming 1.32x its budget (this model at its
+    halfway budget: 404,283 B against 305,304 B).  Now such a step plans without them: every training step has
+    eager's gradients and BatchNorm statistics, and a later one measures within the budget."""
+    torch.manual_seed(0)
+    reference = _NormedNet()
+
+    def batch(step: int) -> torch.Tensor:
+        return _batches(step)[0][:32].clone()  # few rows: the gradients, not the activations, fill the room
+
+    captured = ckptc.capture(copy.deepcopy(reference), (batch(0),), loss_fn=_loss)
+    budget = (captured.floor_bytes + captured.unoptimized_peak_bytes) // 2
+    eager, model, _, fast = _entry(entry, reference, budget)
+    for step in range(6):
+        for net, params in ((fast, model), (eager, eager)):
+            plain(net, [batch(step)])
+            if step % 2:
+                params.eval()
+                net(batch(100 + step)[:20]).sum().item()
+                params.train()
+        _assert_same_gradients(model, eager)
+        for (name, b), c in zip(model.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(b, c, msg=name)
+    x = batch(9)
+    _zero(model)
+    peak = measure_peak(lambda: plain(fast, [x]), baseline_bytes=resident_bytes(model, x))[1].peak_bytes
+    assert peak <= budget, (peak, budget)
+    assert not internals.profiler_active()
+
+
 @pytest.mark.parametrize("entry", ["optimize", "backend"])
 def test_a_gradient_penalty_step_torch_refuses_leaves_later_steps_within_the_budget(entry: str) -> None:
     """A loop that tries a gradient penalty once (``autograd.grad(..., create_graph=True)``, then backward

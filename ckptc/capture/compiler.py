@@ -389,23 +389,28 @@ class CheckpointCompiler:
                 # example inputs), not the example inputs, which would keep the first call's tensors (the
                 # weights, under torch.compile(backend=...)) alive as long as Dynamo keeps this backend.
                 inputs = list(args)
-                try:
-                    again = self._plan_again(plans, gm, inputs, index) if plans is not None else None
-                    if again is not None:
-                        record = again
-                    else:
-                        compiled, record, plans = self._plan_graph(gm, inputs, index, at_least=at_least)
-                except solvers.InfeasibleBudgetError as error:
-                    # Not run on its old plan, made for an account the step showed wrong (unless a step
-                    # measured within the budget ran it): every later call plans again, and is refused
-                    # again unless the account changed.
-                    if not self.replans.keeps_measured_plans(planned_under, error):
-                        if check is not None:
-                            check.refused()
-                        refusal = self.replans.refusal(error)
-                        if refusal is error:
-                            raise
-                        raise refusal from error
+                while True:
+                    try:
+                        again = self._plan_again(plans, gm, inputs, index) if plans is not None else None
+                        if again is not None:
+                            record = again
+                        else:
+                            compiled, record, plans = self._plan_graph(gm, inputs, index, at_least=at_least)
+                    except solvers.InfeasibleBudgetError as error:
+                        if check is not None and check.stops_counting_gradients_it_lacks():
+                            account = self.account
+                            continue
+                        # Not run on its old plan, made for an account the step showed wrong (unless a step
+                        # measured within the budget ran it): every later call plans again, and is refused
+                        # again unless the account changed.
+                        if not self.replans.keeps_measured_plans(planned_under, error):
+                            if check is not None:
+                                check.refused()
+                            refusal = self.replans.refusal(error)
+                            if refusal is error:
+                                raise
+                            raise refusal from error
+                    break
                 planned_under = account
             if events is not None:
                 # Results of earlier graphs the eager code between let go: not counted held from the next plan.

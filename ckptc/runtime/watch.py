@@ -270,6 +270,18 @@ class BackendStepCheck:
         self._refused_counting_gradients = self.account.gradients_resident
         self.abort()
 
+    def stops_counting_gradients_it_lacks(self) -> bool:
+        """A graph of the open step, which started without gradients, cannot be planned counting them
+        resident: plan as before they were counted (whether the account changed).  A forward with
+        gradients enabled between backward and ``zero_grad`` (a validation pass in ``eval()`` mode, its
+        own graph) made every graph count them; the training step after it, from ``None`` gradients, was
+        refused at a budget it meets.  A step that starts with them plans counting them again (:meth:`begin`)."""
+        if self._state[0] or not self.replans.not_counting_gradients():
+            return False
+        log.info("torch.compile(backend='ckptc'): a step starts without the gradients the plans count; planning again")
+        self._replanned()
+        return True
+
     def backward_failed(self) -> None:
         """A graph's backward raised (StepEvents): the step ends unmeasured."""
         self._tracker.backward_failed()
