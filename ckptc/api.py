@@ -642,7 +642,8 @@ def plan(
     budget = CheckpointOptions.from_user(budget_gb=budget_gb, budget_bytes=budget_bytes).budget_bytes
     source = None
     if plan is not None:
-        source, budget = applied_plan(plan, budget)
+        source, budget, hold = applied_plan(plan, budget, options.get("hold_outputs"))
+        options["hold_outputs"] = hold
     step = capture(model, example_inputs, example_kwargs, loss_fn=loss_fn, device=device, **options)
     return step.plan(budget_bytes=budget, plan_source=source, progress=progress)
 

@@ -103,8 +103,8 @@ def configured(
                 f"plan= applies a plan as it is, so {', '.join(chosen)} would change nothing; pass them to "
                 "ckptc.plan when making the plan, or drop plan= to plan here"
             )
-        source, budget = applied_plan(plan, checked.budget_bytes)
-        checked = checked.replace(budget_bytes=budget)
+        source, budget, hold = applied_plan(plan, checked.budget_bytes, checked.hold_outputs)
+        checked = checked.replace(budget_bytes=budget, hold_outputs=hold)
     return CheckpointCompiler(checked, model=model, plan_source=source, progress=progress)
 
 

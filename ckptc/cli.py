@@ -170,6 +170,12 @@ def load_factory_module(path: Path) -> Any:
     return module
 
 
+def _a_type(value: Any) -> str:
+    """``value``'s type name with its article, for messages ("an int", "a list")."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def load_workload(spec: str) -> Workload:
     """Run the factory named by ``FILE.py:FACTORY`` and check what it returned."""
     path, factory_name = split_factory_spec(spec)
@@ -190,7 +196,7 @@ def load_workload(spec: str) -> Workload:
                 raise CliError(f"{path} has no '{factory_name}'{hint}")
             factory = getattr(factory, part)
         if not callable(factory):
-            raise CliError(f"{spec}: '{factory_name}' is a {type(factory).__name__}, not a function")
+            raise CliError(f"{spec}: '{factory_name}' is {_a_type(factory)}, not a function")
         log.info("calling %s", spec)
         try:
             result = factory()
@@ -204,7 +210,7 @@ def workload_from(result: Any, spec: str) -> Workload:
     loss: Any = None
     if isinstance(result, (tuple, list)):
         if len(result) not in (2, 3):
-            raise CliError(f"{spec} returned a {type(result).__name__} of {len(result)} items; {_EXPECTED_RESULT}")
+            raise CliError(f"{spec} returned {_a_type(result)} of {len(result)} items; {_EXPECTED_RESULT}")
         model, inputs = result[0], result[1]
         kwargs = result[2] if len(result) == 3 else None
     elif isinstance(result, Mapping):
@@ -220,10 +226,10 @@ def workload_from(result: Any, spec: str) -> Workload:
         kwargs = getattr(result, "example_kwargs", None)
         loss = getattr(result, "loss", None)
     else:
-        raise CliError(f"{spec} returned a {type(result).__name__}; {_EXPECTED_RESULT}")
+        raise CliError(f"{spec} returned {_a_type(result)}; {_EXPECTED_RESULT}")
 
     if not isinstance(model, torch.nn.Module):
-        raise CliError(f"{spec}: the model is a {type(model).__name__}, not a torch.nn.Module")
+        raise CliError(f"{spec}: the model is {_a_type(model)}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise CliError(f"{spec}: {type(model).__name__} has no trainable parameters; there is nothing to checkpoint")
     try:
@@ -231,7 +237,7 @@ def workload_from(result: Any, spec: str) -> Workload:
     except ArgumentTypeError as error:
         raise CliError(f"{spec}: {error}") from None
     if loss is not None and not callable(loss):
-        raise CliError(f"{spec}: loss is a {type(loss).__name__}; expected a function of the model output")
+        raise CliError(f"{spec}: loss is {_a_type(loss)}; expected a function of the model output")
     name = str(
         getattr(result, "name", "")
         or (result.get("name", "") if isinstance(result, Mapping) else "")
@@ -350,6 +356,12 @@ def _add_planning(parser: argparse.ArgumentParser, *, solver: bool = True) -> No
         default=[],
         metavar="PAT",
         help="stable-name patterns to always recompute, e.g. '*.softmax*'",
+    )
+    parser.add_argument(
+        "--hold-outputs",
+        action="store_true",
+        help="plan for a loop that keeps the forward's results (logits) until backward ends, as "
+        "out = model(...); out.loss.backward() does (default: as ckptc's reference step does with them)",
     )
 
 
@@ -506,6 +518,8 @@ def _planning_options(args: argparse.Namespace) -> dict[str, Any]:
     """The command's planning options, checked (:class:`~ckptc.options.CheckpointOptions`) before the
     slow loading and capture; a bad value ends the command with its ``ValueError``."""
     options: dict[str, Any] = {"must_save": tuple(args.must_save), "must_recompute": tuple(args.must_recompute)}
+    if args.hold_outputs:
+        options["hold_outputs"] = True
     if hasattr(args, "solver"):
         options.update(solver=args.solver, strategy=args.strategy)
     try:
@@ -550,7 +564,11 @@ def command_plan(args: argparse.Namespace, out: TextIO) -> int:
             )
         finally:
             progress.finish()
-    model_plan.save(output)
+    try:
+        model_plan.save(output)
+    except OSError as error:
+        reason = error.strerror or error
+        raise CliError(f"{output}: cannot write the plan ({reason}); give another path with -o") from None
     print(f"{output}: {report.summary_line(model_plan)}", file=out)
     if model_plan.coverage is not None and model_plan.coverage.breaks:  # the step is split: say where and why
         print(model_plan.coverage, file=out)

@@ -28,7 +28,13 @@ import torch
 import solvers
 import solvers.plan
 from ckptc._torch_internals import is_op_overload
-from ckptc.errors import ArgumentTypeError, CorruptPlanError, PlanFileNotFoundError, PlanMismatchError
+from ckptc.errors import (
+    ArgumentTypeError,
+    CorruptPlanError,
+    InvalidArgumentError,
+    PlanFileNotFoundError,
+    PlanMismatchError,
+)
 from ckptc.options import SOLVER_NAMES, STRATEGY_NAMES, CheckpointOptions
 
 if TYPE_CHECKING:
@@ -119,6 +125,9 @@ class ModelPlan:
             gradients of its trainable ones (None if the model was not known,
             or the file predates these fields): reports cannot derive them
             from the graphs, whose inputs mix parameters and data.
+        hold_outputs: the ``hold_outputs`` option the plans were made under (None: ckptc watched what
+            the loop does); applying the plan captures the step under the same (``hold_outputs=True``
+            gives the graphs the results' gradients as inputs).
     """
 
     graphs: list[GraphPlan]
@@ -129,6 +138,7 @@ class ModelPlan:
     ckptc_version: str = CKPTC_VERSION
     parameter_bytes: int | None = None
     gradient_bytes: int | None = None
+    hold_outputs: bool | None = None
     # Measured at run time (ckptc.optimize(..., verify=True)); not saved in plan files.
     measured_peak_bytes: int | None = None
     # What the graphs cover of the step and why it is split (ckptc.capture.coverage); not saved in plan files.
@@ -197,6 +207,7 @@ class ModelPlan:
             budget_bytes=options.budget_bytes,
             strategy=options.strategy,
             solver=options.solver,
+            hold_outputs=options.hold_outputs,
             **_parameter_sizes(model),
         )
 
@@ -215,6 +226,7 @@ class ModelPlan:
             "graphs": [g.to_dict() for g in self.graphs],
             "parameter_bytes": self.parameter_bytes,
             "gradient_bytes": self.gradient_bytes,
+            "hold_outputs": self.hold_outputs,
         }
 
     def to_json(self) -> str:
@@ -257,6 +269,7 @@ class ModelPlan:
             ckptc_version=r.version(r.get(data, "ckptc_version"), "ckptc_version"),
             parameter_bytes=r.optional_count(data.get("parameter_bytes"), "parameter_bytes"),
             gradient_bytes=r.optional_count(data.get("gradient_bytes"), "gradient_bytes"),
+            hold_outputs=r.optional_flag(data.get("hold_outputs"), "hold_outputs"),
         )
         # Derived from the graphs; a different figure means the file was edited.
         for name, read, verb in (
@@ -391,6 +404,11 @@ class _Reader:
 
     def optional_count(self, value: Any, field: str) -> int | None:
         return None if value is None else self.count(value, field)
+
+    def optional_flag(self, value: Any, field: str) -> bool | None:
+        if value is not None and not isinstance(value, bool):
+            self.fail(field, f"must be null, true or false, got {_show(value)}")
+        return value
 
     def budget(self, value: Any, field: str) -> int | None:
         """None (no limit) or a positive whole number of bytes."""
@@ -862,17 +880,25 @@ def graph_plan(record: "GraphRecord") -> GraphPlan:
 
 
 def applied_plan(
-    plan: "str | os.PathLike[str] | ModelPlan", budget_bytes: int | None
-) -> tuple[Callable[[int, "JointProblem"], solvers.Plan], int | None]:
-    """A plan file (or :class:`ModelPlan`) to apply instead of solving: its ``plan_source`` and the
-    budget it runs under (the one given, else the file's).
+    plan: "str | os.PathLike[str] | ModelPlan", budget_bytes: int | None, hold_outputs: bool | None = None
+) -> tuple[Callable[[int, "JointProblem"], solvers.Plan], int | None, bool | None]:
+    """A plan file (or :class:`ModelPlan`) to apply instead of solving: its ``plan_source``, the
+    budget it runs under (the one given, else the file's) and the ``hold_outputs`` the step is captured
+    under (the file's, which one given must equal).
 
     Raises:
         CorruptPlanError: the file is unusable.
+        InvalidArgumentError: ``hold_outputs`` is given and differs from the plan's.
         solvers.InfeasibleBudgetError: the plan predicts a peak over the budget given with it (naming the peak).
     """
     # load_plan refuses anything but a path: an int would be read as a file descriptor.
     model_plan = plan if isinstance(plan, ModelPlan) else load_plan(plan)
+    if hold_outputs is not None and model_plan.hold_outputs is not None and hold_outputs != model_plan.hold_outputs:
+        raise InvalidArgumentError(
+            f"the plan was made with hold_outputs={model_plan.hold_outputs} and is applied with "
+            f"hold_outputs={hold_outputs}: the step's graphs differ (held results' gradients are inputs of the "
+            "backward). Drop hold_outputs= to apply the plan as made, or plan again with the setting you want."
+        )
     if budget_bytes is not None and model_plan.predicted_peak_bytes > budget_bytes:
         # A plan does not adapt to a budget: it would silently break the promise.
         raise solvers.InfeasibleBudgetError(
@@ -885,7 +911,9 @@ def applied_plan(
         )
     # An explicit budget is also checked against each graph as applied (the
     # peak is simulated again on the captured graph).
-    return plan_source_for(model_plan, budget_bytes), model_plan.budget_bytes if budget_bytes is None else budget_bytes
+    budget = model_plan.budget_bytes if budget_bytes is None else budget_bytes
+    hold = model_plan.hold_outputs if hold_outputs is None else hold_outputs
+    return plan_source_for(model_plan, budget_bytes), budget, hold
 
 
 def plan_source_for(

@@ -418,6 +418,8 @@ def _legitimate(path: tuple, original: Any, value: Any) -> bool:
     leaf = next(k for k in reversed(path) if isinstance(k, str))
     if isinstance(original, bool):
         return isinstance(value, bool)
+    if leaf == "hold_outputs":
+        return value is None or isinstance(value, bool)  # null (ckptc watched the loop), true or false
     if value is None and (leaf in ("budget_bytes", "parameter_bytes", "gradient_bytes", "schedule") or _in_info(path)):
         return True  # "no limit", "not known", "derived from kept"
     if value == {} and leaf == "details":

@@ -581,7 +581,7 @@ def below_the_floor(error: solvers.InfeasibleBudgetError) -> solvers.InfeasibleB
         floor,
         f"{error}: no plan of this training step (its weights, gradients and inputs included) peaks lower. "
         f"What to do: give a budget of at least {floor} bytes ({solvers.format_bytes(floor)}), or make the step "
-        "smaller (a smaller batch, shorter sequences); ckptc.capture(model, *inputs).floor_bytes gives a "
+        "smaller (a smaller batch, shorter sequences); ckptc.capture(model, example_inputs).floor_bytes gives a "
         "shape's floor before training through ckptc.optimize (under torch.compile(backend=...) Dynamo may split "
         "the step into more graphs, at data-dependent ops such as torch.unique or boolean-mask indexing, each "
         "counting what the others hold, and the floor is then higher).",

@@ -199,7 +199,14 @@ def _choose(
     solver's plan peaks above it.
     """
     if plan_source is not None:
-        return _within_budget(jp, plan_source(index, jp), account.budget_bytes, "the plan file's plan")
+        held = (
+            " Where the loop keeps the forward's results until backward ends (out = model(...); "
+            "out.loss.backward()), make the plan for it: ckptc.plan(..., hold_outputs=True), or ckptc plan "
+            "--hold-outputs."
+            if account.hold_outputs and not options.hold_outputs
+            else ""
+        )
+        return _within_budget(jp, plan_source(index, jp), account.budget_bytes, "the plan file's plan", held)
     target = options.compiler if options.strategy == "auto" else "eager"  # presets are taken as they are
     budget = account.graph_budget(index)
     if budget is None:
@@ -255,9 +262,12 @@ class _FixedPlanOverBudget(solvers.InfeasibleBudgetError):
     """A preset's or a plan file's plan peaks above the budget: nothing to plan again, refused as is."""
 
 
-def _within_budget(jp: JointProblem, plan: solvers.Plan, budget: int | None, what: str) -> solvers.Plan:
+def _within_budget(
+    jp: JointProblem, plan: solvers.Plan, budget: int | None, what: str, advice: str = ""
+) -> solvers.Plan:
     """``plan`` if its predicted peak (the one simulator's) is within ``budget``; a preset or a plan file
-    is applied as it is, so one that does not fit is refused naming its peak, never run over budget."""
+    is applied as it is, so one that does not fit is refused naming its peak (and ``advice``), never run over
+    budget."""
     if budget is None:
         return plan
     peak = solvers.simulate(jp.problem, plan).peak_bytes
@@ -268,7 +278,7 @@ def _within_budget(jp: JointProblem, plan: solvers.Plan, budget: int | None, wha
         peak,
         f"{what} peaks at {solvers.format_bytes(peak)} ({peak} bytes), above the budget "
         f"{solvers.format_bytes(budget)} ({budget} bytes). What to do: give a budget of at least {peak} bytes, "
-        "or plan under this budget with strategy='auto' (ckptc's solvers)",
+        "or plan under this budget with strategy='auto' (ckptc's solvers)." + advice,
     )
 
 
@@ -905,6 +915,7 @@ class CapturedStep:
             solver=options.solver,
             parameter_bytes=self.parameter_bytes,
             gradient_bytes=self.gradient_bytes,
+            hold_outputs=options.hold_outputs,
             coverage=self.coverage,
         )
 
