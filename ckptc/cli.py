@@ -361,7 +361,7 @@ def _add_planning(parser: argparse.ArgumentParser, *, solver: bool = True) -> No
         "--hold-outputs",
         action="store_true",
         help="plan for a loop that keeps the forward's results (logits) until backward ends, as "
-        "out = model(...); out.loss.backward() does (default: as ckptc's reference step does with them)",
+        "out = model(...); out.loss.backward() does (default: a loop that drops them once its loss is computed)",
     )
 
 
