@@ -291,7 +291,8 @@ class ShapePlan:
                     # which ran the forward again and could go on without it (one that raises only once).
                     # The buffers and random state stay as the code before the error left them, as eager's.
                     internals.unskip_forwards(model)
-                    raise models_own(error)  # noqa: B904 (the same error, as it was raised)
+                    models_own(error)
+                    raise
                 saved.restore()  # a refused call leaves the buffers, inputs and random state as they were
                 if reference and not isinstance(error, (CkptcError, MemoryError, torch.OutOfMemoryError)):
                     own = _eager_error(model, saved, args, kwargs, error)
