@@ -200,24 +200,15 @@ class ModelPlan:
     # -- construction -----------------------------------------------------
     @classmethod
     def from_records(
-        cls,
-        records: Iterable["GraphRecord"],
-        options: "CheckpointOptions",
-        model: torch.nn.Module | None = None,
-        *,
-        sizes: dict[str, int | None] | None = None,
-        coverage: Coverage | None = None,
+        cls, records: Iterable["GraphRecord"], options: "CheckpointOptions", model: torch.nn.Module | None = None
     ) -> "ModelPlan":
-        """The plan of ``records`` made under ``options``; the parameter and gradient bytes are ``sizes``
-        (as :func:`_parameter_sizes` gives them) or ``model``'s."""
         return cls(
             graphs=[graph_plan(r) for r in records],
             budget_bytes=options.budget_bytes,
             strategy=options.strategy,
             solver=options.solver,
             hold_outputs=options.hold_outputs,
-            coverage=coverage,
-            **(_parameter_sizes(model) if sizes is None else sizes),
+            **_parameter_sizes(model),
         )
 
     # -- files --------------------------------------------------------------

@@ -50,7 +50,7 @@ from ckptc.planning.account import (
     planning_margin,
 )
 from ckptc.planning.replan import Replans, settle
-from ckptc.plans import ModelPlan, fingerprint
+from ckptc.plans import ModelPlan, fingerprint, graph_plan
 from ckptc.pricing.costs import BACKWARD, FORWARD, FUSING_COMPILERS
 from ckptc.pricing.problem import GRADIENT_SUM_NODE, JointProblem, with_later_results
 from ckptc.records import GraphInputs, GraphRecord, PlanSource, Progress
@@ -908,8 +908,16 @@ class CapturedStep:
         refuse_unknown("CapturedStep.plan keyword", unknown, valid, noun="keywords")
         options = self._options(budget_gb, budget_bytes, strategy=strategy, solver=solver, time_limit=time_limit)
         records = self._decide_under(options, plan_source, progress)
-        sizes = {"parameter_bytes": self.parameter_bytes, "gradient_bytes": self.gradient_bytes}
-        return ModelPlan.from_records(records, options, sizes=sizes, coverage=self.coverage)
+        return ModelPlan(
+            graphs=[graph_plan(r) for r in records],
+            budget_bytes=options.budget_bytes,
+            strategy=options.strategy,
+            solver=options.solver,
+            parameter_bytes=self.parameter_bytes,
+            gradient_bytes=self.gradient_bytes,
+            hold_outputs=options.hold_outputs,
+            coverage=self.coverage,
+        )
 
     def _decide_all(
         self,
