@@ -14,7 +14,6 @@ import functools
 import gc
 import inspect
 import logging
-import sys
 import types
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -35,7 +34,6 @@ from ckptc.errors import (
     is_models_own,
     warn_once,
 )
-from ckptc.meter import FORWARD_RETURNED, StepMeter
 from ckptc.options import CheckpointOptions, refuse_unknown
 from ckptc.planning.account import unnamed_gradient_bytes
 from ckptc.planning.planner import CapturedStep
@@ -543,10 +541,7 @@ def capture(
     gradients of example inputs that require one afterwards, so the model and
     its inputs are left exactly as they were.  Results of the graphs that the
     model itself keeps through backward (a forward hook storing a layer's
-    output) are found on that step and counted held (the step runs once more), and so are results the
-    loss uses beside the model's own loss (``loss_fn`` adding a penalty on hidden states) and, on the
-    CPU, what the loss holds between forward and backward (``loss_fn``'s temporaries and their
-    backward), as ``optimize``'s steps count them once measured.  ``options`` are those
+    output) are found on that step and counted held (the step runs once more).  ``options`` are those
     of :func:`optimize` that shape the captured problem (``must_save``,
     ``must_recompute``, ``hold_outputs``, ``compiler``, ``measure_time``) and
     the defaults of :meth:`CapturedStep.plan` (``strategy``, ``solver``,
@@ -598,26 +593,11 @@ def capture(
             lifetimes = ResultLifetimes(watch_results=True)
             with _capture_errors(model):
                 shape.compile(model, template, ran, lifetimes)
-            loss_bytes = _reference_step(
-                model, shape, template, ran, inputs, kwargs, loss_fn, target, reference=ranks is None
-            )
-            held = lifetimes.results_alive() and shape.replans.observed_results(True, ran)
-            if held:
+            _reference_step(model, shape, template, ran, inputs, kwargs, loss_fn, target, reference=ranks is None)
+            if lifetimes.results_alive() and shape.replans.observed_results(True, ran):
                 # The model holds results of its graphs past backward (a forward hook storing a layer's
                 # output): the step runs again with the graphs planned counting them held.
                 log.info("%s holds results of its graphs through backward: counted held", type(model).__name__)
-            if any(r.gradients_unexpected for r in ran) and shape.replans.counting_result_gradients():
-                # The loss (loss_fn's, or the model's own code after a graph break) used results beside the
-                # scalar taken for it: the step runs again counting them held and their gradients made, as
-                # optimize's next call plans it (else the floor and peak understate the step).
-                log.info("%s's backward reached results beside its loss: counted held", type(model).__name__)
-                held = True
-            if loss_bytes and shape.replans.counting_loss(loss_bytes):
-                # The caller's loss (loss_fn's) held memory between forward and backward, which optimize's steps
-                # learn by measuring the first: priced at the end of forward, as they price it.
-                log.info("%s's loss held %d bytes before backward: counted", type(model).__name__, loss_bytes)
-                held = True
-            if held:
                 del ran[:]
                 lifetimes.begin()
                 _reference_step(model, shape, template, ran, inputs, kwargs, loss_fn, target, reference=False)
@@ -699,40 +679,12 @@ def _reference_step(
     target: torch.device | None,
     *,
     reference: bool,
-) -> int:
+) -> None:
     """``capture``'s training step: the planning call, appending its graphs to ``ran``, then the loss's
-    backward; nothing it returns outlives it.  Returns what the loss held above the forward's end
-    before the graphs' backward began (:attr:`ckptc.meter.MemoryMeasurement.loss_bytes`; 0 where it
-    cannot be measured: offline, on an accelerator, under another profiler), which optimize's steps
-    learn by measuring the first of them."""
+    backward; nothing it returns outlives it."""
     with _capture_errors(model):
         output = shape.plan_call(model, template, ran, inputs, kwargs, reference=reference)
         refuse_unplanned(model, ran, shape.eager, output)
-    meter = _loss_meter(model, target)
-    try:
-        _reference_loss(model, output, loss_fn, target)
-    except BaseException:
-        if meter is not None:
-            meter.abort()
-        raise
-    return (meter.stop().loss_bytes or 0) if meter is not None else 0
-
-
-def _loss_meter(model: torch.nn.Module, target: torch.device | None) -> StepMeter | None:
-    """A CPU meter over the caller's loss and backward, the forward's end marked; None where none can run."""
-    parameter = next(model.parameters(), None)
-    on_cpu = parameter is None or parameter.device.type == "cpu"
-    if target is not None or not on_cpu or internals.profiler_active() or sys.getprofile() is not None:
-        return None
-    meter = StepMeter("cpu", 0).start()
-    internals.profiler_mark(f"{FORWARD_RETURNED}:0")
-    return meter
-
-
-def _reference_loss(
-    model: torch.nn.Module, output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, target: torch.device | None
-) -> None:
-    """The caller's loss of ``output`` (``loss_fn``'s, else the model's own) and its backward."""
     try:  # the caller's loss function: its own errors are raised as they are
         loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
     except RuntimeError as error:
