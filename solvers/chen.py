@@ -286,7 +286,9 @@ def _to_plan(
         solve_seconds=time.perf_counter() - started,
         candidate=cand.label,
         simulations=simulations,
-        threshold_bytes=cand.threshold,
+        # Whole bytes, as SolveInfo declares and plan files read them: for the integer running bytes the greedy
+        # compares, "running > b" and "running > floor(b)" pick the same cut points.
+        threshold_bytes=None if cand.threshold is None else math.floor(cand.threshold),
     )
     return Plan(kept=names_of(problem, cand.mask), method=method, budget_bytes=budget_bytes, info=info)
 

@@ -534,3 +534,26 @@ def test_a_plan_file_met_by_a_second_shape_says_the_sizes_became_symbolic(tmp_pa
     fast(x).sum().backward()
     with pytest.raises(ckptc.PlanMismatchError, match="symbolic sizes .* other input shapes than this call's"):
         fast(torch.randn(8, 32)).sum().backward()
+
+
+def test_a_plan_chen_greedy_chose_is_saved_and_applied(tmp_path: Path) -> None:
+    """Chen's greedy recorded its threshold as the float its search bisected (``4657025.98...``), which the
+    plan file's reader, rightly strict about whole bytes, refused as damaged: no plan file made with
+    ``solver="chen_greedy"``, or by ``auto`` where it chose Chen's plan, could be applied."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, 256), torch.nn.Tanh()]
+    for _ in range(5):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    model, x = torch.nn.Sequential(*layers), torch.randn(1024, 64)
+    captured = ckptc.capture(copy.deepcopy(model), (x,))
+    budget = int(captured.floor_bytes + 0.3 * (captured.unoptimized_peak_bytes - captured.floor_bytes))
+    planned = captured.plan(budget_bytes=budget, solver="chen_greedy")
+    assert planned.to_dict()["graphs"][0]["plan"]["method"] == "chen_greedy"
+    path = tmp_path / "chen.plan.json"
+    planned.save(path)
+    eager = copy.deepcopy(model)
+    fast = ckptc.optimize(model, plan=str(path))
+    fast(x).sum().backward()
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -309,3 +309,17 @@ def test_chen_greedy_is_never_worse_than_keep_all_or_sqrt(problem):
     sqrt_peak = simulate(problem, sqrt).peak_bytes
     greedy = solve(problem, sqrt_peak, "chen_greedy")
     assert greedy.info.recompute_cost <= simulate(problem, sqrt).recompute_cost
+
+
+@fast(60)
+@given(problem=training_problems(max_forward=MAX_FORWARD), data=st.data())
+def test_every_plans_info_is_what_a_plan_file_records(problem, data):
+    # A plan file records a plan's SolveInfo and reads back whole numbers where it declares them: chen_greedy
+    # wrote its threshold as the float its search bisected (4216.84...), and the file of a plan whose graph
+    # ran Chen's lowest-peak plan (a budget at the floor) was refused as damaged when applied.
+    _, between, _, _ = _budgets(problem, data)
+    lowest = chen_lowest_peak(problem)
+    floor = lowest.info.predicted_peak_bytes  # Chen's own: the families' lowest may be another's
+    plans = [lowest, solve(problem, floor, "chen_greedy"), solve(problem, max(between, floor), "chen_greedy")]
+    for plan in plans:
+        assert plan.info.threshold_bytes is None or type(plan.info.threshold_bytes) is int, plan.info
