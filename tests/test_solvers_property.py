@@ -313,7 +313,7 @@ def test_chen_greedy_is_never_worse_than_keep_all_or_sqrt(problem):
 
 @fast(60)
 @given(problem=training_problems(max_forward=MAX_FORWARD), data=st.data())
-def test_every_plans_info_is_what_a_plan_file_records(problem, data):
+def test_chens_threshold_is_recorded_in_whole_bytes_as_plan_files_read_it(problem, data):
     # A plan file records a plan's SolveInfo and reads back whole numbers where it declares them: chen_greedy
     # wrote its threshold as the float its search bisected (4216.84...), and the file of a plan whose graph
     # ran Chen's lowest-peak plan (a budget at the floor) was refused as damaged when applied.
