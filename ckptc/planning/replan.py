@@ -115,6 +115,9 @@ class Replans:
         # Only a planning run (settle) plans again at once; under the backend each trial would be a step.
         self._plans_at_once = False
         self._room_made = 0  # times later calls of the step asked these graphs to keep less
+        # Bytes a later call of the step needs these graphs to keep less, asked while they plan again for
+        # another reason (counting that call's gradients): applied to the plans made for that reason.
+        self._room_pending = 0
         self._fewest_dead: dict[tuple[int, int], int] = {}  # see observed_results_let_go
         # Plans made under the first account that stand under the second (see plans_stand).
         self._standing: tuple[StepAccount, StepAccount] | None = None
@@ -191,6 +194,10 @@ class Replans:
             self._judged_under = self.account
 
     def _judged(self, ran: Sequence[GraphRecord], unnamed_gradient_bytes: int, later_gradients_counted: bool) -> bool:
+        if self._room_pending and not any(r.infeasible for r in ran):
+            need, self._room_pending = self._room_pending, 0
+            self.make_room_for_later_calls(need, ran)
+            return True
         if any(r.infeasible for r in ran):
             assert self.budget_bytes is not None  # only a budget makes graphs infeasible
             if self._loosening is not None and self._loosening_failed():
@@ -379,6 +386,14 @@ class Replans:
         self._measured = None
         self.account = self.account.replace(graph_budgets={**self.account.graph_budgets, **budgets})
         log.info("a later call of the step did not fit beside this call's plans; its graphs keep less: %s", budgets)
+
+    def make_room_when_planning_again(self, need: int) -> None:
+        """As :meth:`make_room_for_later_calls`, for graphs that plan again anyway under an account a
+        step changed (:meth:`counting_gradients`: the later call's backward runs before theirs): the
+        budgets that keep ``need`` bytes less are set from the plans made under that account, in the same
+        planning run, so the step after the one that found the later call short fits it (budgets from the
+        plans before, which the new account may change, would wait for one more step to run it short)."""
+        self._room_pending = max(self._room_pending, need)
 
     def planning_after_earlier_calls_again(self) -> None:
         """The step's earlier calls plan again (:meth:`make_room_for_later_calls`): this call's graphs,

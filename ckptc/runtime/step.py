@@ -571,9 +571,12 @@ class StepRuntime:
         ]
         short = [r for r in ran if r.infeasible] if planned else []
         budget = self.template.budget_bytes
-        if short and budget is not None and not recounted:
+        if short and budget is not None:
             need = room_needed(short, budget)
             for call in earlier:
+                if call in recounted:  # plans again counting the gradients: room is made from those plans
+                    call.replans.make_room_when_planning_again(need)
+                    continue
                 mine = {id(r) for r in call.compiler.records}
                 call.replans.make_room_for_later_calls(need, [r for r in self.active if id(r) in mine])
         if not (recounted or short):
