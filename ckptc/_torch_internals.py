@@ -80,6 +80,7 @@ __all__ = [
     "graph_module",
     "donate_no_saved_tensors",
     "tensors_held_for_backward",
+    "callers_saved_tensor_hooks",
     "trainable_leaf_or_view",
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
@@ -1478,6 +1479,18 @@ def tensors_held_for_backward(
             found.extend(v for v in values if isinstance(v, torch.Tensor))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def callers_saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks of the caller's are active (``torch.autograd.graph.saved_tensors_hooks``,
+    ``save_on_cpu``): they pack what a compiled graph saves for backward.  Not those of a non-reentrant
+    ``torch.utils.checkpoint`` region (its forward or its recomputation: they keep nothing and run the
+    region again) nor ckptc's own (its reference run)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return False
+    module = getattr(hooks[0], "__module__", None) or ""
+    return not (module == "torch.utils.checkpoint" or module == "ckptc" or module.startswith("ckptc."))
 
 
 def _saved_under_hooks(node: Any, name: str) -> bool:

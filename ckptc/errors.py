@@ -25,6 +25,7 @@ is what capture could not handle.
 from __future__ import annotations
 
 import logging
+import sys
 import traceback
 import warnings
 import weakref
@@ -213,6 +214,21 @@ class CkptcWarning(RuntimeWarning):
 
 _warned: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
 _log = logging.getLogger("ckptc")
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` that points a :func:`warn_once` made by this function's caller at the innermost
+    frame calling it from outside torch and ckptc (the model's code, or the training loop)."""
+    import os
+
+    skip = (os.path.dirname(torch.__file__ or ""), os.path.dirname(__file__))
+    frame, level = sys._getframe(1), 1
+    # Code FX or Dynamo generates has a made-up file name: not the caller's either.
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(skip) or not os.path.isfile(frame.f_code.co_filename)
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def warn_once(owner: Any, key: str, message: str, stacklevel: int = 2) -> None:

@@ -35,7 +35,14 @@ from ckptc import _torch_internals as internals
 from ckptc.capture.coverage import refuse_oversized
 from ckptc.capture.rng import insert_rng_state_nodes
 from ckptc.distributed import check_backend_context
-from ckptc.errors import ArgumentTypeError, CkptcError, InvalidArgumentError, UntraceableModelError, warn_once
+from ckptc.errors import (
+    ArgumentTypeError,
+    CkptcError,
+    InvalidArgumentError,
+    UntraceableModelError,
+    outside_stacklevel,
+    warn_once,
+)
 from ckptc.meter import BACKWARD_STARTS, FORWARD_RETURNED, GRAPH_STARTS
 from ckptc.options import CheckpointOptions
 from ckptc.planning.account import StepAccount
@@ -679,12 +686,31 @@ class CheckpointCompiler:
             # count what these keep for backward in their baseline.
             # Without a step tracker, a graph running again means a new step began.
             running = plans.record if plans is not None else record
+            if internals.callers_saved_tensor_hooks():
+                self._warn_saved_tensor_hooks()
             if not self.track_steps and self.step_check is None and any(r is running for r in self.active):
                 self.active.clear()
             self.active.append(running)
             return plans.run_forward(args) if plans is not None else compiled(args)
 
         return internals.mark_boxed(forward)
+
+    def _warn_saved_tensor_hooks(self) -> None:
+        name = type(self.model).__name__ if self.model is not None else "the model"
+        warn_once(
+            self.model if self.model is not None else self,
+            "saved-tensor-hooks",
+            f"ckptc: {name} was trained under saved-tensor hooks of the caller's "
+            "(torch.autograd.graph.saved_tensors_hooks, save_on_cpu). They pack what ckptc's plan keeps for "
+            "backward, and each graph's backward unpacks all of it as it starts, so: the values the plan "
+            "recomputes are recomputed from what the hooks unpack, and hooks that change values (packing to a "
+            "lower precision) give gradients that differ from eager PyTorch's under the same hooks; hooks that "
+            "keep copies on the model's device add memory the plan does not count (the run-time check measures "
+            "it, plans again, and may refuse the budget); hooks that offload (save_on_cpu on a GPU) free nothing "
+            "while a graph's backward runs. What to do: train the model without the hooks around it: the budget "
+            "already bounds what is kept for backward (a lower budget keeps less).",
+            stacklevel=outside_stacklevel(),
+        )
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         link = gm.meta.get("ckptc_record")

@@ -211,9 +211,10 @@ class StepAccount:
         if self.loss_bytes:
             said.append(
                 f"{self.loss_bytes} bytes allocated after the last captured graph's forward and held until "
-                "backward (a loss or metrics computed by the caller, or the model's own code that runs "
-                "eagerly after a graph break): compute the loss inside the model, free them earlier, or "
-                "remove the graph break (the coverage report in ckptc.optimize(...).plan names it)"
+                "backward (a loss or metrics computed by the caller, the model's own code that runs "
+                "eagerly after a graph break, or saved-tensor hooks around the call, which pack copies of "
+                "what the graphs keep): compute the loss inside the model, free them earlier, remove the "
+                "graph break (the coverage report in ckptc.optimize(...).plan names it) or the hooks"
             )
         results_weigh = held_output_bytes != 0
         if results_weigh and self.result_gradients:
