@@ -2349,6 +2349,27 @@ def test_saved_tensor_hooks_around_training_calls_are_told_once(entry: str) -> N
     assert "What to do" in str(said[0].message) and said[0].filename == __file__, (said[0].filename, said[0].lineno)
 
 
+def test_only_the_callers_saved_tensor_hooks_count_as_the_callers() -> None:
+    """The hooks a non-reentrant ``torch.utils.checkpoint`` region pushes, in its forward and in its
+    recomputation (a region run eagerly around a graph), are not the caller's: graphs run there are not
+    told; ``saved_tensors_hooks`` and ``save_on_cpu`` are."""
+    from torch.utils.checkpoint import checkpoint
+
+    seen: list[bool] = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        seen.append(internals.callers_saved_tensor_hooks())
+        return x.sin()
+
+    checkpoint(region, torch.randn(4, requires_grad=True), use_reentrant=False).sum().backward()
+    assert seen == [False, False], seen  # its forward, then its recomputation in backward
+    assert not internals.callers_saved_tensor_hooks()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert internals.callers_saved_tensor_hooks()
+    with torch.autograd.graph.save_on_cpu():
+        assert internals.callers_saved_tensor_hooks()
+
+
 def test_backward_under_autocast_the_forward_ran_without_is_told_where_the_plan_recomputes() -> None:
     """An fp32 forward, then ``with torch.autocast("cpu", dtype=torch.bfloat16): loss.backward()``: the plan's
     recomputed linear layers ran in bfloat16 there, where eager reads the forward's fp32 values, and the
