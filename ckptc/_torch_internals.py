@@ -81,6 +81,7 @@ __all__ = [
     "donate_no_saved_tensors",
     "tensors_held_for_backward",
     "callers_saved_tensor_hooks",
+    "inside_checkpoint_region",
     "trainable_leaf_or_view",
     "pass_missing_grads_as_none",
     "fake_tensor_mode",
@@ -1486,11 +1487,24 @@ def callers_saved_tensor_hooks() -> bool:
     ``save_on_cpu``): they pack what a compiled graph saves for backward.  Not those of a non-reentrant
     ``torch.utils.checkpoint`` region (its forward or its recomputation: they keep nothing and run the
     region again) nor ckptc's own (its reference run)."""
+    module = _top_saved_tensor_hooks_module()
+    if module is None:
+        return False
+    return not (module == "torch.utils.checkpoint" or module == "ckptc" or module.startswith("ckptc."))
+
+
+def inside_checkpoint_region() -> bool:
+    """Whether this runs inside a non-reentrant ``torch.utils.checkpoint`` region (its forward, or its
+    recomputation during backward): the saved-tensor hooks on top are the region's."""
+    return _top_saved_tensor_hooks_module() == "torch.utils.checkpoint"
+
+
+def _top_saved_tensor_hooks_module() -> str | None:
+    """The module that defines the pack hook of the saved-tensor hooks on top (None: none active)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     if hooks is None:
-        return False
-    module = getattr(hooks[0], "__module__", None) or ""
-    return not (module == "torch.utils.checkpoint" or module == "ckptc" or module.startswith("ckptc."))
+        return None
+    return getattr(hooks[0], "__module__", None) or ""
 
 
 def _saved_under_hooks(node: Any, name: str) -> bool:

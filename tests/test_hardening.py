@@ -369,6 +369,30 @@ class _Adapted(nn.Module):
         return (h if self.merged else h + self.adapter(h)).square().mean()
 
 
+def test_an_optimized_module_called_inside_a_checkpoint_region_is_refused_saying_why_and_left_as_it_was() -> None:
+    """A non-reentrant ``torch.utils.checkpoint`` region around an optimized submodule drops what its call
+    saves and runs it again in backward: refused before anything runs, naming the region and what to do
+    (before: an UntraceableModelError quoting Dynamo's "Unexpected state: target_frame.early_stop is set";
+    found by a probe).  The model is left as it was and trains like eager without the region."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    reference = copy.deepcopy(inner)
+    state = copy.deepcopy(inner.state_dict())
+    fast = ckptc.optimize(inner, budget_gb=1)
+    x = torch.randn(32, 64, requires_grad=True)
+    with pytest.raises(ckptc.UntraceableModelError, match="torch.utils.checkpoint region") as refused:
+        checkpoint(fast, x, use_reentrant=False).square().mean().backward()
+    assert "What to do" in str(refused.value) and "early_stop" not in str(refused.value)
+    assert all(p.grad is None for p in inner.parameters())
+    assert all(torch.equal(v, state[k]) for k, v in inner.state_dict().items())
+    fast(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for p, q in zip(inner.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_a_training_call_that_returns_nothing_requiring_grad_runs_as_is_and_capture_says_why() -> None:
     """A train-mode call with gradients on whose outputs no trainable parameter reaches (LoRA adapters
     merged, a loss computed for monitoring) has no backward: it runs as is, and training afterwards is

@@ -433,6 +433,7 @@ class StepRuntime:
             error, self._pending = self._pending, None
             raise error
         self._refuse_dispatch_modes()
+        self._refuse_checkpoint_region()
         breaks = internals.graph_breaks_found()
         if self._tracker.results_died():
             self._tracker.end(measured=False)  # the last step's results died without a backward
@@ -710,6 +711,19 @@ class StepRuntime:
                 "no compiled graph under a dispatch mode, so nothing would be checkpointed and the "
                 "budget would not hold.\nWhat to do: count FLOPs on the model without ckptc (a copy, "
                 "or model.original_module), or use torch.profiler(with_flops=True) around ckptc's step."
+            )
+
+    def _refuse_checkpoint_region(self) -> None:
+        """A non-reentrant ``torch.utils.checkpoint`` region around the call drops what it saves for backward
+        and runs it again in backward: refuse before planning (Dynamo failed inside it, naming its own state)."""
+        if internals.inside_checkpoint_region():
+            raise UntraceableModelError(
+                f"ckptc could not run the training step of {type(self.model).__name__} under a plan: it was "
+                "called inside a torch.utils.checkpoint region (use_reentrant=False), which drops what the call "
+                "saves for backward and runs the call again during backward, so neither what ckptc's plan keeps "
+                "nor the memory it budgets would be what runs.\nWhat to do: remove the checkpoint around the "
+                "optimized module (ckptc decides what it recomputes, within the budget), or optimize the whole "
+                "model with ckptc instead of this part of it."
             )
 
     def _run(self, shape: ShapePlan, args: tuple, kwargs: dict) -> Any:
