@@ -117,15 +117,22 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
+def _outside_torch_and_ckptc(filename: str) -> bool:
+    """Whether ``filename`` is code of the user's: not torch's, not ckptc's, and not code FX or Dynamo
+    generates (a made-up file name, "proxy_tensor.py:1738 in wrapped")."""
+    import os
+
+    skip = (os.path.dirname(torch.__file__ or ""), os.path.dirname(__file__))
+    return not filename.startswith(skip) and os.path.isfile(filename)
+
+
 def _user_frame(error: BaseException) -> str:
     """``file:line (`code`)`` of the innermost frame outside torch and ckptc where ``error`` was
     raised, or ``the model's code`` if there is none."""
     import os
 
-    skip = (os.path.dirname(torch.__file__ or ""), os.path.dirname(__file__))  # torch's and ckptc's own frames
     frames = [f for e in _chain(error) for f in traceback.extract_tb(e.__traceback__)]
-    # Code FX generates has a made-up file name ("proxy_tensor.py:1738 in wrapped"): not the model's.
-    mine = [f for f in frames if not f.filename.startswith(skip) and os.path.isfile(f.filename)]
+    mine = [f for f in frames if _outside_torch_and_ckptc(f.filename)]
     if not mine:
         return "the model's code"
     frame = mine[-1]
@@ -219,14 +226,8 @@ _log = logging.getLogger("ckptc")
 def outside_stacklevel() -> int:
     """The ``stacklevel`` that points a :func:`warn_once` made by this function's caller at the innermost
     frame calling it from outside torch and ckptc (the model's code, or the training loop)."""
-    import os
-
-    skip = (os.path.dirname(torch.__file__ or ""), os.path.dirname(__file__))
     frame, level = sys._getframe(1), 1
-    # Code FX or Dynamo generates has a made-up file name: not the caller's either.
-    while frame.f_back is not None and (
-        frame.f_code.co_filename.startswith(skip) or not os.path.isfile(frame.f_code.co_filename)
-    ):
+    while frame.f_back is not None and not _outside_torch_and_ckptc(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
 
