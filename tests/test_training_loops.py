@@ -2415,7 +2415,10 @@ def test_a_step_whose_backward_builds_a_graph_of_the_gradients_is_told_it_is_not
     def grads(net: Any, owner: nn.Module) -> tuple[torch.Tensor, ...]:
         return torch.autograd.grad(net(x).square().mean(), list(owner.parameters()), create_graph=True)
 
-    with pytest.warns(ckptc.CkptcWarning, match=r"does not verify a step whose backward builds a graph"):
+    # It also says that a backward through that graph raises, as under plain torch.compile (a probe read the
+    # warning as saying the penalty step would run).
+    said = r"does not verify a step whose backward builds a graph.*does not currently support double backward"
+    with pytest.warns(ckptc.CkptcWarning, match=said):
         ours = grads(fast, model)
     for a, b in zip(ours, grads(eager, eager), strict=True):
         torch.testing.assert_close(a, b)

@@ -500,8 +500,10 @@ class StepTracker:
                 "(autograd.grad(..., create_graph=True), backward(create_graph=True)): the budget plans the "
                 "step's forward and first-order backward, not what that graph keeps, so such a step is not "
                 "measured and its peak can exceed the budget (a gradient-norm penalty on an MLP measured 1.26x "
-                "it). What to do: leave headroom for it in the budget, or compute the penalty without "
-                "create_graph=True.",
+                "it); and a backward through that graph of the gradients that reaches ckptc's graphs (a "
+                "gradient penalty's) raises PyTorch's RuntimeError \"does not currently support double "
+                'backward", as under plain torch.compile. What to do: leave headroom for it in the budget, or '
+                "compute the penalty without create_graph=True (or on a copy of the model without ckptc).",
             )
             self._end_after_engine(self.abort)
             return
