@@ -181,6 +181,7 @@ class CheckpointCompiler:
         # twice before one backward appears twice when steps are tracked).
         self.active: list[GraphRecord] = step if step is not None else []
         self._just_planned: GraphRecord | None = None
+        self._told_saved_tensor_hooks = False  # see _warn_saved_tensor_hooks
         # The swap slot of the graph just planned, and its backward module, for its forward compiler.
         self._just_planned_slot: tuple[GraphPlans, fx.GraphModule] | None = None
         # Graph index -> its plans, where they are swapped in place (GraphPlans).
@@ -686,7 +687,8 @@ class CheckpointCompiler:
             # count what these keep for backward in their baseline.
             # Without a step tracker, a graph running again means a new step began.
             running = plans.record if plans is not None else record
-            if internals.callers_saved_tensor_hooks():
+            if not self._told_saved_tensor_hooks and internals.callers_saved_tensor_hooks():
+                self._told_saved_tensor_hooks = True  # the caller's frame is found once, not on every call
                 self._warn_saved_tensor_hooks()
             if not self.track_steps and self.step_check is None and any(r is running for r in self.active):
                 self.active.clear()
