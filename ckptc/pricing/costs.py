@@ -219,9 +219,15 @@ def annotate_costs(
         node.meta["ckptc"] = cost
         costs[node] = cost
     if fusing:
+        absorbed = absorbed_matmuls(costs)
+        for node in absorbed:
+            # The add that absorbs the product is an extern addmm: it reads its other operand from memory
+            # (written by its own kernel, not computed inline) and computes nothing inline itself.
+            (add,) = node.users
+            costs[add] = add.meta["ckptc"] = replace(costs[add], fusion="")
         for node in inlined_in_kernels(costs):
             costs[node] = node.meta["ckptc"] = replace(costs[node], bytes=0, keep_cost=0.0, inlined=True)
-        for node in absorbed_matmuls(costs):
+        for node in absorbed:
             costs[node] = node.meta["ckptc"] = replace(
                 costs[node], bytes=0, keep_cost=0.0, inlined=True, fusion="absorbed"
             )
