@@ -350,3 +350,51 @@ def test_a_parameter_with_a_hook_gets_its_gradient_through_autograd() -> None:
     assert len(seen) == 4  # every micro-batch's gradient reached the hook
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("entry", ["optimize", "backend"])
+def test_hooks_on_a_held_gradient_accumulator_see_every_gradient(entry: str) -> None:
+    """A pre-hook on a parameter's ``AccumulateGrad`` node (held, as DDP-style code holds it) that scales what
+    comes in: under accumulation it received None on every micro-batch after the first (the gradient had
+    been added into ``.grad`` already) and gradients came out 0.5 relative off eager's, without a word."""
+    reference = _accumulating_mlp()
+    model, eager = copy.deepcopy(reference), copy.deepcopy(reference)
+    fast = (
+        ckptc.optimize(model, budget_gb=1)
+        if entry == "optimize"
+        else torch.compile(model, backend=ckptc.backend(budget_gb=1))
+    )
+    seen: dict[torch.nn.Module, list[bool]] = {model: [], eager: []}
+    held = []
+    for m in (model, eager):
+        for p in m.parameters():
+            accumulator = torch.autograd.graph.get_gradient_edge(p).node
+            held.append(accumulator)  # the hook lives as long as its node: whoever puts hooks on it holds it
+
+            def halve(grads, got=seen[m]):  # noqa: ANN001, ANN202
+                got.append(grads[0] is None)
+                return tuple(None if g is None else g * 0.5 for g in grads)
+
+            accumulator.register_prehook(halve)
+    batches = [torch.randn(256, 128, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    for _ in range(2):
+        for m, run in ((model, fast), (eager, eager)):
+            for p in m.parameters():
+                p.grad = None
+            _micro_batches(run, batches)
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert not any(seen[model]) and len(seen[model]) == len(seen[eager])
+
+
+def test_a_gradient_accumulator_is_held_only_while_someone_besides_autograd_holds_it() -> None:
+    from ckptc._torch_internals import gradient_accumulator_held
+
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    loss = (parameter * 2).sum()
+    accumulator = loss.grad_fn.next_functions[0][0].next_functions[0][0]
+    assert not gradient_accumulator_held(accumulator)
+    kept = [torch.autograd.graph.get_gradient_edge(parameter).node]
+    assert kept[0] is accumulator and gradient_accumulator_held(accumulator)
+    kept.clear()
+    assert not gradient_accumulator_held(accumulator)
