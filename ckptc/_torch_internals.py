@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import gc
 import logging
 import os
-import sys
 import traceback
 import weakref
 from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -66,7 +64,6 @@ __all__ = [
     "made_by_compiled_graph",
     "current_graph_task_id",
     "has_gradient_hooks",
-    "gradient_accumulator_held",
     "module_hooks",
     "running_gradient_accumulator",
     "backward_accumulates",
@@ -1415,37 +1412,6 @@ def has_gradient_hooks(parameter: torch.Tensor) -> bool:
     """Whether hooks on ``parameter`` must see its gradient (``register_hook``,
     ``register_post_accumulate_grad_hook``)."""
     return bool(parameter._backward_hooks) or bool(getattr(parameter, "_post_accumulate_grad_hooks", None))
-
-
-def gradient_accumulator_held(accumulator: Any) -> bool:
-    """Whether code besides autograd holds ``accumulator``, a leaf's ``AccumulateGrad`` node (its Python
-    object), as code that puts hooks on it does (``Node.register_prehook``, ``register_hook``: DDP-style
-    gradient hooks, a hook scaling what comes in).  PyTorch lists no node's hooks, but autograd holds a
-    leaf's accumulator only while a graph uses it, so a hook that lasts from step to step lives only as
-    long as its registrant holds the node, and the node's one Python object then has references beyond the
-    caller's.  The caller must hold ``accumulator`` in exactly one local variable (as :func:`_unheld_references`
-    measures it)."""
-    return _references(accumulator) > _unheld_references()
-
-
-def _references(accumulator: Any) -> int:
-    return sys.getrefcount(accumulator)
-
-
-@functools.cache
-def _unheld_references() -> int:
-    """The references :func:`gradient_accumulator_held` counts for an accumulator that nothing else holds:
-    measured the same way, one local variable deep, on a fresh parameter's while a graph uses it (a graph
-    holding the node adds a reference to its Python object)."""
-    probe = torch.nn.Parameter(torch.zeros(1))
-    with torch.enable_grad():  # first asked inside a backward
-        graph = probe * 1
-    accumulator = graph.grad_fn.next_functions[0][0]
-    return _measured_as_held(accumulator)
-
-
-def _measured_as_held(accumulator: Any) -> int:
-    return _references(accumulator)
 
 
 def running_gradient_accumulator(edge: int, edges: int) -> Any:

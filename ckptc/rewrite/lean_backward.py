@@ -64,7 +64,6 @@ import torch.fx as fx
 
 from ckptc._torch_internals import (
     backward_accumulates,
-    gradient_accumulator_held,
     graph_module,
     has_gradient_hooks,
     outside_fake_mode,
@@ -403,7 +402,6 @@ class GradientSink:
             or resident.device != gradient.device
             or resident.stride() != gradient.stride()
             or has_gradient_hooks(parameter)
-            or gradient_accumulator_held(accumulator)  # hooks on it must see the gradient
             or not backward_accumulates(accumulator)  # torch.autograd.grad
         ):
             return gradient
